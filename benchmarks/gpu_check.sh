@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU checks, in one call: the kernel tests compiled on CUDA, the decode-kernel bandwidth
+# against a device-to-device copy, then the engine throughput benchmark if it exists.
+# Usage (from anywhere): benchmarks/gpu_check.sh   — PY=... picks the interpreter (default: the
+# repo's .venv if present, else python3). Exits 0 with a message where CUDA is unavailable; else
+# non-zero if any step failed (every step still runs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+export PYTHONUNBUFFERED=1
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "gpu_check: CUDA is not available to $PY; nothing to check here (the kernel tests run on the CPU under pytest)."
+    exit 0
+fi
+# A fresh GPU machine has torch and triton but not this project: install it in place, without deps.
+if ! "$PY" -c 'import localpaged.kernels' 2>/dev/null; then
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . || { echo "gpu_check: could not install the project"; exit 1; }
+fi
+"$PY" -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")'
+
+status=0
+step() { echo; echo "== $*"; "$@" || { echo "gpu_check: FAILED: $*"; status=1; }; }
+step "$PY" -m pytest tests/kernels -q -p no:cacheprovider
+step "$PY" benchmarks/kernel_bench.py
+if [ -f benchmarks/throughput.py ]; then
+    step "$PY" benchmarks/throughput.py --device cuda
+else
+    echo; echo "== benchmarks/throughput.py does not exist yet; skipped"
+fi
+exit $status

@@ -1,0 +1,126 @@
+"""16 chat sessions sharing one system prompt: our engine against Hugging Face transformers, in one run.
+
+Every contender produces the same number of tokens per session (EOS ignored), greedy. Prints
+aggregate output tokens/s, our ratios to each peer, and the KV memory our pool held against
+contiguous max-length reservations and against the same sessions without prefix sharing.
+
+    python benchmarks/throughput.py [--sessions 16] [--tokens 128] [--device cpu|cuda] [--skip-hf-sequential]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from localpaged import LLM, SamplingParams
+
+SYSTEM = (
+    "You are a careful, friendly assistant for a small engineering team. Answer in plain English, "
+    "prefer short paragraphs and concrete examples, and say so when you are unsure. When asked about "
+    "code, explain what it does before suggesting changes, keep suggestions minimal, and mention any "
+    "risk to existing behaviour. When asked about a process, list the steps in order and name who "
+    "does each one. Never invent facts about the team, its tools or its history; ask instead. Keep "
+    "answers under two hundred words unless the user asks for more detail. Use metric units. Format "
+    "lists with hyphens, code with fenced blocks, and never use tables. If a question is ambiguous, "
+    "answer the most likely reading and state the assumption in one sentence at the start. If a "
+    "request could cause harm, decline briefly and suggest a safer alternative. Always be kind. "
+    "Remember that the team works across three time zones and values written, asynchronous "
+    "communication, so answers should stand on their own without a follow-up meeting."
+)
+QUESTIONS = [
+    "How do I write a good commit message?", "What is a race condition?", "Explain recursion to a child.",
+    "Why is the sky blue?", "How does a hash map work?", "What makes a code review useful?",
+    "How should I name variables?", "What is the difference between a thread and a process?",
+    "How do I estimate a task?", "What is technical debt?", "How do caches speed programs up?",
+    "Why write tests first?", "What is a memory leak?", "How does HTTPS keep data private?",
+    "What is a good way to learn a new language?", "How do I run a useful retrospective?",
+]
+
+
+def conversations(n: int) -> list[list[dict]]:
+    return [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
+
+
+def run_ours(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
+    """Aggregate tok/s and the peak number of blocks in use."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up; also caches the system prompt
+    start = time.perf_counter()
+    for p in prompts:
+        llm.add_request(p, params)
+    produced, peak = 0, 0
+    while llm.has_unfinished_requests():
+        produced += len(llm.step())
+        peak = max(peak, llm.stats()["blocks_used"])
+    return produced / (time.perf_counter() - start), peak
+
+
+@torch.inference_mode()
+def run_hf_sequential(model, prompts: list[list[int]], tokens: int, device) -> float:
+    start = time.perf_counter()
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    return len(prompts) * tokens / (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def run_hf_batch(model, prompts: list[list[int]], tokens: int, pad_id: int, device) -> float:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=pad_id)
+    return len(prompts) * tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--skip-hf-sequential", action="store_true", help="the slowest peer; skip it for a quick look")
+    args = ap.parse_args()
+
+    results: dict[str, float] = {}
+    ours32 = LLM(device=args.device, dtype="float32")
+    prompts = [ours32.encode_chat(c) for c in conversations(args.sessions)]
+    print(f"{args.sessions} sessions, system prompt {len(prompts[0]) - 10} tokens or so, prompts {min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens, {args.tokens} new tokens each, greedy, device {args.device}, torch threads {torch.get_num_threads()}")
+    results["localpaged fp32"], peak = run_ours(ours32, prompts, args.tokens)
+    block_bytes, max_len, bs = ours32.block_bytes, ours32.config.max_model_len, ours32.config.block_size
+    folder = ours32.model_folder
+    del ours32
+    ours_auto = LLM(device=args.device)
+    auto_dtype = str(next(ours_auto.runner.model.parameters()).dtype).removeprefix("torch.")
+    if auto_dtype != "float32":
+        results[f"localpaged default ({auto_dtype})"], _ = run_ours(ours_auto, prompts, args.tokens)
+    del ours_auto
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
+    if not args.skip_hf_sequential:
+        results["HF generate, one after another (fp32)"] = run_hf_sequential(hf, prompts, args.tokens, args.device)
+    results[f"HF generate, padded batch of {args.sessions} (fp32)"] = run_hf_batch(hf, prompts, args.tokens, 2, args.device)
+
+    print(f"\n{'contender':<44} {'tok/s':>8}")
+    for name, tps in results.items():
+        print(f"{name:<44} {tps:>8.1f}")
+    ours_best = max(v for k, v in results.items() if k.startswith("localpaged"))
+    for name, tps in results.items():
+        if name.startswith("HF"):
+            print(f"localpaged (best) / {name}: {ours_best / tps:.1f}x")
+
+    per_seq = [-(-(len(p) + args.tokens) // bs) for p in prompts]
+    mib = 2**20
+    print("\nKV memory for these sessions (fp32 KV):")
+    print(f"  localpaged pool, peak in use:                {peak * block_bytes / mib:8.1f} MiB ({peak} blocks)")
+    print(f"  same sessions without prefix sharing:        {sum(per_seq) * block_bytes / mib:8.1f} MiB")
+    print(f"  {args.sessions} contiguous max-length ({max_len}) reservations: {args.sessions * (max_len // bs) * block_bytes / mib:8.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Plain-torch paged attention: the oracle for the Triton kernels, and the engine's CPU path.
+
+The KV cache layout is shared with the Triton kernels: per layer, one tensor for K and one for V,
+each shaped ``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's *slot* is
+``block_id * block_size + offset``; ``block_tables[b, i]`` is the block holding sequence ``b``'s
+tokens ``i*block_size .. (i+1)*block_size - 1``.
+
+Batched rather than a loop per sequence: a step's block tables become one padded gather index and
+one mask (a ``GatherPlan``), built once per step and reused by every layer, and attention is a single
+``scaled_dot_product_attention`` call per group of sequences. Decoding sequences (one query each)
+and prefilling ones (a chunk each) are separate groups, so a long chunk never pads every decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``key``/``value`` ``[N, num_kv_heads, head_dim]`` into their slots; slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+@dataclass
+class GroupPlan:
+    """Gather indices for one group of sequences that share a padded query length."""
+
+    slots: torch.Tensor  # [G, max_ctx] flat KV slot of every position (0 where padded)
+    mask: torch.Tensor  # [G, 1, max_q, max_ctx] True where the query may attend
+    q_index: torch.Tensor  # [G, max_q] row of the flat query (num_q, a zero row, where padded)
+    q_valid: torch.Tensor  # [G, max_q] True for real query rows
+
+
+@dataclass
+class GatherPlan:
+    """Everything the torch path needs to attend over the block pool for one step."""
+
+    groups: list[GroupPlan]
+    num_q: int
+
+
+def build_plan(
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+) -> GatherPlan:
+    """Turn block tables into gather indices and masks (see the module docstring).
+
+    ``cu_seqlens_q`` ``[B+1]`` delimits each sequence's query rows in the flat query;
+    ``context_lens`` ``[B]`` is each sequence's KV length including its new tokens, whose K/V
+    are already in the cache. Query ``i`` of sequence ``b`` sits at position
+    ``context_lens[b] - q_len[b] + i`` and attends to every KV position up to its own.
+    """
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    num_q = int(cu_seqlens_q[-1])
+    decode = torch.nonzero(q_lens == 1).flatten()
+    prefill = torch.nonzero(q_lens > 1).flatten()
+    groups = [
+        _group_plan(block_tables[idx], cu_seqlens_q[idx].long(), q_lens[idx], context_lens[idx].long(), block_size, num_q)
+        for idx in (decode, prefill)
+        if idx.numel()
+    ]
+    return GatherPlan(groups=groups, num_q=num_q)
+
+
+def _group_plan(
+    block_tables: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    num_q: int,
+) -> GroupPlan:
+    device = block_tables.device
+    max_ctx = int(context_lens.max())
+    max_q = int(q_lens.max())
+    kv_pos = torch.arange(max_ctx, device=device)
+    kv_valid = kv_pos[None, :] < context_lens[:, None]
+    blocks = block_tables[:, kv_pos // block_size].long()
+    slots = torch.where(kv_valid, blocks * block_size + kv_pos % block_size, 0)
+
+    q_off = torch.arange(max_q, device=device)
+    q_valid = q_off[None, :] < q_lens[:, None]
+    q_index = torch.where(q_valid, q_starts[:, None] + q_off, num_q)
+    q_pos = context_lens[:, None] - q_lens[:, None] + q_off  # [G, max_q]
+    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+    # A padded query row attends to position 0 only, so softmax never sees an all-masked row.
+    mask |= (~q_valid[:, :, None]) & (kv_pos == 0)[None, None, :]
+    return GroupPlan(slots=slots, mask=mask[:, None], q_index=q_index, q_valid=q_valid)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: GatherPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the flat queries ``q`` ``[num_q, num_heads, head_dim]`` over the block pool.
+
+    Padding positions read slot 0 and are masked out, so every slot must hold finite values
+    (a NaN would survive the mask as 0 * NaN): the engine allocates its cache zeroed.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    q_padded = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
+    out = torch.empty_like(q)
+    for g in plan.groups:
+        qg = q_padded[g.q_index].transpose(1, 2)  # [G, H, max_q, D]
+        kg = k_flat[g.slots].transpose(1, 2).to(q.dtype)  # [G, Hkv, max_ctx, D]
+        vg = v_flat[g.slots].transpose(1, 2).to(q.dtype)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        out[g.q_index[g.q_valid]] = og.transpose(1, 2)[g.q_valid]
+    return out
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Varlen chunk attention: each sequence's new queries against its cached prefix and, causally, itself.
+
+    Shapes: ``q`` ``[num_q, num_heads, head_dim]``, ``block_tables`` ``[B, max_blocks]`` (entries
+    past a sequence's length are ignored), ``cu_seqlens_q`` ``[B+1]``, ``context_lens`` ``[B]``
+    (see ``build_plan``). Returns ``[num_q, num_heads, head_dim]`` in ``q``'s dtype.
+    """
+    plan = build_plan(block_tables, cu_seqlens_q, context_lens, k_cache.shape[1])
+    return paged_attention(q, k_cache, v_cache, plan, scale)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention: one query ``q[b]`` ``[num_heads, head_dim]`` per sequence over its whole context."""
+    cu_seqlens_q = torch.arange(q.shape[0] + 1, device=q.device, dtype=torch.int32)
+    return paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)

@@ -1,0 +1,1 @@
+"""Chat layer: sessions, their SQLite store, and system prompts."""

@@ -1,0 +1,96 @@
+"""Schema of the chat database, as named migrations applied once each, in order.
+
+Modelled on the `llm` tool's logs.db: every schema change is a function registered
+with ``@migration``; ``migrate`` runs the ones not yet named in the ``_migrations``
+table and records each as it finishes. Never edit a migration that has shipped: add
+a new one, so databases created by older versions are brought forward.
+
+A crash between running a migration and recording it makes the next open run it
+again, so each migration is written to be harmless when repeated.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from sqlite_utils import Database
+
+Migration = Callable[[Database], None]
+MIGRATIONS: list[Migration] = []
+
+
+def migration(fn: Migration) -> Migration:
+    """Register ``fn`` as the next migration; its function name is its permanent id."""
+    MIGRATIONS.append(fn)
+    return fn
+
+
+def migrate(db: Database) -> None:
+    """Apply, in order, every registered migration the database has not recorded yet."""
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at FLOAT NOT NULL)"
+    )
+    applied = {row["name"] for row in db.query("SELECT name FROM _migrations")}
+    for fn in MIGRATIONS:
+        if fn.__name__ not in applied:
+            fn(db)
+            db.execute(
+                "INSERT INTO _migrations (name, applied_at) VALUES (?, ?)",
+                [fn.__name__, time.time()],
+            )
+
+
+@migration
+def m001_sessions(db: Database) -> None:
+    # No foreign key on parent_id: deleting a session that was forked must not be
+    # refused; ChatStore.delete_session clears its children's parent_id instead.
+    db.execute(
+        """
+        CREATE TABLE IF NOT EXISTS sessions (
+            id TEXT PRIMARY KEY,
+            title TEXT,
+            system TEXT,
+            prompt_name TEXT,
+            model TEXT,
+            parent_id TEXT,
+            created FLOAT NOT NULL,
+            updated FLOAT NOT NULL
+        )
+        """
+    )
+    db.execute("CREATE INDEX IF NOT EXISTS sessions_updated ON sessions (updated)")
+
+
+@migration
+def m002_messages(db: Database) -> None:
+    # AUTOINCREMENT so an id is never reused after regenerate deletes the tail of a
+    # conversation: a stale id held by the UI can then never name a newer message.
+    db.execute(
+        """
+        CREATE TABLE IF NOT EXISTS messages (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            session_id TEXT NOT NULL REFERENCES sessions (id),
+            role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+            content TEXT NOT NULL,
+            status TEXT NOT NULL DEFAULT 'complete'
+                CHECK (status IN ('complete', 'partial', 'error')),
+            error TEXT,
+            prompt_tokens INTEGER,
+            cached_tokens INTEGER,
+            completion_tokens INTEGER,
+            ttft_s FLOAT,
+            tokens_per_s FLOAT,
+            model TEXT,
+            created FLOAT NOT NULL,
+            updated FLOAT NOT NULL
+        )
+        """
+    )
+    db.execute("CREATE INDEX IF NOT EXISTS messages_session ON messages (session_id, id)")
+
+
+@migration
+def m003_messages_fts(db: Database) -> None:
+    # Triggers keep the index in step with every insert, update and delete.
+    db["messages"].enable_fts(["content"], create_triggers=True, replace=True)

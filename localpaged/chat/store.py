@@ -1,0 +1,419 @@
+"""ChatStore: chat sessions and their messages in one SQLite file, through sqlite-utils.
+
+Every write is its own committed transaction, so a crash or SIGKILL leaves a readable
+database holding everything written before it. A file that is not a healthy SQLite
+database is reported and left exactly as it is: it may be the only copy of someone's
+chats, so this module never overwrites, truncates or "repairs" it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+import platformdirs
+from sqlite_utils import Database
+
+from localpaged.chat.migrations import migrate
+from localpaged.errors import StoreError, UnknownSessionError
+
+ROLES = ("system", "user", "assistant")
+STATUSES = ("complete", "partial", "error")
+METRICS = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "tokens_per_s", "model")
+# Around each matched word in SearchHit.snippet; plain characters, so that neither
+# Rich markup (square brackets) nor Markdown in the message itself is disturbed.
+MATCH_START, MATCH_END = "«", "»"
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """One row of ``sessions``: a snapshot, not updated when the database changes."""
+
+    id: str
+    title: str | None
+    system: str | None
+    prompt_name: str | None
+    model: str | None
+    parent_id: str | None
+    created: float
+    updated: float
+
+
+@dataclass(frozen=True)
+class MessageRecord:
+    """One row of ``messages``: a snapshot, not updated when the database changes."""
+
+    id: int
+    session_id: str
+    role: str
+    content: str
+    status: str
+    error: str | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens: int | None
+    ttft_s: float | None
+    tokens_per_s: float | None
+    model: str | None
+    created: float
+    updated: float
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    """A message that matched a search, with its words marked by MATCH_START/MATCH_END."""
+
+    session_id: str
+    session_title: str | None
+    message_id: int
+    role: str
+    snippet: str
+
+
+_SESSION_COLUMNS = ", ".join(f.name for f in fields(SessionRecord))
+_MESSAGE_COLUMNS = ", ".join(f.name for f in fields(MessageRecord))
+
+
+def default_db_path() -> Path:
+    """``$LOCALPAGED_HOME/chats.db`` if that is set, else ``chats.db`` in the user data folder."""
+    home = os.environ.get("LOCALPAGED_HOME")
+    folder = Path(home).expanduser() if home else Path(platformdirs.user_data_dir("localpaged"))
+    return folder / "chats.db"
+
+
+class ChatStore:
+    """Sessions and messages in SQLite; safe to share between the UI thread and a worker.
+
+    ``path`` defaults to :func:`default_db_path`; ``":memory:"`` keeps everything in
+    memory (tests). ``timeout`` is how long a write waits for another program's lock
+    before giving up with StoreError. ``db`` is the sqlite-utils Database, for ad-hoc
+    reads; write through the methods so the rules above hold.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, *, timeout: float = 5.0) -> None:
+        self.path: Path | None = None if path == ":memory:" else Path(path or default_db_path()).expanduser()
+        self._timeout = timeout
+        # One connection, shared: the lock serialises statements so that one thread's
+        # reads never land inside another thread's open write transaction.
+        self._lock = threading.RLock()
+        try:
+            if self.path is not None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(
+                f"Cannot create the folder for the chat database {self.path}: {exc}. "
+                "Make it writable, or pass --db with another path."
+            ) from exc
+        with self._errors():
+            # isolation_level=None: each statement outside an explicit BEGIN commits at once.
+            self._conn = sqlite3.connect(
+                self.path or ":memory:", timeout=timeout, isolation_level=None, check_same_thread=False
+            )
+        try:
+            with self._errors():
+                # Read before anything can write, so a file that is not a database is
+                # reported untouched (journal_mode=wal would otherwise be the first write).
+                self._conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                self._conn.execute("PRAGMA foreign_keys = ON")
+                self.db = Database(self._conn)
+                self.db.enable_wal()
+                migrate(self.db)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    # -- sessions ------------------------------------------------------------------
+
+    def create_session(
+        self,
+        *,
+        title: str | None = None,
+        system: str | None = None,
+        prompt_name: str | None = None,
+        model: str | None = None,
+        parent_id: str | None = None,
+    ) -> SessionRecord:
+        """Start an empty session and return it; its id is a short random hex string."""
+        now = time.time()
+        with self._write():
+            session_id = self._new_session_id()
+            self._conn.execute(
+                f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (session_id, title, system, prompt_name, model, parent_id, now, now),
+            )
+        return SessionRecord(session_id, title, system, prompt_name, model, parent_id, now, now)
+
+    def get_session(self, session_id: str) -> SessionRecord:
+        """The session with this id; UnknownSessionError if there is none."""
+        rows = self._query(f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = ?", [session_id])
+        if not rows:
+            raise self._unknown(session_id)
+        return SessionRecord(**rows[0])
+
+    def list_sessions(self) -> list[SessionRecord]:
+        """Every session, the most recently active first."""
+        rows = self._query(f"SELECT {_SESSION_COLUMNS} FROM sessions ORDER BY updated DESC, rowid DESC")
+        return [SessionRecord(**row) for row in rows]
+
+    def rename_session(self, session_id: str, title: str) -> None:
+        """Set the title. Leaves ``updated`` alone, so renaming does not reorder the list."""
+        with self._write():
+            cursor = self._conn.execute("UPDATE sessions SET title = ? WHERE id = ?", (title, session_id))
+            if not cursor.rowcount:
+                raise self._unknown(session_id)
+
+    def delete_session(self, session_id: str) -> None:
+        """Delete the session and its messages; its forks stay, with ``parent_id`` cleared."""
+        with self._write():
+            self._conn.execute("DELETE FROM messages WHERE session_id = ?", (session_id,))
+            self._conn.execute("UPDATE sessions SET parent_id = NULL WHERE parent_id = ?", (session_id,))
+            if not self._conn.execute("DELETE FROM sessions WHERE id = ?", (session_id,)).rowcount:
+                raise self._unknown(session_id)
+
+    def fork_session(self, session_id: str, upto_message_id: int, *, title: str | None = None) -> SessionRecord:
+        """A new session (``parent_id`` = this one) holding copies of its messages up to
+        and including ``upto_message_id``. The title defaults to the source's plus " (fork)".
+        """
+        with self._write():
+            source = self.get_session(session_id)
+            if self.get_message(upto_message_id).session_id != session_id:
+                raise StoreError(f"Message {upto_message_id} is not part of session {session_id}.")
+            if title is None and source.title is not None:
+                title = f"{source.title} (fork)"
+            now = time.time()
+            fork_id = self._new_session_id()
+            self._conn.execute(
+                f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (fork_id, title, source.system, source.prompt_name, source.model, session_id, now, now),
+            )
+            copied = _MESSAGE_COLUMNS.removeprefix("id, session_id, ")
+            self._conn.execute(
+                f"INSERT INTO messages (session_id, {copied}) SELECT ?, {copied} FROM messages"
+                " WHERE session_id = ? AND id <= ? ORDER BY id",
+                (fork_id, session_id, upto_message_id),
+            )
+        return SessionRecord(fork_id, title, source.system, source.prompt_name, source.model, session_id, now, now)
+
+    # -- messages ------------------------------------------------------------------
+
+    def add_message(
+        self,
+        session_id: str,
+        role: str,
+        content: str,
+        *,
+        status: str = "complete",
+        error: str | None = None,
+        **metrics: Any,
+    ) -> MessageRecord:
+        """Append a message and mark the session as just updated.
+
+        ``metrics`` are any of: prompt_tokens, cached_tokens, completion_tokens, ttft_s,
+        tokens_per_s, model. A streaming reply starts as ``status="partial"``.
+        """
+        _check_choice("role", role, ROLES)
+        _check_choice("status", status, STATUSES)
+        _check_metrics(metrics)
+        values = {"session_id": session_id, "role": role, "content": content, "status": status, "error": error}
+        values.update(metrics)
+        now = time.time()
+        with self._write():
+            self._touch_session(session_id, now)
+            cursor = self._conn.execute(
+                f"INSERT INTO messages ({', '.join(values)}, created, updated)"
+                f" VALUES ({', '.join('?' * len(values))}, ?, ?)",
+                (*values.values(), now, now),
+            )
+            return self.get_message(cursor.lastrowid)
+
+    def update_message(
+        self,
+        message_id: int,
+        *,
+        content: str | None = None,
+        status: str | None = None,
+        error: str | None = None,
+        **metrics: Any,
+    ) -> None:
+        """Change the given fields of a message (None leaves a field as it is).
+
+        Called repeatedly while a reply streams in, then once with ``status="complete"``
+        (or ``"error"`` and ``error=...``) and the final metrics.
+        """
+        if status is not None:
+            _check_choice("status", status, STATUSES)
+        _check_metrics(metrics)
+        changes = {"content": content, "status": status, "error": error, **metrics}
+        changes = {name: value for name, value in changes.items() if value is not None}
+        now = time.time()
+        assignments = "".join(f"{name} = ?, " for name in changes)
+        with self._write():
+            cursor = self._conn.execute(
+                f"UPDATE messages SET {assignments}updated = ? WHERE id = ?",
+                (*changes.values(), now, message_id),
+            )
+            if not cursor.rowcount:
+                raise StoreError(f"There is no message with id {message_id} in {self._where()}.")
+            self._conn.execute(
+                "UPDATE sessions SET updated = ? WHERE id = (SELECT session_id FROM messages WHERE id = ?)",
+                (now, message_id),
+            )
+
+    def delete_messages_after(self, session_id: str, message_id: int) -> None:
+        """Drop the session's messages with an id greater than ``message_id`` (for regenerate)."""
+        with self._write():
+            self._touch_session(session_id, time.time())
+            self._conn.execute("DELETE FROM messages WHERE session_id = ? AND id > ?", (session_id, message_id))
+
+    def messages(self, session_id: str) -> list[MessageRecord]:
+        """The session's messages in the order they were added."""
+        with self._read():
+            self.get_session(session_id)
+            rows = self._query(
+                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE session_id = ? ORDER BY id", [session_id]
+            )
+        return [MessageRecord(**row) for row in rows]
+
+    def get_message(self, message_id: int) -> MessageRecord:
+        """The message with this id; StoreError if there is none."""
+        rows = self._query(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", [message_id])
+        if not rows:
+            raise StoreError(f"There is no message with id {message_id} in {self._where()}.")
+        return MessageRecord(**rows[0])
+
+    def search(self, text: str, limit: int = 50) -> list[SearchHit]:
+        """Messages containing every word of ``text``, best match first.
+
+        Each word is quoted as an FTS phrase, so quotes, ``AND``/``OR``/``NOT``, ``*``
+        and parentheses are searched for as text instead of being parsed as syntax.
+        """
+        query = " ".join('"' + word.replace('"', '""') + '"' for word in text.split())
+        if not query:
+            return []
+        rows = self._query(
+            f"""
+            SELECT m.session_id, s.title AS session_title, m.id AS message_id, m.role,
+                   snippet(messages_fts, 0, '{MATCH_START}', '{MATCH_END}', '…', 12) AS snippet
+            FROM messages_fts
+            JOIN messages AS m ON m.id = messages_fts.rowid
+            JOIN sessions AS s ON s.id = m.session_id
+            WHERE messages_fts MATCH ?
+            ORDER BY messages_fts.rank, m.id DESC
+            LIMIT ?
+            """,
+            [query, max(limit, 0)],
+        )
+        return [SearchHit(**row) for row in rows]
+
+    # -- lifetime ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connection; calling it again does nothing."""
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> ChatStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------
+
+    def _new_session_id(self) -> str:
+        """A random id not yet taken (checked inside the caller's write transaction)."""
+        while True:
+            session_id = secrets.token_hex(5)
+            if not self._conn.execute("SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone():
+                return session_id
+
+    def _touch_session(self, session_id: str, now: float) -> None:
+        if not self._conn.execute("UPDATE sessions SET updated = ? WHERE id = ?", (now, session_id)).rowcount:
+            raise self._unknown(session_id)
+
+    def _query(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
+        with self._read():
+            return list(self.db.query(sql, params))
+
+    def _unknown(self, session_id: str) -> UnknownSessionError:
+        return UnknownSessionError(
+            f"No session with id {session_id!r} in {self._where()}. "
+            "Run `localpaged sessions list` to see the stored sessions."
+        )
+
+    def _where(self) -> str:
+        return str(self.path) if self.path else "the in-memory chat store"
+
+    @contextmanager
+    def _read(self) -> Iterator[None]:
+        with self._lock, self._errors():
+            yield
+
+    @contextmanager
+    def _write(self) -> Iterator[None]:
+        """One transaction, committed on the way out (rolled back on an error).
+
+        BEGIN IMMEDIATE takes the write lock up front, so waiting for another program
+        happens here, under the busy timeout, instead of failing midway.
+        """
+        with self._lock, self._errors():
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+                self._conn.execute("COMMIT")
+            finally:
+                if self._conn.in_transaction:
+                    self._conn.rollback()
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Turn sqlite3's errors into a StoreError that names the file and what to do."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise StoreError(_explain(exc, self._where(), self._timeout)) from exc
+
+
+def _explain(exc: sqlite3.Error, where: str, timeout: float) -> str:
+    code = getattr(exc, "sqlite_errorname", "") or ""
+    text = str(exc)
+    if code.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT")) or "not a database" in text or "malformed" in text:
+        return (
+            f"The chat database {where} is damaged or is not an SQLite file ({text}). "
+            "It was left untouched. Move it aside (e.g. rename it to chats.db.bad) to start "
+            "a fresh one, or pass --db with another path."
+        )
+    if code.startswith("SQLITE_READONLY") or "readonly" in text:
+        return (
+            f"The chat database {where} is read-only ({text}). "
+            "Make the file and its folder writable, or pass --db with another path."
+        )
+    if code.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text:
+        return (
+            f"The chat database {where} is locked by another program (waited {timeout:g} s). "
+            "Close other localpaged windows using it and try again, or pass --db with another path."
+        )
+    if code.startswith("SQLITE_CANTOPEN") or "unable to open" in text:
+        return (
+            f"Cannot open the chat database {where} ({text}). "
+            "Check that the path is a file in a folder you can write to, or pass --db with another path."
+        )
+    return f"The chat database {where} failed: {text}."
+
+
+def _check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise StoreError(f"A message {field} must be one of {', '.join(allowed)}; got {value!r}.")
+
+
+def _check_metrics(metrics: dict[str, Any]) -> None:
+    unknown = sorted(set(metrics) - set(METRICS))
+    if unknown:
+        raise TypeError(f"Unknown message field(s) {', '.join(unknown)}; expected any of {', '.join(METRICS)}.")

@@ -1,0 +1,59 @@
+"""EngineConfig: every knob of the engine in one dataclass, checked when it is made."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from localpaged.errors import ConfigError
+
+BLOCK_SIZE = 16
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | str) -> int:
+    """``2147483648``, ``"2GiB"``, ``"512 MB"`` -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"kv_cache_memory={value!r} is not a size; write bytes or e.g. '2GiB', '512MiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the default model package; else a HF folder or a .gguf file
+    device: str = "auto"  # "auto" (cuda if present), "cpu", "cuda"
+    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
+    kv_cache_memory: int | str | None = None  # bytes for the block pool; None sizes it from free memory
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # token budget per step; None picks one for the device
+    max_model_len: int | None = None  # None: the model's own limit, capped at 8192
+    enable_prefix_caching: bool = True
+    attention: str | None = None  # "triton" or "torch"; None: $LOCALPAGED_ATTENTION, else by device
+    enforce_eager: bool = False  # CUDA only: skip CUDA-graph capture of decode steps
+    num_threads: int | None = None  # CPU only: torch threads; None leaves torch's choice
+    block_size: int = BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device={self.device!r}: use 'auto', 'cpu' or 'cuda'")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype={self.dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+            if self.kv_cache_memory <= 0:
+                raise ConfigError("kv_cache_memory must be positive")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be at least 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len={self.max_model_len}: must be at least 2")
+        self.attention = self.attention or os.environ.get("LOCALPAGED_ATTENTION") or None
+        if self.attention not in (None, "triton", "torch"):
+            raise ConfigError(f"attention={self.attention!r}: use 'triton' or 'torch' (or LOCALPAGED_ATTENTION)")
+        if self.block_size != BLOCK_SIZE:
+            raise ConfigError(f"block_size is fixed at {BLOCK_SIZE}")

@@ -1,0 +1,231 @@
+"""LLM: the synchronous engine and its offline API.
+
+``add_request`` + ``step`` is the engine loop that AsyncLLM drives from its thread;
+``generate`` and ``chat`` run that loop to completion for scripts.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from localpaged.config import EngineConfig
+from localpaged.engine.block_pool import BlockPool
+from localpaged.engine.kv_cache_manager import KVCacheManager
+from localpaged.engine.output import IncrementalDetokenizer, KVMap, RequestMetrics, RequestOutput
+from localpaged.engine.runner import ModelRunner
+from localpaged.engine.scheduler import Scheduler
+from localpaged.engine.sequence import Sequence
+from localpaged.errors import RequestError
+from localpaged.engine.setup import EngineParts, build_engine_parts
+from localpaged.sampling import SamplingParams
+
+Prompt = str | list[int] | list[dict]
+
+
+@dataclass
+class _RequestState:
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, progress=None, **engine_config) -> None:
+        self.config = EngineConfig(model=model, **engine_config)
+        parts: EngineParts = build_engine_parts(self.config, progress)
+        self.model_name = parts.name
+        self.model_folder = parts.folder
+        self.tokenizer = parts.tokenizer
+        self.device = parts.device
+        self.stop_token_ids = parts.stop_token_ids
+        self.block_bytes = parts.block_bytes
+        self.pool = BlockPool(parts.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.runner = ModelRunner(parts.model, parts.attention, parts.num_blocks, self.config.block_size, self.device, parts.kv_dtype)
+        self.requests: dict[str, Sequence] = {}
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn."""
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        if prompt and isinstance(prompt[0], dict):
+            return self.encode_chat(prompt)  # type: ignore[arg-type]
+        ids = list(prompt)  # type: ignore[arg-type]
+        vocab = self.runner.model.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+    def _make_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use; pick another or wait until it finishes")
+        ids = self._encode(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty; send at least one token of text")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise RequestError(
+                f"the prompt is {len(ids)} tokens but the context holds {limit} (max_model_len), with room for a reply; "
+                "shorten the prompt or start the engine with a larger max_model_len"
+            )
+        seq = Sequence(request_id, ids, params)
+        stop = list(params.stop)
+        seq.extra = _RequestState(IncrementalDetokenizer(self.tokenizer, ids, stop), params.make_generator(self.device))
+        return seq
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request; it is checked in full first, so a bad one queues nothing. Returns its id."""
+        seq = self._make_sequence(prompt, params, request_id)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and give its blocks back at once."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            raise RequestError(f"no running request has id {request_id!r}")
+        self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; an output for each request that produced a token."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampled = self.runner.run(batch)
+        self.scheduler.on_step_done(batch)
+        outputs = []
+        for seq, token in zip(batch.seqs, sampled):
+            if token is not None:
+                outputs.append(self._on_token(seq, token))
+        self._recent.append((time.perf_counter(), len(outputs)))
+        return outputs
+
+    def _on_token(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.append_token(token)
+        state: _RequestState = seq.extra
+        params: SamplingParams = seq.params
+        reason = None
+        if not params.ignore_eos and (token in self.stop_token_ids or token in params.stop_token_ids):
+            reason = "stop"
+        else:
+            state.detokenizer.add(token)
+            if state.detokenizer.stopped:
+                reason = "stop"
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                reason = "length"
+        if reason:
+            self.scheduler.finish(seq, reason)
+            self.requests.pop(seq.request_id, None)
+            seq.finish_time = time.perf_counter()
+        return self._output(seq)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        state: _RequestState = seq.extra
+        finished = seq.is_finished
+        delta = state.detokenizer.take_delta(final=finished)
+        now = seq.finish_time or time.perf_counter()
+        decode_s = now - seq.first_token_time if seq.first_token_time else 0.0
+        metrics = RequestMetrics(
+            ttft_s=seq.first_token_time - seq.arrival_time if seq.first_token_time else None,
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=seq.num_cached_tokens,
+            generated_tokens=seq.num_output_tokens,
+            decode_tokens_per_s=(seq.num_output_tokens - 1) / decode_s if decode_s > 0 else None,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=list(seq.output_token_ids),
+            text=state.detokenizer.text if finished else state.detokenizer.text[: state.detokenizer.emitted],
+            delta=delta,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            metrics=metrics,
+        )
+
+    # ---- offline API ----------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs in the order of ``prompts``."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(plist)} sampling params; pass one, or one per prompt")
+        seqs = [self._make_sequence(p, sp, None) for p, sp in zip(prompts, plist)]
+        for seq in seqs:
+            self.requests[seq.request_id] = seq
+            self.scheduler.add(seq)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(seqs):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[s.request_id] for s in seqs]
+
+    def chat(self, conversations: list[dict] | Seq[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """``generate`` over chat conversations (lists of role/content messages)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        return self.generate(list(conversations), params)  # type: ignore[arg-type]
+
+    # ---- introspection --------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        now = time.perf_counter()
+        while self._recent and now - self._recent[0][0] > 3.0:
+            self._recent.popleft()
+        window = now - self._recent[0][0] if len(self._recent) > 1 else 0.0
+        tokens = sum(n for _, n in list(self._recent)[1:])
+        return {
+            "blocks_total": self.pool.num_blocks,
+            "blocks_used": self.pool.num_used_blocks,
+            "blocks_cached": self.pool.num_cached_free(),
+            "blocks_shared": self.pool.num_shared(),
+            "block_bytes": self.block_bytes,
+            "prefix_hit_rate": self.kv.prefix_hit_rate,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "tokens_per_s": tokens / window if window > 0 else 0.0,
+        }
+
+    def kv_map(self, token_ids: list[int] | None = None) -> KVMap:
+        """Every block's state, and the blocks that hold ``token_ids``' cached prefix (for the KV map view)."""
+        states = [0] * self.pool.num_blocks
+        for b in self.pool.blocks:
+            if b.ref_count > 1:
+                states[b.block_id] = 2
+            elif b.ref_count == 1:
+                states[b.block_id] = 1
+            elif b.block_hash is not None:
+                states[b.block_id] = 3
+        highlight: list[int] = []
+        if token_ids:
+            probe = Sequence("kv-map-probe", list(token_ids) + [0], SamplingParams())
+            highlight = self.kv.get_computed_blocks(probe)
+        saved = sum(b.ref_count - 1 for b in self.pool.blocks if b.ref_count > 1) * self.block_bytes
+        return KVMap(states, highlight, self.config.block_size, self.block_bytes, saved)

@@ -1,0 +1,88 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged KV cache, and samples.
+
+Owns the KV cache tensors: ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``,
+each layer's attention bound to its slice. Only sequences whose last scheduled token is their
+last token get logits; a prefill chunk in the middle of a prompt produces none.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localpaged.attention import AttentionMetadata
+from localpaged.engine.scheduler import ScheduledBatch
+from localpaged.sampling import sample
+
+
+class ModelRunner:
+    def __init__(self, model, attention, num_blocks: int, block_size: int, device: torch.device, kv_dtype: torch.dtype) -> None:
+        self.model = model
+        self.attention = attention
+        self.block_size = block_size
+        self.device = device
+        cfg = model.config
+        # Zeroed, not empty: the torch path gathers padding from slot 0, and a NaN there would leak
+        # through the masked softmax (0 * NaN).
+        self.kv_cache = torch.zeros(
+            2, cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, model.head_dim, dtype=kv_dtype, device=device
+        )
+        for i, layer in enumerate(model.layers):
+            layer.self_attn.k_cache = self.kv_cache[0, i]
+            layer.self_attn.v_cache = self.kv_cache[1, i]
+
+    @staticmethod
+    def bytes_per_block(config, head_dim: int, block_size: int, kv_dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
+        return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * head_dim * elem
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Input ids, positions, attention metadata, and the rows whose logits are needed."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        context_lens: list[int] = []
+        logit_rows: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu.append(cu[-1] + n)
+            context_lens.append(end)
+            if end == seq.num_tokens:
+                logit_rows.append(cu[-1] - 1)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            max_q_len=max(batch.num_new_tokens),
+            block_size=bs,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos, meta, logit_rows
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """One forward over the batch; a sampled token for each sequence that reached its end, else None."""
+        ids, pos, meta, logit_rows = self.prepare(batch)
+        self.attention.prepare(meta)
+        hidden = self.model(ids, pos, meta)
+        sampled: list[int | None] = [None] * len(batch.seqs)
+        if not logit_rows:
+            return sampled
+        logits = self.model.compute_logits(hidden[logit_rows])
+        done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)) if s.num_computed_tokens + n == s.num_tokens]
+        params = [batch.seqs[i].params for i in done]
+        generators = [batch.seqs[i].extra.generator for i in done]
+        for i, token in zip(done, sample(logits, params, generators)):
+            sampled[i] = token
+        return sampled

@@ -1,0 +1,116 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+One token budget per step covers prefill and decode alike (as in vLLM v1). Running decodes are
+served first, then running prefills continue chunk by chunk, then waiting requests are admitted
+first come, first served. A long prompt therefore never stalls the decodes: it takes what budget
+is left. When the pool runs dry, the newest running sequence is preempted: its blocks go back
+(staying in the prefix cache) and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from localpaged.engine.kv_cache_manager import KVCacheManager
+from localpaged.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # per sequence, tokens computed this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._arrivals = 0
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.arrival = self._arrivals
+        self._arrivals += 1
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        preempted = False
+        decodes_first = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival))
+        for seq in decodes_first:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.kv.can_allocate(seq, n):
+                victim = max(self.running, key=lambda s: s.arrival)
+                self.preempt(victim)
+                preempted = True
+                if victim in seqs:  # scheduled earlier in this step: take it back out
+                    i = seqs.index(victim)
+                    budget += counts.pop(i)
+                    seqs.pop(i)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.kv.allocate(seq, n)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            computed = self.kv.get_computed_blocks(seq)
+            n = min(seq.num_tokens - len(computed) * self.kv.block_size, budget)
+            if not self.kv.can_allocate(seq, n, computed):
+                break
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                self.kv.record_admission(seq, computed)
+            self.kv.allocate(seq, n, computed)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give a running sequence's blocks back and queue it first for recompute."""
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence (stopped, aborted or failed) and free its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def on_step_done(self, batch: ScheduledBatch) -> None:
+        """Advance each scheduled sequence past the tokens computed this step and cache its full blocks."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.kv.cache_blocks(seq)

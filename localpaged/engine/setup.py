@@ -1,0 +1,110 @@
+"""Everything the engine decides at start: device, dtype, context length, pool size, stop tokens.
+
+Each decision fails early with the numbers and what to change, rather than at the first request.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from localpaged.attention import TorchAttention, TritonAttention, select_attention
+from localpaged.config import EngineConfig
+from localpaged.engine.runner import ModelRunner
+from localpaged.errors import ConfigError
+from localpaged.models.llama import LlamaForCausalLM
+from localpaged.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model
+
+MAX_DEFAULT_CONTEXT = 8192
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
+GiB = 1 << 30
+
+
+@dataclass
+class EngineParts:
+    name: str
+    folder: Path
+    model: LlamaForCausalLM
+    tokenizer: object
+    attention: TorchAttention | TritonAttention
+    device: torch.device
+    kv_dtype: torch.dtype
+    num_blocks: int
+    block_bytes: int
+    stop_token_ids: set[int]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no CUDA GPU is visible to torch; use device='cpu' or 'auto'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def stop_token_ids(tokenizer, hf_config) -> set[int]:
+    """EOS and the chat template's end-of-turn tokens that this vocabulary actually has."""
+    ids = set()
+    for eos in (hf_config.eos_token_id, tokenizer.eos_token_id):
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    return ids
+
+
+def default_kv_memory(device: torch.device) -> int:
+    """A quarter of free memory, at most 2 GiB on the CPU; 85% of what the GPU has free."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.85)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(available // 4, 2 * GiB)
+
+
+def build_engine_parts(config: EngineConfig, progress=None) -> EngineParts:
+    progress = progress or (lambda message, fraction: None)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.num_threads and device.type == "cpu":
+        torch.set_num_threads(config.num_threads)
+    files = resolve_model(config.model, progress)
+    progress("Loading the model", None)
+    hf_config = load_config(files.folder)
+    tokenizer = load_tokenizer(files.folder)
+
+    model_limit = min(hf_config.max_position_embeddings, getattr(hf_config, "sliding_window", None) or 1 << 30)
+    if config.max_model_len is None:
+        config.max_model_len = min(model_limit, MAX_DEFAULT_CONTEXT)
+    elif config.max_model_len > model_limit:
+        raise ConfigError(f"max_model_len={config.max_model_len} exceeds what {files.name} supports ({model_limit})")
+    if config.max_num_batched_tokens is None:
+        config.max_num_batched_tokens = 8192 if device.type == "cuda" else 512
+
+    attention = select_attention(config.attention, device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config, attention, config.max_model_len)
+    model = model.to_empty(device=device).to(dtype)
+    model.init_rope()
+    model.load_hf_state_dict(load_state_dict(files.folder))
+    model.eval()
+
+    block_bytes = ModelRunner.bytes_per_block(hf_config, model.head_dim, config.block_size, dtype)
+    kv_bytes = config.kv_cache_memory or default_kv_memory(device)
+    num_blocks = int(kv_bytes) // block_bytes
+    needed = -(-config.max_model_len // config.block_size)
+    if num_blocks < needed:
+        raise ConfigError(
+            f"the KV pool ({kv_bytes / 2**20:.0f} MiB = {num_blocks} blocks of {block_bytes / 2**10:.0f} KiB) cannot hold one "
+            f"sequence of max_model_len={config.max_model_len} ({needed} blocks); raise kv_cache_memory to at least "
+            f"{needed * block_bytes / 2**20:.0f} MiB or lower max_model_len"
+        )
+    return EngineParts(files.name, files.folder, model, tokenizer, attention, device, dtype, num_blocks, block_bytes, stop_token_ids(tokenizer, hf_config))

@@ -1,0 +1,36 @@
+"""The exceptions users see. Each message says what is wrong and what to do about it."""
+
+
+class LocalpagedError(Exception):
+    """Base class of every error localpaged raises on purpose."""
+
+
+class ConfigError(LocalpagedError, ValueError):
+    """A setting or argument is out of range, or the settings cannot work together."""
+
+
+class ModelNotFoundError(LocalpagedError, FileNotFoundError):
+    """The model path does not exist, or the default model package is not installed."""
+
+
+class UnsupportedModelError(LocalpagedError):
+    """The checkpoint's architecture is not one the engine implements."""
+
+
+class RequestError(LocalpagedError, ValueError):
+    """A request cannot be served as given (too long, empty, duplicate id, unknown id)."""
+
+
+class StoreError(LocalpagedError):
+    """The chat database cannot be opened, read or written."""
+
+
+class UnknownSessionError(StoreError, KeyError):
+    """No stored session has the given id."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class PromptError(LocalpagedError):
+    """A system prompt is missing or its file is malformed."""

@@ -1,0 +1,177 @@
+"""Llama-family forward pass (Llama, SmolLM, Mistral, Qwen2) over a flat, ragged batch of tokens.
+
+All sequences of a step are one flat row of tokens, as in vLLM: no padding, positions given per
+token, and each layer writes its new K/V into the paged cache and attends through the attention
+path. q/k/v and gate/up projections are fused into one matmul each. Weight names follow Hugging
+Face, so a transformers checkpoint loads as it is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from localpaged.attention import AttentionMetadata
+from localpaged.errors import UnsupportedModelError
+
+
+def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies with the config's theta and, where asked, llama3-style or linear scaling."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if kind == "default":
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / params["factor"]).float()
+    if kind == "llama3":
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled).float()
+    raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported; supported: default, linear, llama3")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[N, heads, head_dim]`` by per-token ``cos``/``sin`` ``[N, 1, head_dim/2]`` (halves layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, head_dim: int, attention) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = nn.Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
+        self.attention = attention
+        self.k_cache: torch.Tensor | None = None  # bound by the runner to this layer's slice of the pool
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1
+        )
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        self.attention.write_kv(k, v, self.k_cache, self.v_cache, meta)
+        out = self.attention.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, head_dim: int, attention) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, head_dim, attention)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, attention, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, attention) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("rope_cos", torch.empty(max_positions, self.head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(max_positions, self.head_dim // 2), persistent=False)
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """Fill the float32 cos/sin tables; called again once a model built on the meta device has memory."""
+        if self.rope_cos.is_meta:
+            return
+        positions = torch.arange(self.rope_cos.shape[0], dtype=torch.float32)
+        freqs = torch.outer(positions, rope_inv_freq(self.config, self.head_dim)).to(self.rope_cos.device)
+        self.rope_cos = freqs.cos()
+        self.rope_sin = freqs.sin()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` of a flat batch; ``compute_logits`` turns chosen rows into logits."""
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face weights in, fusing q/k/v and gate/up; every parameter must be fully covered."""
+        q = self.config.num_attention_heads * self.head_dim
+        kv = self.config.num_key_value_heads * self.head_dim
+        inter = self.config.intermediate_size
+        shards = {  # HF projection -> (our fused projection, first row)
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", q),
+            "v_proj": ("qkv_proj", q + kv),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", inter),
+        }
+        own = dict(self.named_parameters())
+        rows_loaded = dict.fromkeys(own, 0)
+        for hf_name, tensor in state.items():
+            parts = hf_name.removeprefix("model.").split(".")  # e.g. layers.3.self_attn.q_proj.weight
+            offset = 0
+            if len(parts) == 5 and parts[3] in shards:
+                parts[3], offset = shards[parts[3]]
+            name = ".".join(parts)
+            if name not in own:
+                continue  # buffers such as rotary inv_freq in older checkpoints
+            own[name].data[offset : offset + tensor.shape[0]].copy_(tensor)
+            rows_loaded[name] += tensor.shape[0]
+        if self.config.tie_word_embeddings or not rows_loaded["lm_head.weight"]:
+            self.lm_head.weight = self.embed_tokens.weight
+            rows_loaded["lm_head.weight"] = self.lm_head.weight.shape[0]
+        missing = [n for n, p in own.items() if rows_loaded.get(n, 0) != p.shape[0]]
+        if missing:
+            raise UnsupportedModelError(f"the checkpoint does not cover every weight the model needs, e.g. {missing[:3]}")

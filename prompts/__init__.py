@@ -1,0 +1,1 @@
+"""Shipped system prompts: one Markdown file each, front matter for title and description."""

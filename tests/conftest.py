@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random Llama/Qwen2 models on the real tokenizer, and the real default model.
+
+The tiny models are written once per test session as ordinary Hugging Face folders (config.json,
+safetensors, the default model's tokenizer files), so they go through the same loader as any user
+model and Hugging Face transformers can load the very same folder as the oracle.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run through the interpreter on the CPU; this must be set before they are defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+TINY_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    initializer_range=0.3,  # peaked logits: greedy choices are rarely near-ties
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="session")
+def default_model_folder() -> Path:
+    """The default model converted to a Hugging Face folder (converted once, then cached)."""
+    from localpaged.models.loader import resolve_model
+
+    return resolve_model(None).folder
+
+
+def _write_tiny(folder: Path, tokenizer_src: Path, arch: str) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    vocab = 49152
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, rope_theta=10000.0, **TINY_COMMON))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, rope_theta=1000000.0, **TINY_COMMON))
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in tokenizer_src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory, default_model_folder) -> Path:
+    return _write_tiny(tmp_path_factory.mktemp("tiny-llama"), default_model_folder, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory, default_model_folder) -> Path:
+    return _write_tiny(tmp_path_factory.mktemp("tiny-qwen2"), default_model_folder, "qwen2")
+
+
+@pytest.fixture
+def tiny_llm(tiny_model_path):
+    """Factory: ``tiny_llm(**engine_config) -> LLM`` on the tiny Llama, float32 on the CPU."""
+    from localpaged import LLM
+
+    def make(**config):
+        config.setdefault("dtype", "float32")
+        config.setdefault("device", "cpu")
+        config.setdefault("kv_cache_memory", "64MiB")
+        config.setdefault("max_model_len", 1024)
+        return LLM(str(tiny_model_path), **config)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The real default model in float32 on the CPU, shared by the tests marked ``model``."""
+    from localpaged import LLM
+
+    return LLM(dtype="float32", device="cpu", kv_cache_memory="1GiB", max_model_len=2048)

@@ -1,0 +1,142 @@
+"""Requests on the tiny model: bad input, aborts, stop conditions, seeds, streaming text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from localpaged import LLM, SamplingParams
+from localpaged.errors import ConfigError, ModelNotFoundError, RequestError, UnsupportedModelError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_path):
+    return LLM(str(tiny_model_path), dtype="float32", device="cpu", kv_cache_memory="32MiB", max_model_len=256)
+
+
+def still_works(llm) -> None:
+    out = llm.generate(["hello"], GREEDY)[0]
+    assert len(out.token_ids) == 8
+    assert llm.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [("", "empty"), ([], "empty"), (list(range(300)), "300 tokens but the context holds 256"), ([10**9], "token ids")],
+)
+def test_bad_prompts_are_refused_and_engine_stays_usable(llm, prompt, match):
+    with pytest.raises(RequestError, match=match):
+        llm.add_request(prompt, GREEDY)
+    still_works(llm)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_tokens": 0}, "at least 1"),
+        ({"max_tokens": 10**9}, "more than any context"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_duplicate_request_id(llm):
+    llm.add_request("one", GREEDY, request_id="same")
+    with pytest.raises(RequestError, match="already in use"):
+        llm.add_request("two", GREEDY, request_id="same")
+    llm.abort("same")
+    still_works(llm)
+
+
+def test_abort_frees_blocks_at_once(llm):
+    rid = llm.add_request(list(range(100, 180)), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    llm.step()
+    assert llm.stats()["blocks_used"] > 0
+    llm.abort(rid)
+    assert llm.stats()["blocks_used"] == 0
+    llm.pool.check_integrity()
+    with pytest.raises(RequestError, match="no running request"):
+        llm.abort(rid)
+
+
+def test_stop_string_ends_reply_and_is_never_streamed(llm):
+    free = llm.generate(["count"], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    stop = free.text[5:8]
+    assert stop.strip(), "the tiny model's text should have something to stop at"
+    rid = llm.add_request("count", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))
+    streamed, last = "", None
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            streamed += out.delta
+            last = out
+    assert last.finish_reason == "stop" and stop not in streamed
+    assert streamed == last.text == free.text[: free.text.find(stop)]
+
+
+def test_max_tokens_and_eos_finish_reasons(llm):
+    out = llm.generate(["x"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    eos = next(iter(llm.stop_token_ids))
+    out = llm.generate(["x"], SamplingParams(max_tokens=3, temperature=0.0, stop_token_ids=[]))[0]
+    assert out.finish_reason in ("length", "stop")
+    assert eos in llm.stop_token_ids
+
+
+def test_seeded_sampling_is_reproducible_whatever_runs_beside_it(llm):
+    p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    alone = llm.generate(["tell me"], p)[0].token_ids
+    crowd = llm.generate(["tell me", "other", "tell me"], [p, SamplingParams(max_tokens=12, temperature=1.0), p])
+    assert crowd[0].token_ids == alone == crowd[2].token_ids
+
+
+def test_deltas_add_up_to_text_without_broken_characters(llm):
+    rid = llm.add_request("ñandú 🐍", SamplingParams(max_tokens=40, temperature=1.5, seed=3, ignore_eos=True))
+    text = ""
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            assert "\ufffd" not in out.delta or out.finished
+            text += out.delta
+    assert text == out.text and out.request_id == rid
+
+
+def test_unknown_model_path(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no model at"):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        LLM(str(tmp_path / "empty"))
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    from safetensors.torch import save_file
+    import torch
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    save_file({"w": torch.zeros(1)}, tmp_path / "model.safetensors")
+    with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported; supported: llama, mistral, qwen2"):
+        LLM(str(tmp_path))
+
+
+def test_pool_too_small_fails_at_start_with_numbers(tiny_model_path):
+    with pytest.raises(ConfigError, match=r"cannot hold one sequence of max_model_len=1024 \(64 blocks\)"):
+        LLM(str(tiny_model_path), device="cpu", dtype="float32", kv_cache_memory="64KiB", max_model_len=1024)
+
+
+def test_prefix_cache_serves_shared_system_prompt(llm):
+    system = [{"role": "system", "content": "You answer questions about rivers. " * 12}]
+    a = llm.encode_chat(system + [{"role": "user", "content": "Nile?"}])
+    b = llm.encode_chat(system + [{"role": "user", "content": "Amazon?"}])
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    llm.generate([a], GREEDY)
+    out = llm.generate([b], GREEDY)[0]
+    assert out.metrics.cached_tokens == shared // 16 * 16 > 0
+    assert llm.stats()["prefix_hit_rate"] > 0

@@ -1,0 +1,1 @@
+"""Textual app: many chat sessions streaming at once."""
