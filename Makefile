@@ -25,6 +25,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/sessions.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

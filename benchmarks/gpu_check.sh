@@ -23,9 +23,7 @@ status=0
 step() { echo; echo "== $*"; "$@" || { echo "gpu_check: FAILED: $*"; status=1; }; }
 step "$PY" -m pytest tests/kernels -q -p no:cacheprovider
 step "$PY" benchmarks/kernel_bench.py
-if [ -f benchmarks/throughput.py ]; then
-    step "$PY" benchmarks/throughput.py --device cuda
-else
-    echo; echo "== benchmarks/throughput.py does not exist yet; skipped"
-fi
+# Greedy parity with HF (fp32) with the engine on CUDA: Triton kernels and CUDA graphs end to end.
+step env LOCALPAGED_TEST_DEVICE=cuda "$PY" -m pytest tests/engine/test_parity.py tests/engine/test_requests.py -q -p no:cacheprovider
+step "$PY" benchmarks/throughput.py --device cuda --sessions 64 --skip-hf-sequential
 exit $status

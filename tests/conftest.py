@@ -18,6 +18,9 @@ if not torch.cuda.is_available():
     # Triton kernels run through the interpreter on the CPU; this must be set before they are defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The engine's device in tests; gpu_check.sh sets cuda to run the parity tests there (HF stays on the CPU).
+DEVICE = os.environ.get("LOCALPAGED_TEST_DEVICE", "cpu")
+
 TINY_COMMON = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -74,7 +77,7 @@ def tiny_llm(tiny_model_path):
 
     def make(**config):
         config.setdefault("dtype", "float32")
-        config.setdefault("device", "cpu")
+        config.setdefault("device", DEVICE)
         config.setdefault("kv_cache_memory", "64MiB")
         config.setdefault("max_model_len", 1024)
         return LLM(str(tiny_model_path), **config)
@@ -87,4 +90,4 @@ def default_llm():
     """The real default model in float32 on the CPU, shared by the tests marked ``model``."""
     from localpaged import LLM
 
-    return LLM(dtype="float32", device="cpu", kv_cache_memory="1GiB", max_model_len=2048)
+    return LLM(dtype="float32", device=DEVICE, kv_cache_memory="1GiB", max_model_len=2048)

@@ -47,7 +47,17 @@ class LLM:
         self.pool = BlockPool(parts.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        self.runner = ModelRunner(parts.model, parts.attention, parts.num_blocks, self.config.block_size, self.device, parts.kv_dtype)
+        use_graphs = self.device.type == "cuda" and parts.attention.name == "triton" and not self.config.enforce_eager
+        self.runner = ModelRunner(
+            parts.model,
+            parts.attention,
+            parts.num_blocks,
+            self.config.block_size,
+            self.device,
+            parts.kv_dtype,
+            graph_batch_sizes=min(self.config.max_num_seqs, 512) if use_graphs else 0,
+            max_model_len=self.config.max_model_len,
+        )
         self.requests: dict[str, Sequence] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
 

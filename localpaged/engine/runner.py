@@ -10,12 +10,24 @@ from __future__ import annotations
 import torch
 
 from localpaged.attention import AttentionMetadata
+from localpaged.engine.cuda_graphs import DecodeGraphs
 from localpaged.engine.scheduler import ScheduledBatch
 from localpaged.sampling import sample
 
 
 class ModelRunner:
-    def __init__(self, model, attention, num_blocks: int, block_size: int, device: torch.device, kv_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model,
+        attention,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        kv_dtype: torch.dtype,
+        graph_batch_sizes: int = 0,
+        max_model_len: int = 0,
+    ) -> None:
+        """``graph_batch_sizes`` > 0 captures CUDA graphs of decode steps up to that many sequences."""
         self.model = model
         self.attention = attention
         self.block_size = block_size
@@ -29,6 +41,10 @@ class ModelRunner:
         for i, layer in enumerate(model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
+        self.graphs = None
+        if graph_batch_sizes:
+            max_blocks = -(-max_model_len // block_size)
+            self.graphs = DecodeGraphs(model, attention, graph_batch_sizes, max_blocks, block_size, device)
 
     @staticmethod
     def bytes_per_block(config, head_dim: int, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -74,8 +90,11 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """One forward over the batch; a sampled token for each sequence that reached its end, else None."""
         ids, pos, meta, logit_rows = self.prepare(batch)
-        self.attention.prepare(meta)
-        hidden = self.model(ids, pos, meta)
+        if self.graphs is not None and self.graphs.can_run(meta, len(batch.seqs)):
+            hidden = self.graphs.run(ids, pos, meta)
+        else:
+            self.attention.prepare(meta)
+            hidden = self.model(ids, pos, meta)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if not logit_rows:
             return sampled

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from localpaged import SamplingParams
+from tests.conftest import DEVICE
 from tests.oracle import assert_same_greedy, hf_greedy, load_hf
 
 NEW_TOKENS = 64
@@ -67,7 +68,7 @@ def test_tiny_llama_matches_hf(tiny_llm, tiny_model_path):
 def test_tiny_qwen2_matches_hf(tiny_qwen2_path):
     from localpaged import LLM
 
-    llm = LLM(str(tiny_qwen2_path), dtype="float32", device="cpu", kv_cache_memory="64MiB", max_model_len=1024)
+    llm = LLM(str(tiny_qwen2_path), dtype="float32", device=DEVICE, kv_cache_memory="64MiB", max_model_len=1024)
     _check_modes(llm, load_hf(tiny_qwen2_path), _prompts(llm.tokenizer), "tiny qwen2")
 
 

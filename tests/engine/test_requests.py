@@ -8,13 +8,14 @@ import pytest
 
 from localpaged import LLM, SamplingParams
 from localpaged.errors import ConfigError, ModelNotFoundError, RequestError, UnsupportedModelError
+from tests.conftest import DEVICE
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_path):
-    return LLM(str(tiny_model_path), dtype="float32", device="cpu", kv_cache_memory="32MiB", max_model_len=256)
+    return LLM(str(tiny_model_path), dtype="float32", device=DEVICE, kv_cache_memory="32MiB", max_model_len=256)
 
 
 def still_works(llm) -> None:
@@ -72,7 +73,7 @@ def test_stop_string_ends_reply_and_is_never_streamed(llm):
     free = llm.generate(["count"], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
     stop = free.text[5:8]
     assert stop.strip(), "the tiny model's text should have something to stop at"
-    rid = llm.add_request("count", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))
+    llm.add_request("count", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))
     streamed, last = "", None
     while llm.has_unfinished_requests():
         for out in llm.step():

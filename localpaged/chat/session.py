@@ -1,0 +1,376 @@
+"""Session: one conversation, stored in a ChatStore and answered by a shared AsyncLLM.
+
+Each turn's prompt is the chat template over the system prompt and the whole stored
+history plus the new user message, so turn N+1 starts with exactly the tokens of turns
+1..N and the engine's prefix cache serves their KV blocks instead of recomputing them.
+
+Nothing is lost: the user message is stored before generation starts, the reply is
+stored at once as ``partial`` and saved as it grows, then marked ``complete`` (with
+metrics), ``error`` (with the reason), or left ``partial`` when stopped.
+
+This module imports no torch at import time (the CLI exports sessions without a model).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, closing
+from typing import TYPE_CHECKING
+
+from localpaged.chat.store import ChatStore, MessageRecord, SessionRecord
+from localpaged.errors import RequestError
+
+if TYPE_CHECKING:
+    from localpaged.engine.async_llm import AsyncLLM
+    from localpaged.engine.output import RequestMetrics, RequestOutput
+    from localpaged.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+TITLE_CHARS = 50
+SAVE_EVERY_S = 0.5  # a growing reply is written at most this often: crash safety without write storms
+
+
+def title_from(text: str) -> str:
+    """A one-line title of at most TITLE_CHARS characters from the first user message."""
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+
+
+class Session:
+    """One conversation. Create with Session.new or Session.load, not the constructor."""
+
+    def __init__(self, engine: AsyncLLM, store: ChatStore, record: SessionRecord, *, truncate: bool = False) -> None:
+        self.engine = engine
+        self.store = store
+        self.id = record.id
+        self.title = record.title or ""
+        self.system = record.system
+        self.prompt_name = record.prompt_name
+        self.parent_id = record.parent_id
+        # When True, turns too long for the context drop their oldest exchanges instead of failing.
+        self.truncate = truncate
+        self.generating = False
+        self.last_metrics: RequestMetrics | None = None
+        self.last_reply: MessageRecord | None = None  # the assistant message of the latest turn
+        self.warning: str | None = None  # set when the latest turn's prompt had to drop old turns
+        self._request_id: str | None = None
+
+    @classmethod
+    def new(
+        cls,
+        engine: AsyncLLM,
+        store: ChatStore,
+        system: str | None = None,
+        title: str | None = None,
+        prompt_name: str | None = None,
+        *,
+        truncate: bool = False,
+    ) -> Session:
+        """Start a stored, empty session; without a title, the first user message names it."""
+        record = store.create_session(title=title, system=system, prompt_name=prompt_name, model=engine.model_name)
+        return cls(engine, store, record, truncate=truncate)
+
+    @classmethod
+    def load(cls, engine: AsyncLLM, store: ChatStore, session_id: str, *, truncate: bool = False) -> Session:
+        """Reopen a stored session; UnknownSessionError if there is none with that id."""
+        return cls(engine, store, store.get_session(session_id), truncate=truncate)
+
+    @property
+    def history(self) -> list[MessageRecord]:
+        """The stored user and assistant messages, oldest first."""
+        return [m for m in self.store.messages(self.id) if m.role in ("user", "assistant")]
+
+    # ----- turns -----------------------------------------------------------------------
+
+    def send(self, text: str, params: SamplingParams | None = None) -> MessageRecord:
+        """Send a user message and wait for the whole reply; returns the stored assistant message."""
+        for _ in self.stream(text, params):
+            pass
+        assert self.last_reply is not None
+        return self.last_reply
+
+    def stream(self, text: str, params: SamplingParams | None = None) -> Iterator[str]:
+        """Send a user message and yield the reply's text as it is generated (blocking)."""
+        params = _params(params)
+        prompt = self._begin_turn(text, params)
+        yield from self._reply(prompt, params)
+
+    async def astream(self, text: str, params: SamplingParams | None = None) -> AsyncIterator[str]:
+        """Send a user message and yield the reply's text as it is generated (in an event loop)."""
+        params = _params(params)
+        prompt = self._begin_turn(text, params)
+        async for delta in self._areply(prompt, params):
+            yield delta
+
+    def regenerate(self, params: SamplingParams | None = None) -> MessageRecord:
+        """Replace the last assistant reply with a new one; returns it."""
+        params = _params(params)
+        prompt = self._begin_regenerate(params)
+        for _ in self._reply(prompt, params):
+            pass
+        assert self.last_reply is not None
+        return self.last_reply
+
+    async def aregenerate(self, params: SamplingParams | None = None) -> AsyncIterator[str]:
+        """Replace the last assistant reply, yielding the new one's text as it is generated."""
+        params = _params(params)
+        prompt = self._begin_regenerate(params)
+        async for delta in self._areply(prompt, params):
+            yield delta
+
+    async def stop(self) -> None:
+        """Abort the reply in flight, if any; what it said so far stays stored as ``partial``."""
+        request_id = self._request_id
+        if request_id is None:
+            return
+        try:
+            await self.engine.abort(request_id)
+        except RequestError:
+            pass  # it finished on its own meanwhile: nothing left to stop
+
+    # ----- branching -------------------------------------------------------------------
+
+    def fork(self, at: int) -> Session:
+        """A new session holding this one's history up to and including message `at`.
+
+        Its prompts start with the same tokens, so its KV blocks come from the prefix cache.
+        """
+        return Session(self.engine, self.store, self.store.fork_session(self.id, at), truncate=self.truncate)
+
+    def fork_before(self, message_id: int) -> Session:
+        """A new session holding the history strictly before `message_id` (to edit and resend it)."""
+        ids = [m.id for m in self.history]
+        if message_id not in ids:
+            raise RequestError(f"message {message_id} is not part of session {self.id}; pick one from its history")
+        index = ids.index(message_id)
+        if index > 0:
+            return self.fork(ids[index - 1])
+        record = self.store.create_session(
+            title=f"{self.title} (fork)" if self.title else None,
+            system=self.system,
+            prompt_name=self.prompt_name,
+            model=self.engine.model_name,
+            parent_id=self.id,
+        )
+        return Session(self.engine, self.store, record, truncate=self.truncate)
+
+    # ----- housekeeping ----------------------------------------------------------------
+
+    def context_tokens(self) -> int:
+        """How many tokens the next turn's prompt uses before the new message: template over the history."""
+        messages = self._messages(_replayable(self.history))
+        return len(self.engine.encode_chat(messages)) if messages else 0
+
+    def rename(self, title: str) -> None:
+        self.store.rename_session(self.id, title)
+        self.title = title
+
+    def delete(self) -> None:
+        self.store.delete_session(self.id)
+
+    def export_markdown(self) -> str:
+        return export_markdown(self.store.get_session(self.id), self.history)
+
+    # ----- internals -------------------------------------------------------------------
+
+    def _begin_turn(self, text: str, params: SamplingParams) -> list[int]:
+        """Check the turn fits, then store the user message (before any generation); the prompt ids."""
+        self._check_idle()
+        if not text.strip():
+            raise RequestError("the message is empty; type something to send")
+        prompt = self._fit(_replayable(self.history) + [{"role": "user", "content": text}], params.max_tokens)
+        self.store.add_message(self.id, "user", text)
+        if not self.title:
+            self.rename(title_from(text))
+        return prompt
+
+    def _begin_regenerate(self, params: SamplingParams) -> list[int]:
+        """Drop everything after the last user message; the prompt ids that answer it again."""
+        self._check_idle()
+        history = self.history
+        users = [i for i, m in enumerate(history) if m.role == "user"]
+        if not users:
+            raise RequestError(f"session {self.id} has no user message to answer again; send one first")
+        last_user = users[-1]
+        prompt = self._fit(_replayable(history[: last_user + 1]), params.max_tokens)
+        self.store.delete_messages_after(self.id, history[last_user].id)
+        return prompt
+
+    def _check_idle(self) -> None:
+        if self.generating:
+            raise RequestError(f"session {self.id} is already generating a reply; wait for it or stop() it first")
+
+    def _messages(self, turns: list[dict]) -> list[dict]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + turns
+
+    def _fit(self, turns: list[dict], max_tokens: int) -> list[int]:
+        """The prompt ids for system + turns, within max_model_len with room for max_tokens.
+
+        Too long: a RequestError that says by how much, or with truncate=True, drop the
+        oldest user/assistant exchanges (never the system prompt or the newest message).
+        """
+        limit = self.engine.config.max_model_len
+        dropped = 0
+        while True:
+            prompt = self.engine.encode_chat(self._messages(turns))
+            over = len(prompt) + max_tokens - limit
+            if over <= 0:
+                break
+            if not self.truncate or len(turns) <= 1:
+                raise RequestError(
+                    f"the conversation is too long for the model's context: the prompt has {len(prompt)} tokens "
+                    f"and max_tokens is {max_tokens}, {over} tokens over the limit of {limit}. "
+                    + (
+                        "Even the newest message alone does not fit: shorten it or lower max_tokens."
+                        if self.truncate
+                        else "Start a new session, fork an earlier message, lower max_tokens, "
+                        "or open the session with truncate=True to drop the oldest turns."
+                    )
+                )
+            turns = _drop_oldest_exchange(turns)
+            dropped += 1
+        self.warning = None
+        if dropped:
+            self.warning = (
+                f"the conversation outgrew the model's context of {limit} tokens: the oldest {dropped} "
+                "exchange(s) were left out of this turn's prompt (they stay stored)"
+            )
+            log.warning("session %s: %s", self.id, self.warning)
+        return prompt
+
+    def _reply(self, prompt: list[int], params: SamplingParams) -> Iterator[str]:
+        recorder = self._start_reply()
+        error: BaseException | None = None
+        try:
+            with closing(self.engine.iter_stream(prompt, params, request_id=self._request_id)) as outputs:
+                for output in outputs:
+                    recorder.update(output)
+                    self.last_metrics = output.metrics
+                    if output.delta:
+                        yield output.delta
+        except Exception as exc:
+            error = exc
+            raise
+        finally:
+            self._end_reply(recorder, error)
+
+    async def _areply(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[str]:
+        recorder = self._start_reply()
+        error: BaseException | None = None
+        try:
+            async with aclosing(self.engine.stream(prompt, params, request_id=self._request_id)) as outputs:
+                async for output in outputs:
+                    recorder.update(output)
+                    self.last_metrics = output.metrics
+                    if output.delta:
+                        yield output.delta
+        except Exception as exc:
+            error = exc
+            raise
+        finally:
+            self._end_reply(recorder, error)
+
+    def _start_reply(self) -> _ReplyRecorder:
+        recorder = _ReplyRecorder(self.store, self.id, self.engine.model_name)
+        self.generating = True
+        self._request_id = f"{self.id}-{recorder.message.id}"
+        return recorder
+
+    def _end_reply(self, recorder: _ReplyRecorder, error: BaseException | None) -> None:
+        try:
+            self.last_reply = recorder.finish(error)
+        finally:
+            self.generating = False
+            self._request_id = None
+
+
+class _ReplyRecorder:
+    """Keeps the stored assistant message in step with a streaming reply."""
+
+    def __init__(self, store: ChatStore, session_id: str, model: str) -> None:
+        self.store = store
+        self.message = store.add_message(session_id, "assistant", "", status="partial", model=model)
+        self.output: RequestOutput | None = None
+        self._saved_at = time.monotonic()
+
+    def update(self, output: RequestOutput) -> None:
+        """Remember the newest output; write its text if the last write is SAVE_EVERY_S old."""
+        self.output = output
+        if time.monotonic() - self._saved_at >= SAVE_EVERY_S:
+            self.store.update_message(self.message.id, content=output.text)
+            self._saved_at = time.monotonic()
+
+    def finish(self, error: BaseException | None) -> MessageRecord:
+        """Write the final text, status and metrics; returns the stored message."""
+        output = self.output
+        if error is not None:
+            status = "error"
+        elif output is not None and output.finished and output.finish_reason != "abort":
+            status = "complete"
+        else:
+            status = "partial"  # stopped, aborted, or the consumer walked away
+        metrics = {}
+        if output is not None:
+            m = output.metrics
+            metrics = dict(
+                prompt_tokens=m.prompt_tokens,
+                cached_tokens=m.cached_tokens,
+                completion_tokens=m.generated_tokens,
+                ttft_s=m.ttft_s,
+                tokens_per_s=m.decode_tokens_per_s,
+            )
+        self.store.update_message(
+            self.message.id,
+            content=output.text if output is not None else "",
+            status=status,
+            error=(str(error) or type(error).__name__) if error is not None else None,
+            **metrics,
+        )
+        return self.store.get_message(self.message.id)
+
+
+def _params(params: SamplingParams | None) -> SamplingParams:
+    # Imported here: localpaged.sampling pulls in torch, which the store-only CLI commands avoid.
+    from localpaged.sampling import SamplingParams
+
+    return params if params is not None else SamplingParams()
+
+
+def _replayable(history: list[MessageRecord]) -> list[dict]:
+    """The messages a prompt replays: user messages, and assistant text that was stored complete or partial."""
+    return [
+        {"role": m.role, "content": m.content}
+        for m in history
+        if m.role == "user" or (m.status in ("complete", "partial") and m.content)
+    ]
+
+
+def _drop_oldest_exchange(turns: list[dict]) -> list[dict]:
+    """Drop the first message and the replies that follow it, keeping at least the newest message."""
+    rest = 1
+    while rest < len(turns) - 1 and turns[rest]["role"] != "user":
+        rest += 1
+    return turns[rest:]
+
+
+def export_markdown(session: SessionRecord, messages: list[MessageRecord]) -> str:
+    """The conversation as Markdown: title, system prompt, then each message under its role."""
+    lines = [f"# {session.title or 'Untitled session'}", "", f"Session `{session.id}`"]
+    if session.model:
+        lines[-1] += f", model `{session.model}`"
+    if session.system:
+        lines += ["", "## System", "", session.system]
+    for m in messages:
+        if m.role not in ("user", "assistant"):
+            continue
+        heading = "## User" if m.role == "user" else "## Assistant"
+        if m.status == "partial":
+            heading += " (partial)"
+        elif m.status == "error":
+            heading += f" (error: {m.error})"
+        lines += ["", heading, "", m.content]
+    return "\n".join(lines) + "\n"

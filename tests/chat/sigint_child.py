@@ -1,0 +1,13 @@
+"""Child process of the Ctrl-C test: a plain script streaming through AsyncLLM, to be interrupted.
+
+Prints "streaming" once output flows; the parent then sends SIGINT and times the exit.
+"""
+
+from localpaged.engine.async_llm import AsyncLLM
+from localpaged.sampling import SamplingParams
+from tests.chat.fake_llm import FakeLLM
+
+engine = AsyncLLM(llm=FakeLLM(reply=lambda ids: "s" * 100_000, step_delay=0.005))
+for output in engine.iter_stream("never ending", SamplingParams(max_tokens=100_000)):
+    if len(output.text) == 3:
+        print("streaming", flush=True)

@@ -1,0 +1,198 @@
+"""The `localpaged` command: each subcommand, plain output for pipes, exit codes, clear errors.
+
+Most tests call cli.main() in-process (with a FakeLLM behind `run`); a few run the real
+console entry in a subprocess to see exactly what a person sees: no traceback, exit 2.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from localpaged import cli
+from localpaged.chat.store import ChatStore
+from localpaged.engine.async_llm import AsyncLLM
+from tests.chat.fake_llm import FakeLLM
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Keep the default database and the user's prompt folder inside the test's folder."""
+    monkeypatch.setenv("LOCALPAGED_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def engines(monkeypatch: pytest.MonkeyPatch) -> list[AsyncLLM]:
+    """Every engine `run` opens: a FakeLLM behind an AsyncLLM."""
+    opened: list[AsyncLLM] = []
+
+    def open_engine(model: str | None) -> AsyncLLM:
+        opened.append(AsyncLLM(llm=FakeLLM(reply=lambda ids: f"fake answer {len(ids)}")))
+        return opened[-1]
+
+    monkeypatch.setattr(cli, "open_engine", open_engine)
+    return opened
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "localpaged.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+
+
+def test_run_streams_the_answer_and_stores_the_turn(home: Path, engines, capsys) -> None:
+    assert cli.main(["run", "What is paging?", "--system", "Be brief.", "--max-tokens", "50"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("fake answer ") and out.endswith("\n")
+    assert "\033" not in out  # no colour into a pipe
+    (session,) = ChatStore(home / "chats.db").list_sessions()
+    assert f"--session {session.id}" in err
+    assert engines[0]._thread.is_alive() is False  # shut down on the way out
+
+    assert cli.main(["run", "And then?", "--session", session.id]) == 0
+    messages = ChatStore(home / "chats.db").messages(session.id)
+    assert [(m.role, m.status) for m in messages] == [("user", "complete"), ("assistant", "complete")] * 2
+    assert messages[0].content == "What is paging?" and messages[2].content == "And then?"
+
+
+def test_run_with_a_named_prompt_and_no_store(home: Path, engines, capsys) -> None:
+    assert cli.main(["run", "hi", "--prompt", "general", "--no-store"]) == 0
+    assert capsys.readouterr().out.startswith("fake answer")
+    assert not (home / "chats.db").exists() or ChatStore(home / "chats.db").list_sessions() == []
+
+
+def test_run_argument_errors_are_one_line(engines, capsys) -> None:
+    assert cli.main(["run", "hi", "--session", "abc", "--system", "x"]) == 2
+    assert capsys.readouterr().err.startswith("error: --system and --prompt set up new sessions")
+    assert cli.main(["run", "hi", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert cli.main(["run", "hi", "--session", "nope"]) == 2
+    assert "No session with id 'nope'" in capsys.readouterr().err
+    assert engines == []  # every one of these failed before loading a model
+
+
+def test_ctrl_c_exits_130_quietly_and_keeps_the_partial_reply(home: Path, engines, monkeypatch, capsys) -> None:
+    real_write = sys.stdout.write
+    written = []
+
+    def write_then_interrupt(text: str) -> int:
+        written.append(text)
+        if len(written) == 3:
+            raise KeyboardInterrupt
+        return real_write(text)
+
+    monkeypatch.setattr(sys.stdout, "write", write_then_interrupt)
+    assert cli.main(["run", "interrupt me"]) == 130
+    monkeypatch.undo()
+    assert capsys.readouterr().err == ""
+    assert not engines[0]._thread.is_alive()
+    (session,) = ChatStore(home / "chats.db").list_sessions()
+    user, reply = ChatStore(home / "chats.db").messages(session.id)
+    assert user.content == "interrupt me" and reply.status == "partial"
+
+
+def test_sessions_list_show_export_delete_and_search(home: Path, tmp_path: Path, capsys) -> None:
+    with ChatStore(home / "chats.db") as store:
+        session = store.create_session(title="Paging talk", system="sys")
+        store.add_message(session.id, "user", "what is a block table?")
+        store.add_message(session.id, "assistant", "it maps positions to blocks")
+
+    assert cli.main(["sessions", "list"]) == 0
+    assert capsys.readouterr().out.split("\t")[::2] == [session.id, "Paging talk\n"]
+
+    assert cli.main(["sessions", "show", session.id]) == 0
+    out = capsys.readouterr().out
+    assert "user\nwhat is a block table?" in out and "assistant\nit maps positions to blocks" in out
+
+    assert cli.main(["sessions", "export", session.id]) == 0
+    assert capsys.readouterr().out.startswith("# Paging talk\n")
+    target = tmp_path / "talk.md"
+    assert cli.main(["sessions", "export", session.id, "-o", str(target)]) == 0
+    assert "## Assistant\n\nit maps positions to blocks" in target.read_text()
+
+    assert cli.main(["search", "block table"]) == 0
+    hit = capsys.readouterr().out.strip().split("\t")
+    assert hit[:3] == [session.id, "1", "user"] and "«block»" in hit[4]
+
+    assert cli.main(["sessions", "delete", session.id]) == 0
+    assert cli.main(["sessions", "show", session.id]) == 2
+    assert "No session with id" in capsys.readouterr().err
+
+
+def test_sessions_use_the_db_option(tmp_path: Path, capsys) -> None:
+    db = tmp_path / "elsewhere.db"
+    with ChatStore(db) as store:
+        store.create_session(title="Over there")
+    assert cli.main(["sessions", "list", "--db", str(db)]) == 0
+    assert "Over there" in capsys.readouterr().out
+
+
+def test_prompts_list_and_show(capsys) -> None:
+    assert cli.main(["prompts", "list"]) == 0
+    names = [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()]
+    assert "general" in names
+    assert cli.main(["prompts", "show", "general"]) == 0
+    assert "helpful" in capsys.readouterr().out
+    assert cli.main(["prompts", "show", "no-such-prompt"]) == 2
+    assert "No prompt named 'no-such-prompt'" in capsys.readouterr().err
+
+
+def test_bench_runs_the_script_or_says_where_it_is(tmp_path: Path, monkeypatch, capsys) -> None:
+    script = tmp_path / "throughput.py"
+    script.write_text("import sys\nprint('bench args', sys.argv[1:])\n")
+    monkeypatch.setattr(cli, "BENCH_SCRIPT", script)
+    assert cli.main(["bench", "--quick"]) == 0
+    assert capsys.readouterr().out == "bench args ['--quick']\n"
+    monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "missing.py")
+    assert cli.main(["bench"]) == 2
+    assert "missing.py" in capsys.readouterr().err
+
+
+def test_chat_hands_its_options_to_the_tui(monkeypatch) -> None:
+    import types
+
+    calls = []
+    fake_app = types.ModuleType("localpaged.tui.app")
+    fake_app.run_app = lambda **kwargs: calls.append(kwargs)
+    monkeypatch.setitem(sys.modules, "localpaged.tui.app", fake_app)
+    assert cli.main(["chat", "--model", "m.gguf", "--prompt", "general", "--session", "s1", "--db", "x.db"]) == 0
+    assert calls == [{"model": "m.gguf", "prompt": "general", "session_id": "s1", "db": "x.db"}]
+
+
+# ----- what a person sees: subprocesses ------------------------------------------------------
+
+
+def test_unknown_session_is_one_clear_line_and_exit_2(home: Path) -> None:
+    ChatStore(home / "chats.db").close()
+    done = run_cli("sessions", "show", "deadbeef")
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: No session with id 'deadbeef'")
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_corrupt_database_is_reported_and_left_untouched(tmp_path: Path) -> None:
+    db = tmp_path / "chats.db"
+    garbage = b"this is not an sqlite database\x00" * 100
+    db.write_bytes(garbage)
+    done = run_cli("sessions", "list", "--db", str(db))
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: ") and "damaged or is not an SQLite file" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert db.read_bytes() == garbage
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.db"]
+
+
+def test_a_malformed_prompt_file_is_reported(home: Path) -> None:
+    folder = home / "prompts"
+    folder.mkdir()
+    (folder / "broken.md").write_text("no front matter here\njust text\n")
+    done = run_cli("prompts", "show", "broken")
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: ") and "broken.md, line 1" in done.stderr
+    assert "Traceback" not in done.stderr
