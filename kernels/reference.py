@@ -27,10 +27,12 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store ``key``/``value`` ``[N, num_kv_heads, head_dim]`` into their slots; slot -1 is skipped."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 @dataclass
@@ -41,6 +43,8 @@ class GroupPlan:
     mask: torch.Tensor  # [G, 1, max_q, max_ctx] True where the query may attend
     q_index: torch.Tensor  # [G, max_q] row of the flat query (num_q, a zero row, where padded)
     q_valid: torch.Tensor  # [G, max_q] True for real query rows
+    prefix_slots: torch.Tensor | None = None  # [P] slots of blocks every sequence of the group shares
+    bias: torch.Tensor | None = None  # the mask as 0/-inf in the queries' dtype, made by the first layer
 
 
 @dataclass
@@ -68,12 +72,26 @@ def build_plan(
     num_q = int(cu_seqlens_q[-1])
     decode = torch.nonzero(q_lens == 1).flatten()
     prefill = torch.nonzero(q_lens > 1).flatten()
-    groups = [
-        _group_plan(block_tables[idx], cu_seqlens_q[idx].long(), q_lens[idx], context_lens[idx].long(), block_size, num_q)
-        for idx in (decode, prefill)
-        if idx.numel()
-    ]
+    groups = []
+    for idx, cascade in ((decode, True), (prefill, False)):
+        if idx.numel():
+            tables, lens = block_tables[idx], context_lens[idx].long()
+            shared = _shared_blocks(tables, lens, block_size) if cascade else 0
+            groups.append(_group_plan(tables, cu_seqlens_q[idx].long(), q_lens[idx], lens, block_size, num_q, shared))
     return GatherPlan(groups=groups, num_q=num_q)
+
+
+def _shared_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> int:
+    """Leading blocks that every decoding sequence of the group holds (a shared system prompt, say).
+
+    Attention reads them once for all queries instead of once per sequence ("cascade" attention).
+    Only blocks wholly before every sequence's newest token count; one sequence alone shares nothing.
+    """
+    if block_tables.shape[0] < 2:
+        return 0
+    limit = (int(context_lens.min()) - 1) // block_size
+    same = (block_tables[:, :limit] == block_tables[:1, :limit]).all(dim=0)
+    return int(same.long().cumprod(dim=0).sum())
 
 
 def _group_plan(
@@ -83,11 +101,13 @@ def _group_plan(
     context_lens: torch.Tensor,
     block_size: int,
     num_q: int,
+    shared_blocks: int = 0,
 ) -> GroupPlan:
     device = block_tables.device
     max_ctx = int(context_lens.max())
     max_q = int(q_lens.max())
-    kv_pos = torch.arange(max_ctx, device=device)
+    first = shared_blocks * block_size  # positions before this come from prefix_slots
+    kv_pos = torch.arange(first, max_ctx, device=device)
     kv_valid = kv_pos[None, :] < context_lens[:, None]
     blocks = block_tables[:, kv_pos // block_size].long()
     slots = torch.where(kv_valid, blocks * block_size + kv_pos % block_size, 0)
@@ -98,8 +118,12 @@ def _group_plan(
     q_pos = context_lens[:, None] - q_lens[:, None] + q_off  # [G, max_q]
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
     # A padded query row attends to position 0 only, so softmax never sees an all-masked row.
-    mask |= (~q_valid[:, :, None]) & (kv_pos == 0)[None, None, :]
-    return GroupPlan(slots=slots, mask=mask[:, None], q_index=q_index, q_valid=q_valid)
+    mask |= (~q_valid[:, :, None]) & (kv_pos == first)[None, None, :]
+    prefix_slots = None
+    if shared_blocks:
+        offsets = torch.arange(block_size, device=device)
+        prefix_slots = (block_tables[0, :shared_blocks].long()[:, None] * block_size + offsets).flatten()
+    return GroupPlan(slots=slots, mask=mask[:, None], q_index=q_index, q_valid=q_valid, prefix_slots=prefix_slots)
 
 
 def paged_attention(
@@ -123,9 +147,46 @@ def paged_attention(
         qg = q_padded[g.q_index].transpose(1, 2)  # [G, H, max_q, D]
         kg = k_flat[g.slots].transpose(1, 2).to(q.dtype)  # [G, Hkv, max_ctx, D]
         vg = v_flat[g.slots].transpose(1, 2).to(q.dtype)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        if qg.shape[2] > 1:
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        else:
+            if g.bias is None or g.bias.dtype != q.dtype:
+                g.bias = torch.zeros(g.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~g.mask, float("-inf"))
+            kp = vp = None
+            if g.prefix_slots is not None:
+                kp = k_flat[g.prefix_slots].to(q.dtype)
+                vp = v_flat[g.prefix_slots].to(q.dtype)
+            og = _decode_attention(qg, kg, vg, g.bias, kp, vp, scale)
         out[g.q_index[g.q_valid]] = og.transpose(1, 2)[g.q_valid]
     return out
+
+
+# The CPU flash-attention kernel behind scaled_dot_product_attention, called directly because it
+# also returns the log-sum-exp that merging a split softmax needs.
+_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _decode_attention(q, k, v, bias, k_prefix, v_prefix, scale: float) -> torch.Tensor:
+    """Attention of one query per sequence: ``q`` ``[G, H, 1, D]``, own ``k``/``v`` ``[G, Hkv, S, D]``
+    with ``bias`` ``[G, 1, 1, S]`` (0 or -inf).
+
+    GQA is folded rather than expanded: the query heads of a KV head become the query-length axis,
+    so K/V are never repeated. With a shared prefix (``k_prefix``/``v_prefix`` ``[P, Hkv, D]``) the
+    prefix is attended once, by every query of the group in one call, and merged with each
+    sequence's own part by log-sum-exp.
+    """
+    g, h, _, d = q.shape
+    hkv = k.shape[1]
+    q4 = q.reshape(g, hkv, h // hkv, d)
+    out, lse = _flash_with_lse(q4, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    if k_prefix is not None:
+        q_all = q4.transpose(0, 1).reshape(1, hkv, -1, d)
+        out_pre, lse_pre = _flash_with_lse(q_all, k_prefix.transpose(0, 1)[None], v_prefix.transpose(0, 1)[None], 0.0, False, scale=scale)
+        out_pre = out_pre.reshape(hkv, g, -1, d).transpose(0, 1)
+        lse_pre = lse_pre.reshape(hkv, g, -1).transpose(0, 1)
+        lse_all = torch.logaddexp(lse, lse_pre)
+        out = out * torch.exp(lse - lse_all)[..., None] + out_pre * torch.exp(lse_pre - lse_all)[..., None]
+    return out.reshape(g, h, 1, d).to(q.dtype)  # lse is fp32 for half types
 
 
 def paged_prefill(

@@ -53,9 +53,10 @@ class TritonAttention:
         pass
 
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._write(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)  # kernels want dense rows
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        q = q.contiguous()
         if meta.max_q_len == 1:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         return self._prefill(

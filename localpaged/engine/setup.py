@@ -47,6 +47,8 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
+        # The CPU default is fp32 by measurement: on a CPU without AVX512-BF16 (this one), bf16 matmuls
+        # of decode-sized batches run ~3.5x slower than fp32 (engine: 20.5 vs 92.7 tok/s, 16 sessions).
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
 
@@ -74,6 +76,7 @@ def build_engine_parts(config: EngineConfig, progress=None) -> EngineParts:
     progress = progress or (lambda message, fraction: None)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    config.device, config.dtype = str(device), str(dtype).removeprefix("torch.")  # what "auto" became
     if config.num_threads and device.type == "cpu":
         torch.set_num_threads(config.num_threads)
     files = resolve_model(config.model, progress)

@@ -40,6 +40,28 @@ def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
     raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported; supported: default, linear, llama3")
 
 
+class Linear(nn.Linear):
+    """nn.Linear that, on the CPU and for the few rows of a decode step, computes ``(W @ x.T).T``.
+
+    MKL's GEMM is about 1.8x faster in that orientation for 1-128 rows, and decode steps are such
+    rows. A very tall weight (the LM head: 49152 rows) goes in slices of ``ROW_SLICE`` rows, which
+    keeps each slice's working set in cache (measured here, 16 rows: 39 ms as F.linear, 26 ms
+    transposed, 20 ms sliced).
+    """
+
+    ROW_SLICE = 1024
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.shape[0] > 128:
+            return F.linear(x, self.weight, self.bias)
+        xt = x.t()
+        if self.weight.shape[0] > 8 * self.ROW_SLICE:
+            out = torch.cat([torch.mm(w, xt) for w in self.weight.split(self.ROW_SLICE)]).t()
+        else:
+            out = torch.mm(self.weight, xt).t()
+        return out + self.bias if self.bias is not None else out
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -47,6 +69,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel; same result as the general path below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -67,20 +91,18 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = nn.Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * head_dim, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
+        self.qkv_proj = Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * head_dim, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
         self.attention = attention
         self.k_cache: torch.Tensor | None = None  # bound by the runner to this layer's slice of the pool
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1
-        )
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
+        qk = apply_rope(qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # q and k in one go
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         self.attention.write_kv(k, v, self.k_cache, self.v_cache, meta)
         out = self.attention.forward(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
@@ -90,8 +112,8 @@ class MLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -119,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, attention) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("rope_cos", torch.empty(max_positions, self.head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_positions, self.head_dim // 2), persistent=False)
         self.init_rope()

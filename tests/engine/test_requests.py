@@ -141,3 +141,14 @@ def test_prefix_cache_serves_shared_system_prompt(llm):
     out = llm.generate([b], GREEDY)[0]
     assert out.metrics.cached_tokens == shared // 16 * 16 > 0
     assert llm.stats()["prefix_hit_rate"] > 0
+
+
+def test_half_precision_engine_runs(tiny_model_path):
+    """bf16 weights and KV take the same paths (the decode cascade merges in fp32 and casts back)."""
+    llm = LLM(str(tiny_model_path), dtype="bfloat16", device=DEVICE, kv_cache_memory="16MiB", max_model_len=256)
+    system = [{"role": "system", "content": "Shared words. " * 20}]
+    prompts = [llm.encode_chat(system + [{"role": "user", "content": q}]) for q in ("a", "b", "c")]
+    llm.generate(prompts[:1], GREEDY)
+    outs = llm.generate(prompts, GREEDY)
+    assert all(len(o.token_ids) == 8 for o in outs) and outs[1].metrics.cached_tokens > 0
+    assert llm.stats()["blocks_used"] == 0
