@@ -1,0 +1,115 @@
+"""A fake engine with AsyncLLM's surface, so the real Session and ChatStore run in TUI tests.
+
+Prompts are "tokenised" as UTF-8 bytes of a tiny chat template, so the fake can read back
+the last user message and answer it from a script, a word at a time with a small delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
+from localpaged.errors import RequestError
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class FakeConfig:
+    max_model_len: int = 4096
+    device: str = "cpu"
+    block_size: int = BLOCK_SIZE
+
+
+@dataclass
+class FakeEngine:
+    """Answers `replies[user text]` (or `default(user text)`), `delay` seconds per word.
+
+    With `hold_at` set, every reply pauses after that many words until `release()`: tests
+    then see replies mid-stream however slow the machine is.
+    """
+
+    replies: dict[str, str] = field(default_factory=dict)
+    default: Callable[[str], str] = lambda text: f"You said: **{text}**."
+    delay: float = 0.01
+    hold_at: int | None = None
+    blocks_total: int = 96
+    model_name: str = "fake-135M"
+    config: FakeConfig = field(default_factory=FakeConfig)
+    prompts: list[list[int]] = field(default_factory=list)
+    shut_down: bool = False
+    _aborted: set[str] = field(default_factory=set)
+    _running: set[str] = field(default_factory=set)
+
+    def release(self) -> None:
+        """Let held replies run to their end."""
+        self.hold_at = None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages) + "<|assistant|>"
+        return list(text.encode())
+
+    def last_user_text(self, prompt: list[int]) -> str:
+        turns = re.findall(r"<\|user\|>(.*?)<\|end\|>", bytes(prompt).decode(), re.S)
+        return turns[-1] if turns else ""
+
+    async def stream(self, prompt: list[int], params: object = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        request_id = request_id or f"req-{len(self.prompts)}"
+        if request_id in self._running:
+            raise RequestError(f"request id {request_id!r} is already in flight")
+        self.prompts.append(list(prompt))
+        self._running.add(request_id)
+        text = self.last_user_text(prompt)
+        words = re.findall(r"\s*\S+", self.replies.get(text, None) or self.default(text))
+        start, first, out = time.monotonic(), None, ""
+        try:
+            for i, word in enumerate(words):
+                await asyncio.sleep(self.delay)
+                while self.hold_at is not None and i >= self.hold_at and request_id not in self._aborted:
+                    await asyncio.sleep(0.01)
+                if request_id in self._aborted:
+                    yield self._output(request_id, prompt, out, "", i, start, first, "abort")
+                    return
+                first = first or time.monotonic()
+                out += word
+                last = i == len(words) - 1
+                yield self._output(request_id, prompt, out, word, i + 1, start, first, "stop" if last else None)
+        finally:
+            self._running.discard(request_id)
+            self._aborted.discard(request_id)
+
+    def _output(self, request_id: str, prompt: list[int], text: str, delta: str, n: int,
+                start: float, first: float | None, reason: str | None) -> RequestOutput:
+        elapsed = time.monotonic() - (first or start)
+        metrics = RequestMetrics(
+            ttft_s=None if first is None else round(first - start, 3), prompt_tokens=len(prompt),
+            cached_tokens=0, generated_tokens=n, decode_tokens_per_s=n / elapsed if elapsed > 0 else None,
+        )
+        return RequestOutput(request_id, list(prompt), list(range(n)), text, delta,
+                             reason is not None, reason, metrics)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id not in self._running:
+            raise RequestError(f"no request {request_id!r} is in flight")
+        self._aborted.add(request_id)
+
+    def stats(self) -> dict:
+        return {
+            "blocks_total": self.blocks_total, "blocks_used": 12 + 4 * len(self._running),
+            "blocks_cached": 6, "blocks_shared": 3, "prefix_hit_rate": 0.5,
+            "running": len(self._running), "waiting": 0, "tokens_per_s": 0.0 if not self._running else 42.0,
+        }
+
+    def kv_map(self, token_ids: list[int] | None = None) -> KVMap:
+        """A fixed picture: 3 shared, 9 used, 6 cached, the rest free; the chat's first blocks lit."""
+        states = [2] * 3 + [1] * 9 + [3] * 6 + [0] * (self.blocks_total - 18)
+        highlight = list(range(min(len(token_ids or []) // BLOCK_SIZE, 12)))
+        return KVMap(states, highlight, BLOCK_SIZE, 4096, 3 * 4096)
+
+    def shutdown(self) -> None:
+        self.shut_down = True

@@ -1,0 +1,34 @@
+"""Helpers for Pilot tests: wait for a condition, reach the chat screen, send a message."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from localpaged.tui.screens.main import MainScreen
+
+NOW = 1_750_000_000.0  # a fixed "now" for the sidebar's ages
+
+
+async def wait_for(pilot, condition: Callable[[], object], timeout: float = 10.0) -> None:
+    """Let the app run until `condition()` holds; fail with the condition's source otherwise."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {condition.__code__.co_names}")
+        await pilot.pause(0.02)
+
+
+async def main_screen(pilot) -> MainScreen:
+    """Wait until the engine is up and the chat screen is showing."""
+    await wait_for(pilot, lambda: any(isinstance(s, MainScreen) for s in pilot.app.screen_stack))
+    await pilot.pause()
+    return next(s for s in pilot.app.screen_stack if isinstance(s, MainScreen))
+
+
+async def send(pilot, text: str) -> None:
+    """Put `text` in the chat input and press enter (typing key by key is slow under load)."""
+    box = pilot.app.screen.query_one("#input")
+    box.focus()
+    box.text = text
+    await pilot.press("enter")

@@ -1,0 +1,114 @@
+"""A chat's generation, owned by the session rather than by whatever widget shows it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from textual.app import App
+from textual.message import Message
+from textual.message_pump import MessagePump
+from textual.worker import Worker
+
+from localpaged.tui.widgets.status_line import ChatFigures
+
+Phase = Literal["start", "grow", "done"]
+
+
+class ReplyActivity(Message):
+    """A chat started, extended or finished a reply (posted for every chat, shown or not)."""
+
+    def __init__(self, chat: LiveChat, phase: Phase) -> None:
+        super().__init__()
+        self.chat = chat
+        self.phase = phase
+
+
+class LiveChat:
+    """One session and the reply it is generating.
+
+    The generation runs as an app-level worker and accumulates its text here, so a chat keeps
+    growing while another one is on screen; the screen asks for `reply` when it shows the chat
+    again. `before` is what the chat held when the reply started (plus the user's new message),
+    so the screen can draw a chat mid-reply without relying on how the session stores partials.
+    """
+
+    def __init__(self, session: Any, app: App, target: MessagePump) -> None:
+        self.session = session
+        self.app = app
+        self.target = target
+        self.reply = ""
+        self.error: str | None = None
+        self.stopped = False
+        self.before: list[tuple[str, str]] = []
+        self.worker: Worker[None] | None = None
+        self._running = False
+        self.context_tokens = 0  # refreshed off the UI thread: counting takes the engine lock
+        self.stored_figures: tuple[float | None, float | None] = (None, None)  # of the last stored reply
+        self._started = 0.0
+        self._first: float | None = None
+        self._chunks = 0
+
+    @property
+    def generating(self) -> bool:
+        return self._running
+
+    def visible_history(self) -> list[Any]:
+        """The stored messages a user sees (the system prompt is shown in the title bar)."""
+        return [m for m in self.session.history if m.role != "system"]
+
+    def send(self, text: str) -> None:
+        """Store `text` as the user's message and stream the reply."""
+        self.before = [(m.role, m.content) for m in self.visible_history()] + [("user", text)]
+        self._run(self.session.astream(text))
+
+    def regenerate(self) -> None:
+        """Replace the last reply with a fresh one."""
+        shown = [(m.role, m.content) for m in self.visible_history()]
+        while shown and shown[-1][0] == "assistant":
+            shown.pop()
+        self.before = shown
+        self._run(self.session.aregenerate())
+
+    async def stop(self) -> None:
+        """Stop generating; the partial reply stays in the chat, marked as such."""
+        if self.generating:
+            self.stopped = True
+            await self.session.stop()
+
+    def figures(self) -> ChatFigures:
+        """Live tok/s and time to first token while generating, the engine's figures after."""
+        max_len = self.session.engine.config.max_model_len
+        if self.generating:
+            now = time.monotonic()
+            ttft = None if self._first is None else self._first - self._started
+            rate = None if self._first is None or now <= self._first else self._chunks / (now - self._first)
+            return ChatFigures(rate, ttft, self.context_tokens + self._chunks, max_len)
+        metrics = self.session.last_metrics
+        if metrics is None:  # reopened from the store: show what its last reply achieved
+            return ChatFigures(*self.stored_figures, self.context_tokens, max_len)
+        return ChatFigures(metrics.decode_tokens_per_s, metrics.ttft_s, self.context_tokens, max_len)
+
+    def _run(self, deltas: AsyncIterator[str]) -> None:
+        self.reply, self.error, self.stopped = "", None, False
+        self._started, self._first, self._chunks = time.monotonic(), None, 0
+        self._running = True
+        self.worker = self.app.run_worker(
+            self._consume(deltas), name=f"reply-{self.session.id}", group="replies", exit_on_error=False
+        )
+
+    async def _consume(self, deltas: AsyncIterator[str]) -> None:
+        self.target.post_message(ReplyActivity(self, "start"))
+        try:
+            async for delta in deltas:
+                if self._first is None:
+                    self._first = time.monotonic()
+                self._chunks += 1
+                self.reply += delta
+                self.target.post_message(ReplyActivity(self, "grow"))
+        except Exception as err:  # shown to the user; the app must outlive a failed request
+            self.error = str(err) or type(err).__name__
+        finally:
+            self._running = False
+            self.target.post_message(ReplyActivity(self, "done"))

@@ -1,0 +1,268 @@
+"""The chat screen: sidebar of chats, the open chat, input, status line and KV map."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Label
+
+from localpaged.chat.session import Session
+from localpaged.tui.actions import ChatActions
+from localpaged.tui.live import LiveChat, ReplyActivity
+from localpaged.tui.widgets.bubble import MessageBubble, metrics_note
+from localpaged.tui.widgets.chat_input import ChatInput
+from localpaged.tui.widgets.kv_map import KVMapPanel
+from localpaged.tui.widgets.message_list import MessageList
+from localpaged.tui.widgets.sidebar import SessionEntry, SessionList
+from localpaged.tui.widgets.status_line import StatusLine
+
+REFRESH_S = 0.5
+
+
+class MainScreen(ChatActions):
+    """Coordinates the widgets; every generation lives in a `LiveChat`, never in a widget."""
+
+    BINDINGS = [
+        Binding("ctrl+n", "new_chat", "New chat", id="new_chat"),
+        Binding("escape", "stop", "Stop", id="stop"),
+        Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
+        Binding("ctrl+f", "search", "Search", id="search"),
+        Binding("ctrl+g", "toggle_kv_map", "KV map", id="kv_map"),
+        Binding("ctrl+s", "export", "Export to Markdown", id="export", show=False),
+        Binding("f2", "rename", "Rename chat", id="rename", show=False),
+        Binding("f8", "delete", "Delete chat", id="delete", show=False),
+        Binding("ctrl+up", "next_chat(-1)", "Previous chat", id="previous_chat", show=False),
+        Binding("ctrl+down", "next_chat(1)", "Next chat", id="next_chat", show=False),
+        *(Binding(f"alt+{n}", f"open_nth({n - 1})", f"Chat {n}", id=f"chat_{n}", show=False)
+          for n in range(1, 10)),
+    ]
+
+    def __init__(self, engine: Any, store: Any, clock: Any, open_id: str | None = None) -> None:
+        super().__init__()
+        self.engine = engine
+        self.store = store
+        self.clock = clock
+        self.chats: dict[str, LiveChat] = {}
+        self.open_id: str | None = None
+        self.live_bubble: MessageBubble | None = None
+        self._first_open = open_id
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="body"):
+            yield SessionList(id="sidebar")
+            with Vertical(id="chat-pane"):
+                yield Label(id="chat-title", markup=False)
+                yield MessageList(id="messages")
+                yield ChatInput(id="input")
+            yield KVMapPanel(id="kv-map")
+        yield StatusLine(id="status")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        self.refresh_sidebar()
+        first = self._first_open or next(iter(e.id for e in self.sidebar.entries), None)
+        if first is not None:
+            await self.open(first)
+        else:
+            self.show_title()
+        self.query_one(ChatInput).focus()
+        self.set_interval(REFRESH_S, self.refresh_figures)
+        self.refresh_figures()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Stop only while the open chat generates, regenerate only while it does not (else dimmed)."""
+        chat = self.current
+        if action == "stop":
+            return True if chat is not None and chat.generating else None
+        if action == "regenerate":
+            return True if chat is not None and not chat.generating else None
+        return True
+
+    # ----- helpers ------------------------------------------------------------------
+
+    @property
+    def sidebar(self) -> SessionList:
+        return self.query_one(SessionList)
+
+    @property
+    def messages(self) -> MessageList:
+        return self.query_one(MessageList)
+
+    @property
+    def current(self) -> LiveChat | None:
+        return self.chats.get(self.open_id) if self.open_id else None
+
+    def chat(self, session_id: str) -> LiveChat:
+        """The live chat of a session, loaded from the store on first use."""
+        if session_id not in self.chats:
+            self.adopt(Session.load(self.engine, self.store, session_id))
+        return self.chats[session_id]
+
+    def adopt(self, session: Session) -> LiveChat:
+        self.chats[session.id] = LiveChat(session, self.app, self)
+        return self.chats[session.id]
+
+    def refresh_sidebar(self) -> None:
+        """Re-read titles and activity times; newest first, live chats marked."""
+        entries = [
+            SessionEntry(r.id, r.title or "", r.updated, r.id in self.chats and self.chats[r.id].generating)
+            for r in self.store.list_sessions()
+        ]
+        self.sidebar.set_entries(entries, self.clock())
+        if self.open_id:
+            self.sidebar.select(self.open_id)
+
+    def show_title(self) -> None:
+        chat = self.current
+        if chat is None:
+            text = "New chat — type below to start, ctrl+n to pick a system prompt"
+        else:
+            prompt = chat.session.prompt_name or ("custom system prompt" if chat.session.system else "no system prompt")
+            text = f"{chat.session.title or 'Untitled'}  ·  {prompt}"
+        self.query_one("#chat-title", Label).update(text)
+
+    async def open(self, session_id: str) -> None:
+        """Show a chat: its stored messages, and its reply so far if it is still generating."""
+        chat = self.chat(session_id)
+        self.open_id = session_id
+        self.sidebar.select(session_id)
+        self.show_title()
+        if chat.generating:
+            bubbles = [MessageBubble(role, text) for role, text in chat.before]
+            self.live_bubble = MessageBubble("assistant", chat.reply, note="generating…")
+            bubbles.append(self.live_bubble)
+        else:
+            self.live_bubble = None
+            bubbles = [MessageBubble(m.role, m.content, m.id, m.status, metrics_note(m))
+                       for m in chat.visible_history()]
+        await self.messages.show(bubbles)
+        self.refresh_bindings()
+        self.refresh_figures()
+
+    async def start_reply(self, chat: LiveChat, text: str | None) -> bool:
+        """Send `text` (or regenerate when None) and, if the chat is open, show the reply growing."""
+        if chat.generating:
+            self.notify("This chat is still replying; press escape to stop it first.", severity="warning")
+            return False
+        if chat.session.id == self.open_id:
+            if text is not None:
+                await self.messages.add(MessageBubble("user", text))
+            self.live_bubble = MessageBubble("assistant", "", note="generating…")
+            await self.messages.add(self.live_bubble)
+        chat.send(text) if text is not None else chat.regenerate()
+        return True
+
+    # ----- reply activity -------------------------------------------------------------
+
+    async def on_reply_activity(self, event: ReplyActivity) -> None:
+        chat = event.chat
+        shown = chat.session.id == self.open_id and self.live_bubble is not None
+        if event.phase == "grow" and shown:
+            await self.live_bubble.grow(chat.reply)
+        elif event.phase == "done":
+            if chat.error:
+                self.notify(chat.error, title="Reply failed", severity="error", timeout=8)
+            if shown:
+                await self.finish_shown(chat)
+            self.show_title()
+        if event.phase != "grow":
+            self.refresh_sidebar()
+            self.refresh_bindings()
+
+    async def finish_shown(self, chat: LiveChat) -> None:
+        """Render the finished reply in full and give the bubbles their stored ids."""
+        history = chat.visible_history()
+        bubbles = self.messages.bubbles
+        reply = chat.session.last_reply
+        if chat.error or reply is None or len(history) != len(bubbles):
+            await self.open(chat.session.id)  # the turn did not go as drawn: redraw from the store
+            return
+        assert self.live_bubble is not None
+        await self.live_bubble.finish(reply.content, reply.status, reply.id, metrics_note(reply))
+        self.live_bubble = None
+        for bubble, record in zip(bubbles, history):
+            bubble.message_id, bubble.status = record.id, record.status
+
+    # ----- figures (read off the UI thread: the engine lock is held during each step) --
+
+    @work(thread=True, exclusive=True, group="figures")
+    def refresh_figures(self) -> None:
+        chat = self.current
+        kv_visible = self.query_one(KVMapPanel).display
+        stats = self.engine.stats()
+        tokens: list[int] | None = None
+        if chat is not None:
+            history = chat.visible_history()
+            messages = ([{"role": "system", "content": chat.session.system}] if chat.session.system else [])
+            messages += [{"role": m.role, "content": m.content} for m in history if m.content]
+            tokens = self.engine.encode_chat(messages) if messages else []
+            if not chat.generating:
+                chat.context_tokens = len(tokens)
+            replies = [m for m in history if m.role == "assistant"]
+            if replies:
+                chat.stored_figures = (replies[-1].tokens_per_s, replies[-1].ttft_s)
+        kv_map = self.engine.kv_map(tokens) if kv_visible else None
+        self.app.call_from_thread(self.show_figures, stats, kv_map)
+
+    def show_figures(self, stats: dict, kv_map: Any) -> None:
+        chat = self.current
+        figures = chat.figures() if chat else None
+        self.query_one(StatusLine).show(self.engine.model_name, self.engine.config.device, stats, figures)
+        if kv_map is not None:
+            self.query_one(KVMapPanel).show(kv_map, stats)
+        if chat is not None and chat.generating and self.live_bubble is not None and figures:
+            rate = "–" if figures.tokens_per_s is None else f"{figures.tokens_per_s:.1f}"
+            self.live_bubble.set_note(f"generating… {rate} tok/s")
+
+    # ----- events from widgets --------------------------------------------------------
+
+    async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
+        chat = self.current
+        if chat is None:
+            chat = self.adopt(Session.new(self.engine, self.store))
+            await self.open(chat.session.id)
+        if not await self.start_reply(chat, event.text):
+            self.query_one(ChatInput).text = event.text  # keep what was typed for later
+
+    async def on_option_list_option_selected(self, event: SessionList.OptionSelected) -> None:
+        if event.option_list is self.sidebar and event.option.id and event.option.id != self.open_id:
+            await self.open(event.option.id)
+
+    # ----- actions (those with a dialog are in ChatActions) --------------------------
+
+    async def action_stop(self) -> None:
+        chat = self.current
+        if chat is not None and chat.generating:
+            await chat.stop()
+
+    async def action_regenerate(self) -> None:
+        chat = self.current
+        if chat is None or not any(m.role == "user" for m in chat.visible_history()):
+            self.notify("Nothing to regenerate yet.", severity="warning")
+            return
+        if not chat.generating:
+            for bubble in reversed(self.messages.bubbles):
+                if bubble.role != "assistant":
+                    break
+                await bubble.remove()
+        await self.start_reply(chat, None)
+
+    def action_toggle_kv_map(self) -> None:
+        panel = self.query_one(KVMapPanel)
+        panel.display = not panel.display
+        self.refresh_figures()
+
+    async def action_next_chat(self, step: int) -> None:
+        ids = [e.id for e in self.sidebar.entries]
+        if ids:
+            index = ids.index(self.open_id) + step if self.open_id in ids else 0
+            await self.open(ids[index % len(ids)])
+
+    async def action_open_nth(self, index: int) -> None:
+        entries = self.sidebar.entries
+        if index < len(entries):
+            await self.open(entries[index].id)

@@ -1,0 +1,78 @@
+"""The KV block pool drawn as a grid of coloured cells."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.content import Content
+from textual.widgets import Static
+
+FREE, USED, SHARED, CACHED = 0, 1, 2, 3
+HIGHLIGHT = 4  # drawn over any state: the open chat's blocks
+CELL = "■"
+# One style per state; the order of STATES is also the priority when several blocks share a cell.
+STATES = {
+    FREE: ("free", "$foreground 20%"),
+    CACHED: ("cached", "$warning"),
+    USED: ("in use", "$primary"),
+    SHARED: ("shared", "$success"),
+    HIGHLIGHT: ("this chat", "bold $error"),
+}
+PRIORITY = list(STATES)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def cells(states: list[int], highlight: list[int], count: int) -> list[int]:
+    """Fold the pool into at most `count` cells, each showing its most notable block."""
+    marked = list(states)
+    for block in highlight:
+        if 0 <= block < len(marked):
+            marked[block] = HIGHLIGHT
+    per_cell = max(1, -(-len(marked) // max(count, 1)))
+    return [max(marked[i:i + per_cell], key=PRIORITY.index) for i in range(0, len(marked), per_cell)]
+
+
+class KVMapPanel(VerticalScroll):
+    """Free, in-use, cached and shared blocks, with the open chat's blocks picked out.
+
+    A big pool is folded so that the grid fits the panel: a cell then stands for several
+    blocks and takes the colour of the most notable one among them.
+    """
+
+    MAX_ROWS = 24
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="kv-grid")
+        yield Static(id="kv-legend")
+        yield Static(id="kv-figures")
+
+    def show(self, kv_map: Any, stats: dict) -> None:
+        """Redraw from an engine `KVMap` and `stats()`."""
+        width = max(self.content_size.width, 8)
+        grid = cells(kv_map.states, kv_map.highlight, width * self.MAX_ROWS)
+        rows = [grid[i:i + width] for i in range(0, len(grid), width)]
+        self.query_one("#kv-grid", Static).update(Content("\n").join(
+            Content.assemble(*((CELL, STATES[c][1]) for c in row)) for row in rows
+        ))
+        per_cell = -(-len(kv_map.states) // max(len(grid), 1))
+        legend = [Content.assemble((CELL, style), f" {name}") for name, style in STATES.values()]
+        if per_cell > 1:
+            legend.append(Content(f"(1 cell = {per_cell} blocks)"))
+        self.query_one("#kv-legend", Static).update(Content("  ").join(legend))
+        self.query_one("#kv-figures", Static).update(
+            f"blocks {stats.get('blocks_used', 0)} used / {stats.get('blocks_total', len(kv_map.states))} total"
+            f" · {stats.get('blocks_cached', 0)} cached · {stats.get('blocks_shared', 0)} shared\n"
+            f"this chat {len(kv_map.highlight)} blocks"
+            f" ({len(kv_map.highlight) * kv_map.block_size} tokens)"
+            f" · saved by sharing {human_bytes(kv_map.bytes_saved)}"
+            f" · block {kv_map.block_size} tokens, {human_bytes(kv_map.block_bytes)}"
+        )

@@ -1,0 +1,55 @@
+"""The line of live engine and chat figures above the footer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.content import Content
+from textual.widgets import Static
+
+BAR_WIDTH = 12
+
+
+@dataclass(frozen=True)
+class ChatFigures:
+    """The open chat's own figures; None where there is nothing to show yet."""
+
+    tokens_per_s: float | None
+    ttft_s: float | None
+    context_tokens: int
+    max_context: int
+
+
+def bar(fraction: float, width: int = BAR_WIDTH) -> str:
+    """A text bar with eighth-cell resolution, e.g. '███▌        '."""
+    eighths = round(max(0.0, min(1.0, fraction)) * width * 8)
+    full, rest = divmod(eighths, 8)
+    partial = " ▏▎▍▌▋▊▉"[rest] if full < width else ""
+    return ("█" * full + partial).ljust(width)
+
+
+def _num(value: float | None, fmt: str, unit: str) -> str:
+    return "–" if value is None else f"{value:{fmt}}{unit}"
+
+
+class StatusLine(Static):
+    """Model, device, queue, throughput, context and KV pool use, redrawn on a timer."""
+
+    def show(self, model: str, device: str, stats: dict, chat: ChatFigures | None) -> None:
+        """First row: the engine and its block pool; second row: the open chat and the prefix cache."""
+        total = max(int(stats.get("blocks_total", 0)), 1)
+        used = int(stats.get("blocks_used", 0))
+        engine = Content(" │ ").join([
+            Content.from_markup("[b]$model[/b] on $device", model=model, device=device),
+            Content(f"running {stats.get('running', 0)} · waiting {stats.get('waiting', 0)}"),
+            Content(f"all chats {_num(stats.get('tokens_per_s'), '.1f', ' tok/s')}"),
+            Content.from_markup("KV [$accent on $panel-lighten-1]$bar[/] $pct% of $total blocks",
+                                bar=bar(used / total), pct=f"{100 * used / total:.0f}", total=str(total)),
+        ])
+        this = Content("no chat open") if chat is None else Content(
+            f"this chat {_num(chat.tokens_per_s, '.1f', ' tok/s')} · first token {_num(chat.ttft_s, '.2f', ' s')}"
+            f" · context {chat.context_tokens} of {chat.max_context} tokens"
+        )
+        cache = Content(f"prefix cache hits {100 * float(stats.get('prefix_hit_rate', 0.0)):.0f}%"
+                        f" · {stats.get('blocks_shared', 0)} shared blocks")
+        self.update(Content("\n").join([engine, Content(" │ ").join([this, cache])]))
