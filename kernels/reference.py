@@ -39,11 +39,11 @@ def write_kv(
 class GroupPlan:
     """Gather indices for one group of sequences that share a padded query length."""
 
-    slots: torch.Tensor  # [G, max_ctx] flat KV slot of every position (0 where padded)
+    blocks: torch.Tensor  # [G, nb] block of each 16-token span from `first` on (0 where padded)
     mask: torch.Tensor  # [G, 1, max_q, max_ctx] True where the query may attend
     q_index: torch.Tensor  # [G, max_q] row of the flat query (num_q, a zero row, where padded)
     q_valid: torch.Tensor  # [G, max_q] True for real query rows
-    prefix_slots: torch.Tensor | None = None  # [P] slots of blocks every sequence of the group shares
+    prefix_blocks: torch.Tensor | None = None  # [P] blocks every sequence of the group shares
     bias: torch.Tensor | None = None  # the mask as 0/-inf in the queries' dtype, made by the first layer
 
 
@@ -106,11 +106,14 @@ def _group_plan(
     device = block_tables.device
     max_ctx = int(context_lens.max())
     max_q = int(q_lens.max())
-    first = shared_blocks * block_size  # positions before this come from prefix_slots
-    kv_pos = torch.arange(first, max_ctx, device=device)
+    # Whole blocks are gathered (one 16-token copy each, not 16 single-token ones); positions
+    # before `first` are the shared prefix, read separately.
+    first = shared_blocks * block_size
+    block_idx = torch.arange(shared_blocks, -(-max_ctx // block_size), device=device)
+    blocks = block_tables[:, block_idx].long()
+    blocks = torch.where(block_idx[None, :] * block_size < context_lens[:, None], blocks, 0)
+    kv_pos = torch.arange(first, int(block_idx[-1] + 1) * block_size, device=device)
     kv_valid = kv_pos[None, :] < context_lens[:, None]
-    blocks = block_tables[:, kv_pos // block_size].long()
-    slots = torch.where(kv_valid, blocks * block_size + kv_pos % block_size, 0)
 
     q_off = torch.arange(max_q, device=device)
     q_valid = q_off[None, :] < q_lens[:, None]
@@ -119,11 +122,8 @@ def _group_plan(
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
     # A padded query row attends to position 0 only, so softmax never sees an all-masked row.
     mask |= (~q_valid[:, :, None]) & (kv_pos == first)[None, None, :]
-    prefix_slots = None
-    if shared_blocks:
-        offsets = torch.arange(block_size, device=device)
-        prefix_slots = (block_tables[0, :shared_blocks].long()[:, None] * block_size + offsets).flatten()
-    return GroupPlan(slots=slots, mask=mask[:, None], q_index=q_index, q_valid=q_valid, prefix_slots=prefix_slots)
+    prefix = block_tables[0, :shared_blocks].long() if shared_blocks else None
+    return GroupPlan(blocks=blocks, mask=mask[:, None], q_index=q_index, q_valid=q_valid, prefix_blocks=prefix)
 
 
 def paged_attention(
@@ -135,27 +135,25 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of the flat queries ``q`` ``[num_q, num_heads, head_dim]`` over the block pool.
 
-    Padding positions read slot 0 and are masked out, so every slot must hold finite values
-    (a NaN would survive the mask as 0 * NaN): the engine allocates its cache zeroed.
+    Padding positions read block 0 (and the unused tail of a sequence's last block) and are
+    masked out, so every slot must hold finite values (a NaN would survive the mask as 0 * NaN):
+    the engine allocates its cache zeroed.
     """
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     q_padded = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
     out = torch.empty_like(q)
     for g in plan.groups:
         qg = q_padded[g.q_index].transpose(1, 2)  # [G, H, max_q, D]
-        kg = k_flat[g.slots].transpose(1, 2).to(q.dtype)  # [G, Hkv, max_ctx, D]
-        vg = v_flat[g.slots].transpose(1, 2).to(q.dtype)
+        kg = k_cache[g.blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [G, Hkv, positions, D]
+        vg = v_cache[g.blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
         if qg.shape[2] > 1:
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
         else:
             if g.bias is None or g.bias.dtype != q.dtype:
                 g.bias = torch.zeros(g.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~g.mask, float("-inf"))
             kp = vp = None
-            if g.prefix_slots is not None:
-                kp = k_flat[g.prefix_slots].to(q.dtype)
-                vp = v_flat[g.prefix_slots].to(q.dtype)
+            if g.prefix_blocks is not None:
+                kp = k_cache[g.prefix_blocks].flatten(0, 1).to(q.dtype)
+                vp = v_cache[g.prefix_blocks].flatten(0, 1).to(q.dtype)
             og = _decode_attention(qg, kg, vg, g.bias, kp, vp, scale)
         out[g.q_index[g.q_valid]] = og.transpose(1, 2)[g.q_valid]
     return out

@@ -52,7 +52,7 @@ def test_matches_naive_attention(shared_blocks, lens, q_lens):
 
     plan = reference.build_plan(tables_t, cu, lens_t, BS)
     decode_group = plan.groups[0]
-    assert (decode_group.prefix_slots is not None) == (shared_blocks > 0)
+    assert (decode_group.prefix_blocks is not None) == (shared_blocks > 0)
     got = reference.paged_attention(q, k_cache, v_cache, plan, 0.2)
     want = naive(q, k_cache, v_cache, tables, cu, lens, 0.2)
     assert torch.allclose(got, want, atol=1e-10)
