@@ -13,7 +13,7 @@ from textual.worker import Worker
 
 from localpaged.tui.widgets.status_line import ChatFigures
 
-Phase = Literal["start", "grow", "done"]
+Phase = Literal["start", "first", "grow", "done"]  # "first": the first text arrived (the chat has its title)
 
 
 class ReplyActivity(Message):
@@ -102,11 +102,12 @@ class LiveChat:
         self.target.post_message(ReplyActivity(self, "start"))
         try:
             async for delta in deltas:
-                if self._first is None:
-                    self._first = time.monotonic()
                 self._chunks += 1
                 self.reply += delta
                 self.target.post_message(ReplyActivity(self, "grow"))
+                if self._first is None:
+                    self._first = time.monotonic()
+                    self.target.post_message(ReplyActivity(self, "first"))
         except Exception as err:  # shown to the user; the app must outlive a failed request
             self.error = str(err) or type(err).__name__
         finally:

@@ -168,8 +168,8 @@ class MainScreen(ChatActions):
                 self.notify(chat.error, title="Reply failed", severity="error", timeout=8)
             if shown:
                 await self.finish_shown(chat)
+        if event.phase != "grow":  # a first message names the chat as its reply starts
             self.show_title()
-        if event.phase != "grow":
             self.refresh_sidebar()
             self.refresh_bindings()
 
