@@ -164,6 +164,7 @@ def cmd_run(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()  # before the note on stderr, so a terminal shows them in order
     if session.warning:
         print(f"warning: {session.warning}", file=sys.stderr)
     if not args.no_store:
