@@ -15,6 +15,15 @@ def seq(rid: str, tokens: list[int]) -> Sequence:
     return Sequence(rid, list(tokens), params=None)
 
 
+def computed(kv: KVCacheManager, rid: str, tokens: list[int]) -> Sequence:
+    """A sequence whose tokens are all allocated, computed and in the prefix cache."""
+    s = seq(rid, tokens)
+    kv.allocate(s, len(tokens))
+    s.num_computed_tokens = len(tokens)
+    kv.cache_blocks(s)
+    return s
+
+
 def test_hash_chains_parent_and_is_cryptographic():
     a = hash_block(None, [1, 2, 3])
     assert a == hashlib.sha256(b"\0" * 32 + (1).to_bytes(8, "little") + (2).to_bytes(8, "little") + (3).to_bytes(8, "little")).digest()
@@ -35,10 +44,7 @@ def test_free_queue_removes_from_the_middle_in_constant_time():
 def test_prefix_hit_shares_blocks_and_recomputes_last_token():
     pool = BlockPool(10, 4)
     kv = KVCacheManager(pool)
-    a = seq("a", list(range(12)))  # three full blocks
-    kv.allocate(a, 12)
-    a.num_computed_tokens = 12
-    kv.cache_blocks(a)
+    a = computed(kv, "a", list(range(12)))  # three full blocks
     b = seq("b", list(range(12)))  # identical prompt: the last block is recomputed for its logits
     hit = kv.get_computed_blocks(b)
     assert hit == a.block_table[:2]
@@ -55,10 +61,7 @@ def test_prefix_hit_shares_blocks_and_recomputes_last_token():
 def test_free_is_tail_first_and_eviction_is_lru():
     pool = BlockPool(4, 4)
     kv = KVCacheManager(pool)
-    a = seq("a", list(range(16)))
-    kv.allocate(a, 16)
-    a.num_computed_tokens = 16
-    kv.cache_blocks(a)
+    a = computed(kv, "a", list(range(16)))
     table = list(a.block_table)
     kv.free(a)
     assert [b.block_id for b in pool.free_queue] == table[::-1], "tail blocks must be evicted before the prefix"
@@ -71,11 +74,7 @@ def test_free_is_tail_first_and_eviction_is_lru():
 def test_cached_free_block_is_revived_without_copy():
     pool = BlockPool(3, 4)
     kv = KVCacheManager(pool)
-    a = seq("a", [1, 2, 3, 4, 5])
-    kv.allocate(a, 5)
-    a.num_computed_tokens = 5
-    kv.cache_blocks(a)
-    kv.free(a)
+    kv.free(computed(kv, "a", [1, 2, 3, 4, 5]))
     assert pool.num_cached_free() == 1
     b = seq("b", [1, 2, 3, 4, 9, 9])
     hit = kv.get_computed_blocks(b)
@@ -88,11 +87,7 @@ def test_cached_free_block_is_revived_without_copy():
 def test_can_allocate_counts_revived_free_blocks():
     pool = BlockPool(2, 4)
     kv = KVCacheManager(pool)
-    a = seq("a", [1, 2, 3, 4, 5])
-    kv.allocate(a, 5)
-    a.num_computed_tokens = 5
-    kv.cache_blocks(a)
-    kv.free(a)
+    kv.free(computed(kv, "a", [1, 2, 3, 4, 5]))
     b = seq("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # needs 3 blocks, one of them the cached one
     hit = kv.get_computed_blocks(b)
     assert not kv.can_allocate(b, 6, hit)
