@@ -35,7 +35,7 @@ def live_blocks(llm: LLM, system: str, generate: int = 16) -> int:
     peak = 0
     while llm.has_unfinished_requests():
         llm.step()
-        peak = max(peak, llm.stats()["blocks_used"])
+        peak = max(peak, llm.pool.num_used_blocks)  # not stats(): it walks every block, each step
     return peak
 
 

@@ -57,7 +57,7 @@ def run_ours(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, in
     produced, peak = 0, 0
     while llm.has_unfinished_requests():
         produced += len(llm.step())
-        peak = max(peak, llm.stats()["blocks_used"])
+        peak = max(peak, llm.pool.num_used_blocks)  # not stats(): it walks every block, each step
     return produced / (time.perf_counter() - start), peak
 
 

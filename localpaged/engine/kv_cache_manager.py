@@ -14,6 +14,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, salt: bytes = b"") -> None:
+    """Append to ``hashes`` the chained hash of every full block of ``token_ids`` not yet hashed."""
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt))
+
+
 class KVCacheManager:
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
@@ -23,11 +30,14 @@ class KVCacheManager:
         self.prefix_hits = 0  # of which served by the cache
 
     def _update_hashes(self, seq: Sequence) -> None:
-        bs = self.block_size
         salt = getattr(seq.params, "cache_salt", b"") or b""
-        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], salt))
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, salt)
+
+    def cached_prefix_blocks(self, token_ids: list[int]) -> list[int]:
+        """Blocks that hold the cached prefix of ``token_ids`` (every full block, none locked)."""
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, token_ids, self.block_size)
+        return self.pool.match_prefix(hashes)
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Blocks of the cache that already hold a prefix of a new sequence.

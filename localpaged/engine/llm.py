@@ -94,16 +94,18 @@ class LLM:
                 "shorten the prompt or start the engine with a larger max_model_len"
             )
         seq = Sequence(request_id, ids, params)
-        stop = list(params.stop)
-        seq.extra = _RequestState(IncrementalDetokenizer(self.tokenizer, ids, stop), params.make_generator(self.device))
+        seq.extra = _RequestState(IncrementalDetokenizer(self.tokenizer, ids, params.stop), params.make_generator(self.device))
         return seq
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request; it is checked in full first, so a bad one queues nothing. Returns its id."""
         seq = self._make_sequence(prompt, params, request_id)
+        self._enqueue(seq)
+        return seq.request_id
+
+    def _enqueue(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
-        return seq.request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request and give its blocks back at once."""
@@ -185,10 +187,9 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(plist)} sampling params; pass one, or one per prompt")
-        seqs = [self._make_sequence(p, sp, None) for p, sp in zip(prompts, plist)]
+        seqs = [self._make_sequence(p, sp, None) for p, sp in zip(prompts, plist)]  # all checked before any is queued
         for seq in seqs:
-            self.requests[seq.request_id] = seq
-            self.scheduler.add(seq)
+            self._enqueue(seq)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(seqs):
             for out in self.step():
@@ -233,9 +234,6 @@ class LLM:
                 states[b.block_id] = 1
             elif b.block_hash is not None:
                 states[b.block_id] = 3
-        highlight: list[int] = []
-        if token_ids:
-            probe = Sequence("kv-map-probe", list(token_ids) + [0], SamplingParams())
-            highlight = self.kv.get_computed_blocks(probe)
+        highlight = self.kv.cached_prefix_blocks(list(token_ids)) if token_ids else []
         saved = sum(b.ref_count - 1 for b in self.pool.blocks if b.ref_count > 1) * self.block_bytes
         return KVMap(states, highlight, self.config.block_size, self.block_bytes, saved)

@@ -62,8 +62,11 @@ class ModelRunner:
         elem = torch.tensor([], dtype=kv_dtype).element_size()
         return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * head_dim * elem
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Input ids, positions, attention metadata, and the rows whose logits are needed."""
+    def prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+        """Input ids, positions, attention metadata, the sequences that reach their end this step
+        (indices into the batch), and the rows of their last tokens, whose logits are needed."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -71,7 +74,8 @@ class ModelRunner:
         cu = [0]
         context_lens: list[int] = []
         logit_rows: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        to_sample: list[int] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + n
             input_ids.extend(seq.token_ids[start:end])
@@ -81,6 +85,7 @@ class ModelRunner:
             cu.append(cu[-1] + n)
             context_lens.append(end)
             if end == seq.num_tokens:
+                to_sample.append(i)
                 logit_rows.append(cu[-1] - 1)
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
@@ -95,12 +100,12 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta, logit_rows
+        return ids, pos, meta, to_sample, logit_rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """One forward over the batch; a sampled token for each sequence that reached its end, else None."""
-        ids, pos, meta, logit_rows = self.prepare(batch)
+        ids, pos, meta, to_sample, logit_rows = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(meta, len(batch.seqs)):
             hidden = self.graphs.run(ids, pos, meta)
         else:
@@ -110,9 +115,8 @@ class ModelRunner:
         if not logit_rows:
             return sampled
         logits = self.model.compute_logits(hidden[logit_rows])
-        done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)) if s.num_computed_tokens + n == s.num_tokens]
-        params = [batch.seqs[i].params for i in done]
-        generators = [batch.seqs[i].extra.generator for i in done]
-        for i, token in zip(done, sample(logits, params, generators)):
+        params = [batch.seqs[i].params for i in to_sample]
+        generators = [batch.seqs[i].extra.generator for i in to_sample]
+        for i, token in zip(to_sample, sample(logits, params, generators)):
             sampled[i] = token
         return sampled
