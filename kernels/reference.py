@@ -159,9 +159,20 @@ def paged_attention(
     return out
 
 
-# The CPU flash-attention kernel behind scaled_dot_product_attention, called directly because it
-# also returns the log-sum-exp that merging a split softmax needs.
-_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+def _attention_with_lse(q, k, v, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output and its log-sum-exp (which merging a split softmax needs).
+
+    On the CPU this is the flash kernel behind scaled_dot_product_attention, called directly since
+    it returns the log-sum-exp too; it exists for the CPU only, so elsewhere (the reference run on
+    CUDA against the Triton kernels) it is computed plainly, in fp32 or wider.
+    """
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.to(dtype)
+    return (torch.softmax(scores, dim=-1) @ v.to(dtype)).to(q.dtype), torch.logsumexp(scores, dim=-1)
 
 
 def _decode_attention(q, k, v, bias, k_prefix, v_prefix, scale: float) -> torch.Tensor:
@@ -176,10 +187,10 @@ def _decode_attention(q, k, v, bias, k_prefix, v_prefix, scale: float) -> torch.
     g, h, _, d = q.shape
     hkv = k.shape[1]
     q4 = q.reshape(g, hkv, h // hkv, d)
-    out, lse = _flash_with_lse(q4, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    out, lse = _attention_with_lse(q4, k, v, bias, scale)
     if k_prefix is not None:
         q_all = q4.transpose(0, 1).reshape(1, hkv, -1, d)
-        out_pre, lse_pre = _flash_with_lse(q_all, k_prefix.transpose(0, 1)[None], v_prefix.transpose(0, 1)[None], 0.0, False, scale=scale)
+        out_pre, lse_pre = _attention_with_lse(q_all, k_prefix.transpose(0, 1)[None], v_prefix.transpose(0, 1)[None], None, scale)
         out_pre = out_pre.reshape(hkv, g, -1, d).transpose(0, 1)
         lse_pre = lse_pre.reshape(hkv, g, -1).transpose(0, 1)
         lse_all = torch.logaddexp(lse, lse_pre)

@@ -20,6 +20,8 @@ if not torch.cuda.is_available():
 
 # The engine's device in tests; gpu_check.sh sets cuda to run the parity tests there (HF stays on the CPU).
 DEVICE = os.environ.get("LOCALPAGED_TEST_DEVICE", "cpu")
+# The model the tests marked ``model`` run: None is the default model; gpu_check.sh names a stand-in.
+DEFAULT_MODEL = os.environ.get("LOCALPAGED_TEST_MODEL_FOLDER") or None
 
 TINY_COMMON = dict(
     hidden_size=64,
@@ -38,9 +40,15 @@ TINY_COMMON = dict(
 
 @pytest.fixture(scope="session")
 def default_model_folder() -> Path:
-    """The default model converted to a Hugging Face folder (converted once, then cached)."""
+    """The default model converted to a Hugging Face folder (converted once, then cached).
+
+    ``LOCALPAGED_TEST_MODEL_FOLDER`` stands in another folder: the GPU machine cannot receive the
+    98 MB GGUF, so gpu_check.sh gives it a random-weight model of the same shape and tokenizer.
+    """
     from localpaged.models.loader import resolve_model
 
+    if DEFAULT_MODEL:
+        return Path(DEFAULT_MODEL)
     return resolve_model(None).folder
 
 
@@ -90,4 +98,4 @@ def default_llm():
     """The real default model in float32 on the CPU, shared by the tests marked ``model``."""
     from localpaged import LLM
 
-    return LLM(dtype="float32", device=DEVICE, kv_cache_memory="1GiB", max_model_len=2048)
+    return LLM(DEFAULT_MODEL, dtype="float32", device=DEVICE, kv_cache_memory="1GiB", max_model_len=2048)
