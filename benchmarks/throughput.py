@@ -61,6 +61,13 @@ def run_ours(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, in
     return produced / (time.perf_counter() - start), peak
 
 
+def weight_bytes(llm: LLM) -> int:
+    """Bytes of the model's parameters and buffers, each shared tensor counted once."""
+    model = llm.runner.model
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 @torch.inference_mode()
 def run_hf_sequential(model, prompts: list[list[int]], tokens: int, device) -> float:
     start = time.perf_counter()
@@ -85,19 +92,29 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default=None, help="a model folder or .gguf file; default: the default model")
     ap.add_argument("--skip-hf-sequential", action="store_true", help="the slowest peer; skip it for a quick look")
     args = ap.parse_args()
 
     results: dict[str, float] = {}
-    ours32 = LLM(device=args.device, dtype="float32")
+    weight_mib: dict[str, float] = {}
+    ours32 = LLM(args.model, device=args.device, dtype="float32")
     prompts = [ours32.encode_chat(c) for c in conversations(args.sessions)]
     print(f"{args.sessions} sessions, system prompt {len(prompts[0]) - 10} tokens or so, prompts {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens, {args.tokens} new tokens each, greedy, device {args.device}, torch threads {torch.get_num_threads()}")
-    results["localpaged fp32"], peak = run_ours(ours32, prompts, args.tokens)
+    blocks = ours32.config.weights == "auto"  # a GGUF's own blocks, float32 compute (the CPU default)
+    name = "localpaged fp32, GGUF blocks (default)" if blocks else "localpaged fp32"
+    results[name], peak = run_ours(ours32, prompts, args.tokens)
+    weight_mib[name] = weight_bytes(ours32) / 2**20
     block_bytes, max_len, bs = ours32.block_bytes, ours32.config.max_model_len, ours32.config.block_size
     folder = ours32.model_folder
     del ours32
-    ours_auto = LLM(device=args.device)
+    if blocks:
+        ours_float = LLM(args.model, device=args.device, dtype="float32", weights="float")
+        results["localpaged fp32, float weights"], _ = run_ours(ours_float, prompts, args.tokens)
+        weight_mib["localpaged fp32, float weights"] = weight_bytes(ours_float) / 2**20
+        del ours_float
+    ours_auto = LLM(args.model, device=args.device)
     auto_dtype = str(next(ours_auto.runner.model.parameters()).dtype).removeprefix("torch.")
     if auto_dtype != "float32":
         results[f"localpaged default ({auto_dtype})"], _ = run_ours(ours_auto, prompts, args.tokens)
@@ -113,10 +130,13 @@ def main() -> None:
     print(f"\n{'contender':<44} {'tok/s':>8}")
     for name, tps in results.items():
         print(f"{name:<44} {tps:>8.1f}")
-    ours_best = max(v for k, v in results.items() if k.startswith("localpaged"))
+    default = f"localpaged default ({auto_dtype})" if auto_dtype != "float32" else next(iter(results))
     for name, tps in results.items():
         if name.startswith("HF"):
-            print(f"localpaged (best) / {name}: {ours_best / tps:.1f}x")
+            print(f"{default} / {name}: {results[default] / tps:.1f}x")
+
+    for name, mib in weight_mib.items():
+        print(f"model weights in memory, {name}: {mib:.1f} MiB")
 
     per_seq = [-(-(len(p) + args.tokens) // bs) for p in prompts]
     mib = 2**20

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localpaged.kernels import reference
+from localpaged.kernels import cpu, reference
 
 
 @dataclass
@@ -26,15 +26,26 @@ class AttentionMetadata:
 
 
 class TorchAttention:
+    """The CPU path: torch over the block pool, and the native decode kernel for all-decode fp32 steps."""
+
     name = "torch"
 
+    def __init__(self, native_decode: bool = False) -> None:
+        self.native_decode = native_decode
+
+    def _use_native(self, meta: AttentionMetadata) -> bool:
+        return self.native_decode and meta.max_q_len == 1
+
     def prepare(self, meta: AttentionMetadata) -> None:
-        meta.plan = reference.build_plan(meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.block_size)
+        if not self._use_native(meta):
+            meta.plan = reference.build_plan(meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.block_size)
 
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         reference.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self._use_native(meta):
+            return cpu.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         assert meta.plan is not None, "prepare() was not called for this step"
         return reference.paged_attention(q, k_cache, v_cache, meta.plan, scale)
 
@@ -64,8 +75,11 @@ class TritonAttention:
         )
 
 
-def select_attention(name: str | None, device: torch.device) -> TorchAttention | TritonAttention:
-    """``name`` ("triton"/"torch") forces a path; otherwise Triton on CUDA and torch elsewhere."""
+def select_attention(name: str | None, device: torch.device, dtype: torch.dtype) -> TorchAttention | TritonAttention:
+    """``name`` ("triton"/"torch") forces a path; otherwise Triton on CUDA and torch elsewhere.
+
+    On the CPU in float32, all-decode steps go to the native kernel where it builds.
+    """
     if name == "triton" or (name is None and device.type == "cuda"):
         return TritonAttention()
-    return TorchAttention()
+    return TorchAttention(native_decode=device.type == "cpu" and dtype == torch.float32 and cpu.library() is not None)

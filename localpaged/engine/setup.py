@@ -16,7 +16,9 @@ from localpaged.config import EngineConfig
 from localpaged.engine.runner import ModelRunner
 from localpaged.errors import ConfigError
 from localpaged.models.llama import LlamaForCausalLM
+from localpaged.models.gguf_weights import load_gguf_weights
 from localpaged.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model
+from localpaged.models.quantized import swap_in_blocks
 
 MAX_DEFAULT_CONTEXT = 8192
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
@@ -51,6 +53,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         # of decode-sized batches run ~3.5x slower than fp32 (engine: 20.5 vs 92.7 tok/s, 16 sessions).
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+def use_block_weights(config: EngineConfig, files, device: torch.device, dtype: torch.dtype) -> bool:
+    """Keep a GGUF's quantised blocks: on the CPU in float32, where the native kernels build.
+
+    Measured here (16 sessions, SmolLM2-135M Q4_1): ... tok/s against ... with dequantised fp32.
+    The values are the fp32 ones either way; only the weights' bytes in memory differ.
+    """
+    from localpaged.kernels import cpu
+
+    return config.weights == "auto" and files.gguf is not None and device.type == "cpu" and dtype == torch.float32 and cpu.library() is not None
 
 
 def stop_token_ids(tokenizer, hf_config) -> set[int]:
@@ -92,12 +105,16 @@ def build_engine_parts(config: EngineConfig, progress=None) -> EngineParts:
     if config.max_num_batched_tokens is None:
         config.max_num_batched_tokens = 8192 if device.type == "cuda" else 512
 
-    attention = select_attention(config.attention, device)
+    attention = select_attention(config.attention, device, dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, attention, config.max_model_len)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope()
-    model.load_hf_state_dict(load_state_dict(files.folder))
+    if use_block_weights(config, files, device, dtype):
+        model.load_hf_state_dict(swap_in_blocks(model, load_gguf_weights(files.gguf, files.folder, hf_config)))
+    else:
+        config.weights = "float"
+        model.load_hf_state_dict(load_state_dict(files.folder))
     model.eval()
 
     block_bytes = ModelRunner.bytes_per_block(hf_config, model.head_dim, config.block_size, dtype)

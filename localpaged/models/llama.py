@@ -16,6 +16,7 @@ from torch import nn
 
 from localpaged.attention import AttentionMetadata
 from localpaged.errors import UnsupportedModelError
+from localpaged.kernels import cpu
 
 
 def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
@@ -62,19 +63,29 @@ class Linear(nn.Linear):
         return out + self.bias if self.bias is not None else out
 
 
+def native(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes to the native CPU kernels (float32 on a CPU where they built)."""
+    return x.is_cpu and x.dtype == torch.float32 and cpu.library() is not None
+
+
 class RMSNorm(nn.Module):
+    """RMS norm of ``x + residual``, fused as in vLLM: returns the normed rows and the sum (the new residual)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if native(x) and x.shape[-1] % 8 == 0:
+            return cpu.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
         if x.dtype == torch.float32:  # one fused kernel; same result as the general path below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype), x
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,7 +127,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if native(gate_up) and gate_up.shape[-1] % 16 == 0:
+            return self.down_proj(cpu.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -128,9 +142,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` is the last sublayer's output, not yet added to ``residual`` (None before the first layer)."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -159,10 +175,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[num_tokens, hidden]`` of a flat batch; ``compute_logits`` turns chosen rows into logits."""
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, cos, sin, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -191,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # buffers such as rotary inv_freq in older checkpoints
             own[name].data[offset : offset + tensor.shape[0]].copy_(tensor)
             rows_loaded[name] += tensor.shape[0]
-        if self.config.tie_word_embeddings or not rows_loaded["lm_head.weight"]:
+        if "lm_head.weight" in own and (self.config.tie_word_embeddings or not rows_loaded["lm_head.weight"]):
             self.lm_head.weight = self.embed_tokens.weight
             rows_loaded["lm_head.weight"] = self.lm_head.weight.shape[0]
         missing = [n for n, p in own.items() if rows_loaded.get(n, 0) != p.shape[0]]

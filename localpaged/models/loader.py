@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
 import torch
 
+from localpaged.cache import cache_dir
 from localpaged.errors import ModelNotFoundError, UnsupportedModelError
 
 Progress = Callable[[str, "float | None"], None]
@@ -36,6 +36,7 @@ class ModelFiles:
     name: str  # what the user sees: the file or folder name
     folder: Path  # a Hugging Face folder: config.json, *.safetensors, tokenizer files
     fingerprint: str  # sha256 of the source file (GGUF) or of the folder's config and weight listing
+    gguf: Path | None = None  # the source file, where the folder is its conversion
 
 
 def _quiet(message: str, fraction: float | None) -> None:
@@ -52,11 +53,6 @@ def default_model_path() -> Path:
     return path
 
 
-def cache_dir() -> Path:
-    """Where converted models live: $LOCALPAGED_CACHE, else the platform's user cache folder."""
-    return Path(os.environ.get("LOCALPAGED_CACHE") or platformdirs.user_cache_dir("localpaged"))
-
-
 def resolve_model(model: str | os.PathLike | None, progress: Progress = _quiet) -> ModelFiles:
     """Turn ``model`` (None for the default) into a loadable Hugging Face folder, converting GGUF once."""
     path = default_model_path() if model is None else Path(model).expanduser()
@@ -68,7 +64,7 @@ def resolve_model(model: str | os.PathLike | None, progress: Progress = _quiet) 
         return ModelFiles(path.name, path, _folder_fingerprint(path))
     if path.is_file() and path.suffix == ".gguf":
         fingerprint = _file_sha256(path)
-        return ModelFiles(path.name, _converted_gguf(path, fingerprint, progress), fingerprint)
+        return ModelFiles(path.name, _converted_gguf(path, fingerprint, progress), fingerprint, path)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a model folder nor a .gguf file")
     raise ModelNotFoundError(f"no model at {path}; pass a Hugging Face folder or a .gguf file, or omit --model for the default")

@@ -1,0 +1,139 @@
+"""The native CPU kernels (cpu_kernels.c): compiled once with the system's C compiler, called through ctypes.
+
+Like Triton on CUDA, the kernel source ships with the package and is built on first use: the
+shared library lands in the cache folder under a name that hashes the source, the flags and the
+compiler, so an edit or an upgrade rebuilds it and nothing else does. It links the OpenMP runtime
+that torch has already loaded (the same soname), so both share one thread pool. Where no compiler,
+no x86-64 AVX2 CPU or no working build is found, ``library()`` returns None and callers use torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from localpaged.cache import cache_dir
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+TILE = 16  # weight rows per packed tile
+QBLOCK = 32  # weights per scale/min run along a row
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        warnings.warn("no C compiler (gcc/cc) found: GGUF weights run dequantised through torch, ~2x slower", stacklevel=2)
+        return None
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"cpu_kernels-{digest}.so"
+    if not target.is_file():
+        try:
+            _build(compiler, target)
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", "") or str(e)
+            warnings.warn(f"building the CPU kernels failed; GGUF weights run through torch instead:\n{detail}", stacklevel=2)
+            return None
+    lib = ctypes.CDLL(str(target))
+    p, n = ctypes.c_void_p, ctypes.c_long
+    lib.lp_qgemm.argtypes = [p, n, n, p, p, p, n, p]
+    lib.lp_qgemm.restype = None
+    lib.lp_paged_decode.argtypes = [p, p, p, p, p, n, n, n, n, n, ctypes.c_float, p]
+    lib.lp_paged_decode.restype = None
+    lib.lp_add_rms_norm.argtypes = [p, p, p, n, n, ctypes.c_float, p, p]
+    lib.lp_add_rms_norm.restype = None
+    lib.lp_silu_mul.argtypes = [p, n, n, p]
+    lib.lp_silu_mul.restype = None
+    return lib
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)  # atomic: a concurrent start never loads a half-written library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def pack_blocks(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reorder ``q`` [N, K] int8 and ``scale``/``minimum`` [N, K/32] into tiles of 16 rows (rows padded with zeros)."""
+    n, k = q.shape
+    pad = -n % TILE
+    if pad:
+        q, scale, minimum = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (q, scale, minimum))
+    tiles = (n + pad) // TILE
+
+    def tiled(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(tiles, TILE, t.shape[1]).transpose(1, 2).contiguous()
+
+    return tiled(q), tiled(scale.float()), tiled(minimum.float())
+
+
+def qgemm(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: int) -> torch.Tensor:
+    """``x`` [M, K] float32 times the packed weight's transpose: [M, rows]."""
+    q, scale, minimum = packed
+    x = x.contiguous()
+    m, k = x.shape
+    padded = q.shape[0] * TILE
+    assert q.shape[1] == k and k % QBLOCK == 0 and x.dtype == torch.float32, (x.shape, x.dtype, q.shape)
+    out = torch.empty(m, padded)
+    library().lp_qgemm(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), minimum.data_ptr(), padded, out.data_ptr())
+    return out if padded == rows else out[:, :rows]
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence over its paged context (as ``reference.paged_decode``), float32 only."""
+    b, h, d = q.shape
+    kvh = k_cache.shape[2]
+    assert q.dtype == k_cache.dtype == torch.float32 and d % 8 == 0 and h % kvh == 0 and k_cache.shape[1] == 16
+    q, tables, lens = q.contiguous(), block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    library().lp_paged_decode(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        b, h, kvh, d, tables.shape[1], scale, out.data_ptr(),
+    )
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) * weight, x + residual)`` for float32 rows whose width is a multiple of 8."""
+    x = x.contiguous()
+    m, d = x.shape
+    summed, out = torch.empty_like(x), torch.empty_like(x)
+    res = residual.contiguous() if residual is not None else None
+    library().lp_add_rms_norm(x.data_ptr(), res.data_ptr() if res is not None else None, weight.data_ptr(), m, d, eps, summed.data_ptr(), out.data_ptr())
+    return out, summed
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` [M, 2I] (gate first), float32, I a multiple of 8."""
+    gate_up = gate_up.contiguous()
+    m, two_i = gate_up.shape
+    out = gate_up.new_empty(m, two_i // 2)
+    library().lp_silu_mul(gate_up.data_ptr(), m, two_i // 2, out.data_ptr())
+    return out

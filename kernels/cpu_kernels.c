@@ -1,0 +1,250 @@
+/* Native CPU kernels for decode-sized batches (AVX2 + FMA, OpenMP), loaded by kernels/cpu.py.
+ *
+ * qgemm: Y[M, N] = X[M, K] @ W[N, K]^T where W is kept as a GGUF file stores it, in runs of 32
+ * along each row: w = scale * q + min, q an int8. Torch's fp32 GEMM reads 4 bytes per weight and
+ * reaches ~40 % of this CPU's peak on 16-row batches; here a weight costs ~1.1 bytes, and each tile
+ * of 16 weight rows is expanded once into an fp32 panel in L1/L2, then swept by a 6x16 register
+ * kernel over all rows of X. The expansion multiplies then adds in separate roundings (this file is
+ * built with -ffp-contract=off), so the panel holds exactly the fp32 values that gguf-py's
+ * dequantisation gives: only the order of the dot products' additions differs from a float32 run.
+ *
+ * Packed layout (see kernels/cpu.py pack_blocks): for tile t of 16 rows,
+ *   q[t][k][j]        int8,  j = row within the tile, k = column
+ *   scale[t][k/32][j] fp32,  min[t][k/32][j] fp32
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define TILE 16
+#define QBLOCK 32
+
+static __thread float *panel = NULL; /* one per OpenMP thread, grown to the widest K seen */
+static __thread long panel_floats = 0;
+
+static void expand_panel(const int8_t *q, const float *scale, const float *min, long K, float *P) {
+    for (long kb = 0; kb < K / QBLOCK; kb++) {
+        __m256 s0 = _mm256_loadu_ps(scale + kb * TILE), s1 = _mm256_loadu_ps(scale + kb * TILE + 8);
+        __m256 m0 = _mm256_loadu_ps(min + kb * TILE), m1 = _mm256_loadu_ps(min + kb * TILE + 8);
+        for (long k = kb * QBLOCK; k < (kb + 1) * QBLOCK; k++) {
+            __m128i qi = _mm_loadu_si128((const __m128i *)(q + k * TILE));
+            __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qi));
+            __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(qi, 8)));
+            _mm256_store_ps(P + k * TILE, _mm256_add_ps(_mm256_mul_ps(s0, q0), m0));
+            _mm256_store_ps(P + k * TILE + 8, _mm256_add_ps(_mm256_mul_ps(s1, q1), m1));
+        }
+    }
+}
+
+/* R rows of X (R <= 6, a constant after inlining) times one panel: 2R accumulators in registers. */
+static inline __attribute__((always_inline)) void rows_times_panel(
+    const int R, const float *X, long K, const float *P, float *Y, long ldy) {
+    __m256 a0[6], a1[6];
+    for (int i = 0; i < R; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (long k = 0; k < K; k++) {
+        __m256 w0 = _mm256_load_ps(P + k * TILE), w1 = _mm256_load_ps(P + k * TILE + 8);
+        for (int i = 0; i < R; i++) {
+            __m256 x = _mm256_broadcast_ss(X + i * K + k);
+            a0[i] = _mm256_fmadd_ps(x, w0, a0[i]);
+            a1[i] = _mm256_fmadd_ps(x, w1, a1[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        _mm256_storeu_ps(Y + i * ldy, a0[i]);
+        _mm256_storeu_ps(Y + i * ldy + 8, a1[i]);
+    }
+}
+
+/* X: [M, K] contiguous; N_padded a multiple of 16; Y: [M, N_padded] contiguous. */
+void lp_qgemm(const float *X, long M, long K, const int8_t *q, const float *scale, const float *min,
+              long N_padded, float *Y) {
+    long tiles = N_padded / TILE, groups = K / QBLOCK;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < tiles; t++) {
+        if (panel_floats < K * TILE) {
+            free(panel);
+            panel = aligned_alloc(64, K * TILE * sizeof(float));
+            panel_floats = K * TILE;
+        }
+        expand_panel(q + t * K * TILE, scale + t * groups * TILE, min + t * groups * TILE, K, panel);
+        float *y = Y + t * TILE;
+        long r = 0;
+        for (; r + 6 <= M; r += 6) rows_times_panel(6, X + r * K, K, panel, y + r * N_padded, N_padded);
+        const float *x = X + r * K;
+        y += r * N_padded;
+        switch (M - r) {
+            case 5: rows_times_panel(5, x, K, panel, y, N_padded); break;
+            case 4: rows_times_panel(4, x, K, panel, y, N_padded); break;
+            case 3: rows_times_panel(3, x, K, panel, y, N_padded); break;
+            case 2: rows_times_panel(2, x, K, panel, y, N_padded); break;
+            case 1: rows_times_panel(1, x, K, panel, y, N_padded); break;
+        }
+    }
+}
+
+/* exp for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial), ~1-2 ulp.
+ * Inputs are clamped to [-87.3, 88.3]: below, about 1e-38 rather than 0; above, about 2e38. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The 8 horizontal sums of a[0..7], as one vector. */
+static inline __m256 sum8x8(const __m256 a[8]) {
+    __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* o[0 : 8*VECS] = inv * sum over the context of p[t] * V row t (columns from v's offset on). VECS is a
+ * constant after inlining, so the accumulators stay in registers. Rows of a block are `stride` apart. */
+static inline __attribute__((always_inline)) void weighted_rows(
+    const int VECS, const float *p, long ctx, const int32_t *table, const float *v, long stride, __m256 inv, float *o) {
+    __m256 a[8];
+    for (int i = 0; i < VECS; i++) a[i] = _mm256_setzero_ps();
+    for (long blk = 0; blk * 16 < ctx; blk++) {
+        const float *vb = v + (long)table[blk] * 16 * stride;
+        const long n = ctx - blk * 16 < 16 ? ctx - blk * 16 : 16;
+        for (long t = 0; t < n; t++) {
+            const __m256 w = _mm256_set1_ps(p[blk * 16 + t]);
+            for (int i = 0; i < VECS; i++) a[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + t * stride + 8 * i), a[i]);
+        }
+    }
+    for (int i = 0; i < VECS; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(a[i], inv));
+}
+
+static __thread float *scores = NULL; /* [G, context] per OpenMP thread */
+static __thread long scores_floats = 0;
+
+/* One query per sequence over its paged context, fp32: q [B, H, D], caches [blocks, 16, KVH, D],
+ * out [B, H, D]. One task per (sequence, KV head) takes that head's G = H / KVH query heads, so each
+ * K and V row is read once for all of them. D is a multiple of 8. */
+void lp_paged_decode(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                     const int32_t *context_lens, long B, long H, long KVH, long D, long max_blocks, float scale,
+                     float *out) {
+    const long G = H / KVH, BS = 16;
+#pragma omp parallel for schedule(dynamic)
+    for (long task = 0; task < B * KVH; task++) {
+        const long b = task / KVH, kvh = task % KVH, ctx = context_lens[b];
+        const int32_t *table = block_tables + b * max_blocks;
+        if (scores_floats < G * ctx) {
+            free(scores);
+            scores = malloc(G * ctx * sizeof(float));
+            scores_floats = G * ctx;
+        }
+        const float *qh = q + (b * H + kvh * G) * D;
+#define KROW(j) (k_cache + (((long)table[(j) / BS] * BS + (j) % BS) * KVH + kvh) * D)
+        for (long g = 0; g < G; g++) {
+            const float *qg = qh + g * D;
+            long j = 0;
+            for (; j + 8 <= ctx; j += 8) { /* 8 tokens at a time: 8 independent FMA chains */
+                const float *k[8];
+                __m256 acc[8];
+                for (int t = 0; t < 8; t++) { k[t] = KROW(j + t); acc[t] = _mm256_setzero_ps(); }
+                for (long d = 0; d < D; d += 8) {
+                    const __m256 qd = _mm256_loadu_ps(qg + d);
+                    for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[t] + d), acc[t]);
+                }
+                _mm256_storeu_ps(scores + g * ctx + j, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
+            }
+            for (; j < ctx; j++) {
+                const float *k = KROW(j);
+                __m256 acc = _mm256_setzero_ps();
+                for (long d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), acc);
+                scores[g * ctx + j] = sum8(acc) * scale;
+            }
+        }
+#undef KROW
+        for (long g = 0; g < G; g++) {
+            float *s = scores + g * ctx, mx = s[0], total = 0.0f;
+            for (long j = 1; j < ctx; j++) mx = s[j] > mx ? s[j] : mx;
+            long j = 0;
+            __m256 sum = _mm256_setzero_ps();
+            for (; j + 8 <= ctx; j += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx)));
+                _mm256_storeu_ps(s + j, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            total = sum8(sum);
+            if (j < ctx) {
+                float tail[8] = {0};
+                for (long t = j; t < ctx; t++) tail[t - j] = s[t] - mx;
+                __m256 e = exp8(_mm256_loadu_ps(tail));
+                _mm256_storeu_ps(tail, e);
+                for (long t = j; t < ctx; t++) { s[t] = tail[t - j]; total += tail[t - j]; }
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / total);
+            float *o = out + (b * H + kvh * G + g) * D;
+            for (long d0 = 0; d0 < D; d0 += 64) { /* up to 64 columns per walk over the tokens */
+                const float *v = v_cache + kvh * D + d0;
+                switch ((D - d0 < 64 ? D - d0 : 64) / 8) {
+                    case 8: weighted_rows(8, s, ctx, table, v, KVH * D, inv, o + d0); break;
+                    case 7: weighted_rows(7, s, ctx, table, v, KVH * D, inv, o + d0); break;
+                    case 6: weighted_rows(6, s, ctx, table, v, KVH * D, inv, o + d0); break;
+                    case 5: weighted_rows(5, s, ctx, table, v, KVH * D, inv, o + d0); break;
+                    case 4: weighted_rows(4, s, ctx, table, v, KVH * D, inv, o + d0); break;
+                    case 3: weighted_rows(3, s, ctx, table, v, KVH * D, inv, o + d0); break;
+                    case 2: weighted_rows(2, s, ctx, table, v, KVH * D, inv, o + d0); break;
+                    case 1: weighted_rows(1, s, ctx, table, v, KVH * D, inv, o + d0); break;
+                }
+            }
+        }
+    }
+}
+
+/* The small per-layer steps of a decode batch, each one pass over a few KiB instead of several torch
+ * ops (a torch op on a 16 x 576 tensor costs more in dispatch than in arithmetic). Rows go to
+ * OpenMP threads only when there are many: a parallel region costs more than a short row. */
+
+/* sum = x + residual (x alone where residual is NULL); out = sum / sqrt(mean(sum^2) + eps) * weight. D % 8 == 0. */
+void lp_add_rms_norm(const float *x, const float *residual, const float *weight, long M, long D, float eps,
+                     float *sum, float *out) {
+#pragma omp parallel for if (M >= 64)
+    for (long r = 0; r < M; r++) {
+        const float *xr = x + r * D;
+        float *sr = sum + r * D, *o = out + r * D;
+        __m256 sq = _mm256_setzero_ps();
+        for (long d = 0; d < D; d += 8) {
+            __m256 v = _mm256_loadu_ps(xr + d);
+            if (residual) v = _mm256_add_ps(v, _mm256_loadu_ps(residual + r * D + d));
+            _mm256_storeu_ps(sr + d, v);
+            sq = _mm256_fmadd_ps(v, v, sq);
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(sum8(sq) / (float)D + eps));
+        for (long d = 0; d < D; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(sr + d), inv), _mm256_loadu_ps(weight + d)));
+    }
+}
+
+/* gate_up [M, 2I] (gate then up) -> out [M, I] = silu(gate) * up. I % 8 == 0. */
+void lp_silu_mul(const float *gate_up, long M, long I, float *out) {
+#pragma omp parallel for if (M >= 64)
+    for (long r = 0; r < M; r++) {
+        const float *g = gate_up + r * 2 * I, *u = g + I;
+        float *o = out + r * I;
+        for (long i = 0; i < I; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + i);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)); /* exp(-x); large -x saturates, silu -> 0 */
+            __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+    }
+}

@@ -1,0 +1,68 @@
+"""Projections and embeddings whose weights stay in a GGUF's 32-weight blocks, for the CPU.
+
+``swap_in_blocks`` replaces each projection of a loaded model whose weights the file stored as
+blocks with a ``BlockLinear`` (native kernel, ~1.1 bytes a weight instead of 4) and the token
+embedding with a ``BlockEmbedding``; everything else loads as floats. The values used are exactly
+the fp32 ones a float32 load would hold, so greedy output still matches Hugging Face's float32 run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from localpaged.kernels import cpu
+from localpaged.models.gguf_weights import QBLOCK, BlockQuantized
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class BlockLinear(nn.Module):
+    def __init__(self, weight: BlockQuantized, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.q.shape
+        q, scale, minimum = cpu.pack_blocks(weight.q, weight.scale, weight.minimum)
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("minimum", minimum)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = cpu.qgemm(x, (self.q, self.scale, self.minimum), self.out_features)
+        return out + self.bias if self.bias is not None else out
+
+
+class BlockEmbedding(nn.Module):
+    def __init__(self, weight: BlockQuantized) -> None:
+        super().__init__()
+        self.register_buffer("q", weight.q)
+        self.register_buffer("scale", weight.scale)
+        self.register_buffer("minimum", weight.minimum)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return BlockQuantized(self.q[ids], self.scale[ids], self.minimum[ids]).dequantize()
+
+
+def swap_in_blocks(model: nn.Module, tensors: dict) -> dict[str, torch.Tensor]:
+    """Put block modules in ``model`` where every shard of a weight is blocks; return the float tensors to load."""
+    tied = model.config.tie_word_embeddings or "lm_head.weight" not in tensors
+    consumed: set[str] = set()
+    for name, module in list(model.named_modules()):
+        parent, _, leaf = name.rpartition(".")
+        if leaf == "embed_tokens":
+            hf = ["model.embed_tokens.weight"]
+        elif leaf == "lm_head":
+            hf = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        elif isinstance(module, nn.Linear):
+            hf = [f"model.{parent}.{shard}.weight" for shard in FUSED.get(leaf, (leaf,))]
+        else:
+            continue
+        shards = [tensors.get(n) for n in hf]
+        if not all(isinstance(s, BlockQuantized) and s.q.shape[1] % QBLOCK == 0 for s in shards):
+            continue
+        weight = BlockQuantized.cat(shards)
+        new = BlockEmbedding(weight) if leaf == "embed_tokens" else BlockLinear(weight, module.bias)
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+        consumed.update(hf)
+    # A block shard nobody took (its projection's other shards are floats) loads as floats.
+    return {n: v.dequantize() if isinstance(v, BlockQuantized) else v for n, v in tensors.items() if n not in consumed}
