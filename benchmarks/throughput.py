@@ -1,10 +1,12 @@
 """16 chat sessions sharing one system prompt: our engine against Hugging Face transformers, in one run.
 
-Every contender produces the same number of tokens per session (EOS ignored), greedy. Prints
-aggregate output tokens/s, our ratios to each peer, and the KV memory our pool held against
-contiguous max-length reservations and against the same sessions without prefix sharing.
+Every contender produces the same number of tokens per session (EOS ignored), greedy, float32
+compute. Ours runs as configured by default (on the CPU: a GGUF's own blocks on the native kernels)
+and, where that differs, with float32 weights too; on CUDA also in its default bf16. Prints aggregate
+output tokens/s, the default's ratios to each peer, model memory, and the KV memory our pool held
+against contiguous max-length reservations and against the same sessions without prefix sharing.
 
-    python benchmarks/throughput.py [--sessions 16] [--tokens 128] [--device cpu|cuda] [--skip-hf-sequential]
+    python benchmarks/throughput.py [--sessions 16] [--tokens 128] [--device cpu|cuda] [--model PATH] [--skip-hf-sequential]
 """
 
 from __future__ import annotations

@@ -58,6 +58,8 @@ def library() -> ctypes.CDLL | None:
     lib.lp_add_rms_norm.restype = None
     lib.lp_silu_mul.argtypes = [p, n, n, p]
     lib.lp_silu_mul.restype = None
+    lib.lp_rope_write_kv.argtypes = [p, p, p, p, n, n, n, n, p, p, p]
+    lib.lp_rope_write_kv.restype = None
     return lib
 
 
@@ -137,3 +139,28 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(m, two_i // 2)
     library().lp_silu_mul(gate_up.data_ptr(), m, two_i // 2, out.data_ptr())
     return out
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """RoPE on q and k of ``qkv`` [N, (H + 2 KVH) * D], k and v stored in their slots; returns rotated q [N, H, D].
+
+    ``cos``/``sin`` hold [N, D/2] values; caches are float32 ``[blocks, 16, KVH, D]``, D a multiple of 16.
+    """
+    n = qkv.shape[0]
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    q = qkv.new_empty(n, num_heads, d)
+    library().lp_rope_write_kv(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), n, num_heads, kvh, d,
+        k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
+    )
+    return q

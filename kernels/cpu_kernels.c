@@ -248,3 +248,30 @@ void lp_silu_mul(const float *gate_up, long M, long I, float *out) {
         }
     }
 }
+
+/* RoPE (halves layout) on the q and k heads of qkv [N, (H + 2 KVH) * D], then k and v into their cache
+ * slots (slot -1: skipped) and the rotated q into q_out [N, H, D]. Products and sums are rounded one by
+ * one, as torch's elementwise ops do, so the result equals the torch path bit for bit. D % 16 == 0. */
+void lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slots, long N, long H,
+                      long KVH, long D, float *k_cache, float *v_cache, float *q_out) {
+    const long half = D / 2, width = (H + 2 * KVH) * D;
+#pragma omp parallel for if (N >= 64)
+    for (long n = 0; n < N; n++) {
+        const float *row = qkv + n * width, *c = cos + n * half, *s = sin + n * half;
+        const long slot = slots[n];
+        for (long h = 0; h < H + KVH; h++) {
+            float *dst = h < H ? q_out + (n * H + h) * D : (slot >= 0 ? k_cache + (slot * KVH + h - H) * D : NULL);
+            if (!dst) continue;
+            const float *x = row + h * D;
+            for (long i = 0; i < half; i += 8) {
+                __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+                __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+                _mm256_storeu_ps(dst + i, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
+                _mm256_storeu_ps(dst + half + i, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
+            }
+        }
+        if (slot >= 0)
+            for (long i = 0; i < KVH * D; i += 8)
+                _mm256_storeu_ps(v_cache + slot * KVH * D + i, _mm256_loadu_ps(row + (H + KVH) * D + i));
+    }
+}

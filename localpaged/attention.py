@@ -75,11 +75,13 @@ class TritonAttention:
         )
 
 
-def select_attention(name: str | None, device: torch.device, dtype: torch.dtype) -> TorchAttention | TritonAttention:
+def select_attention(name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> TorchAttention | TritonAttention:
     """``name`` ("triton"/"torch") forces a path; otherwise Triton on CUDA and torch elsewhere.
 
-    On the CPU in float32, all-decode steps go to the native kernel where it builds.
+    On the CPU in float32, all-decode steps go to the native kernel where it builds (it reads heads
+    in runs of 8 floats).
     """
     if name == "triton" or (name is None and device.type == "cuda"):
         return TritonAttention()
-    return TorchAttention(native_decode=device.type == "cpu" and dtype == torch.float32 and cpu.library() is not None)
+    native = device.type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0 and cpu.library() is not None
+    return TorchAttention(native_decode=native)

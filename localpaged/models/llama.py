@@ -19,6 +19,10 @@ from localpaged.errors import UnsupportedModelError
 from localpaged.kernels import cpu
 
 
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
     """Inverse frequencies with the config's theta and, where asked, llama3-style or linear scaling."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
@@ -110,13 +114,22 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        qk, v = self.qkv_proj(x).split([(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
-        qk = apply_rope(qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # q and k in one go
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        self.attention.write_kv(k, v, self.k_cache, self.v_cache, meta)
+        qkv = self.qkv_proj(x)
+        if native(qkv) and self.head_dim % 16 == 0 and self.k_cache.dtype == torch.float32:  # one pass, not ~10 ops
+            q = cpu.rope_write_kv(qkv, cos, sin, meta.slot_mapping, self.k_cache, self.v_cache, self.num_heads)
+        else:
+            q = self.rope_and_write_kv(qkv, cos, sin, meta)
         out = self.attention.forward(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+    def rope_and_write_kv(self, qkv, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        """Rotate q and k, store k and v in the cache; returns q ``[N, heads, head_dim]``."""
+        n = qkv.shape[0]
+        qk, v = qkv.split([(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
+        qk = apply_rope(qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # q and k in one go
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        self.attention.write_kv(k, v.reshape(n, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, meta)
+        return q
 
 
 class MLP(nn.Module):
@@ -153,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, attention, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim_of(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, attention) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -33,3 +33,16 @@ def test_default_model_blocks_equal_the_converted_float32_weights(default_model_
             value = ours[name]
             value = value.dequantize() if isinstance(value, BlockQuantized) else value
             assert torch.equal(value, converted.get_tensor(name)), name
+
+
+@pytest.mark.model
+def test_default_model_on_the_cpu_runs_on_its_blocks(default_llm):
+    from localpaged.kernels import cpu
+    from localpaged.models.quantized import BlockEmbedding, BlockLinear
+
+    if cpu.library() is None or default_llm.device.type != "cpu":
+        pytest.skip("the native CPU kernels are not built here")
+    model = default_llm.runner.model
+    assert default_llm.config.weights == "auto"
+    assert isinstance(model.embed_tokens, BlockEmbedding)
+    assert all(isinstance(m, BlockLinear) for m in (model.lm_head, model.layers[0].self_attn.qkv_proj, model.layers[-1].mlp.down_proj))

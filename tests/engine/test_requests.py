@@ -152,3 +152,14 @@ def test_half_precision_engine_runs(tiny_model_path):
     outs = llm.generate(prompts, GREEDY)
     assert all(len(o.token_ids) == 8 for o in outs) and outs[1].metrics.cached_tokens > 0
     assert llm.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"weights": "int4"}, "weights='int4'"), ({"dtype": "float64"}, "dtype='float64'"), ({"device": "tpu"}, "device='tpu'")],
+)
+def test_bad_engine_config(kwargs, match):
+    from localpaged.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**kwargs)

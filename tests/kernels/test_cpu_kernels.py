@@ -64,3 +64,32 @@ def test_paged_decode_matches_reference(context_lens, num_kv_heads, gqa, head_di
     lens = torch.tensor(context_lens, dtype=torch.int32)
     out = cpu.paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
     assert_close(out, reference.paged_decode(q.double(), k_ref, v_ref, tables, lens, head_dim**-0.5))
+
+
+def test_small_row_kernels_equal_torch():
+    """Norm and silu match torch closely; RoPE and the cache writes match it bit for bit."""
+    from localpaged.models.llama import apply_rope
+
+    gen = torch.Generator().manual_seed(3)
+    x, res, w = torch.randn(7, 64, generator=gen), torch.randn(7, 64, generator=gen), torch.randn(64, generator=gen)
+    normed, summed = cpu.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(summed, x + res)
+    torch.testing.assert_close(normed, torch.nn.functional.rms_norm(x + res, (64,), w, 1e-5), rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(5, 96, generator=gen) * 30  # far into both tails of silu
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+    n, heads, kv_heads, d = 5, 4, 2, 32
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen)
+    angles = torch.rand(n, d // 2, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    k_cache, v_cache = torch.zeros(3, 16, kv_heads, d), torch.zeros(3, 16, kv_heads, d)
+    slots = torch.tensor([0, 17, -1, 40, 5])
+    q = cpu.rope_write_kv(qkv, cos, sin, slots, k_cache, v_cache, heads)
+    qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
+    want = apply_rope(qk.reshape(n, heads + kv_heads, d), cos[:, None], sin[:, None])
+    assert torch.equal(q, want[:, :heads])
+    keep = slots >= 0
+    assert torch.equal(k_cache.view(-1, kv_heads, d)[slots[keep]], want[keep, heads:])
+    assert torch.equal(v_cache.view(-1, kv_heads, d)[slots[keep]], v.reshape(n, kv_heads, d)[keep])
+    assert k_cache.view(-1, kv_heads, d).abs().sum(dim=(1, 2)).count_nonzero() == 4  # slot -1 wrote nothing
