@@ -1,10 +1,11 @@
-"""Helpers for Pilot tests: wait for a condition, reach the chat screen, send a message."""
+"""Helpers for Pilot tests: wait for a condition, reach the chat or error screen, send a message."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
+from localpaged.tui.screens.error import ErrorScreen
 from localpaged.tui.screens.main import MainScreen
 
 NOW = 1_750_000_000.0  # a fixed "now" for the sidebar's ages
@@ -17,6 +18,13 @@ async def wait_for(pilot, condition: Callable[[], object], timeout: float = 10.0
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {condition.__code__.co_names}")
         await pilot.pause(0.02)
+
+
+async def error_message(pilot) -> str:
+    """Wait until the error screen shows its message (mounted, not merely pushed); return the text."""
+    app = pilot.app
+    await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen) and app.screen.query("#error-message"))
+    return str(app.screen.query_one("#error-message").content)
 
 
 async def main_screen(pilot) -> MainScreen:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pilot_helpers import main_screen, send, wait_for
+from pilot_helpers import error_message, main_screen, send, wait_for
 
 from localpaged.errors import ModelNotFoundError
 from localpaged.tui.app import LocalpagedApp
@@ -268,8 +268,7 @@ async def test_loading_progress_then_a_clear_error():
 
     app = LocalpagedApp(engine_factory=factory, store=None)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen))
-        shown.append(str(app.screen.query_one("#error-message").content))
+        shown.append(await error_message(pilot))
     assert shown == ["No model at /nope. Pass --model with a local HF folder or .gguf file."]
 
 
@@ -297,8 +296,7 @@ async def test_an_unreadable_database_is_explained(engine, tmp_path):
     db.write_bytes(b"this is not an SQLite file" * 100)
     app = LocalpagedApp(engine_factory=lambda progress: engine, db=str(db))
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen))
-        message = str(app.screen.query_one("#error-message").content)
+        message = await error_message(pilot)
     assert str(db) in message and "not an SQLite file" in message
     assert db.read_bytes().startswith(b"this is not")  # left untouched
 
