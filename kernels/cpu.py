@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,7 +51,7 @@ def library() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(target))
     p, n = ctypes.c_void_p, ctypes.c_long
-    lib.lp_qgemm.argtypes = [p, n, n, p, p, p, n, p]
+    lib.lp_qgemm.argtypes = [p, n, n, p, p, p, n, ctypes.c_int, p]
     lib.lp_qgemm.restype = None
     lib.lp_paged_decode.argtypes = [p, p, p, p, p, n, n, n, n, n, ctypes.c_float, p]
     lib.lp_paged_decode.restype = None
@@ -75,9 +76,24 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-def pack_blocks(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reorder ``q`` [N, K] int8 and ``scale``/``minimum`` [N, K/32] into tiles of 16 rows (rows padded with zeros)."""
+@dataclass
+class PackedBlocks:
+    """A weight in the tile layout of cpu_kernels.c: ``q`` int8 (or two 0..15 values a byte), fp32 scale and min."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    rows: int  # the weight's rows before padding to whole tiles
+    nibbles: bool
+
+
+def pack_blocks(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> PackedBlocks:
+    """Reorder ``q`` [N, K] int8 and ``scale``/``minimum`` [N, K/32] into tiles of 16 rows (padded with zeros).
+
+    Where every q is in 0..15 (Q4_1), two share a byte: row j's in the low half, row j+8's in the high.
+    """
     n, k = q.shape
+    nibbles = bool(q.min() >= 0 and q.max() <= 15)
     pad = -n % TILE
     if pad:
         q, scale, minimum = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (q, scale, minimum))
@@ -86,19 +102,21 @@ def pack_blocks(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
     def tiled(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(tiles, TILE, t.shape[1]).transpose(1, 2).contiguous()
 
-    return tiled(q), tiled(scale.float()), tiled(minimum.float())
+    qt = tiled(q)  # [tiles, K, 16]
+    if nibbles:
+        qt = (qt[..., :8] | (qt[..., 8:] << 4)).contiguous()  # [tiles, K, 8]
+    return PackedBlocks(qt, tiled(scale.float()), tiled(minimum.float()), n, nibbles)
 
 
-def qgemm(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: int) -> torch.Tensor:
+def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
     """``x`` [M, K] float32 times the packed weight's transpose: [M, rows]."""
-    q, scale, minimum = packed
     x = x.contiguous()
     m, k = x.shape
-    padded = q.shape[0] * TILE
-    assert q.shape[1] == k and k % QBLOCK == 0 and x.dtype == torch.float32, (x.shape, x.dtype, q.shape)
+    padded = w.q.shape[0] * TILE
+    assert w.q.shape[1] == k and k % QBLOCK == 0 and x.dtype == torch.float32, (x.shape, x.dtype, w.q.shape)
     out = torch.empty(m, padded)
-    library().lp_qgemm(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), minimum.data_ptr(), padded, out.data_ptr())
-    return out if padded == rows else out[:, :rows]
+    library().lp_qgemm(x.data_ptr(), m, k, w.q.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), padded, int(w.nibbles), out.data_ptr())
+    return out if padded == w.rows else out[:, : w.rows]
 
 
 def paged_decode(

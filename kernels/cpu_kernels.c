@@ -1,15 +1,19 @@
 /* Native CPU kernels for decode-sized batches (AVX2 + FMA, OpenMP), loaded by kernels/cpu.py.
  *
  * qgemm: Y[M, N] = X[M, K] @ W[N, K]^T where W is kept as a GGUF file stores it, in runs of 32
- * along each row: w = scale * q + min, q an int8. Torch's fp32 GEMM reads 4 bytes per weight and
- * reaches ~40 % of this CPU's peak on 16-row batches; here a weight costs ~1.1 bytes, and each tile
- * of 16 weight rows is expanded once into an fp32 panel in L1/L2, then swept by a 6x16 register
- * kernel over all rows of X. The expansion multiplies then adds in separate roundings (this file is
- * built with -ffp-contract=off), so the panel holds exactly the fp32 values that gguf-py's
- * dequantisation gives: only the order of the dot products' additions differs from a float32 run.
+ * along each row: w = scale * q + min, q a small integer. Torch's fp32 GEMM reads 4 bytes per
+ * weight and reaches ~40 % of this CPU's peak on 16-row batches; here a weight costs 0.75 bytes
+ * (q of 0..15, two to a byte: Q4_1) or 1.25 (an int8 q: Q8_0, Q4_0). For 5 or more rows of X each
+ * tile of 16 weight rows is expanded once into an fp32 panel in L1/L2, then swept by a 6x16
+ * register kernel over all rows; for 1-4 rows each column is expanded in registers instead. The
+ * expansion multiplies then adds in separate roundings (this file is built with -ffp-contract=off),
+ * so the weights used are exactly the fp32 values of gguf-py's dequantisation: only the order of
+ * the dot products' additions differs from a float32 run.
  *
- * Packed layout (see kernels/cpu.py pack_blocks): for tile t of 16 rows,
- *   q[t][k][j]        int8,  j = row within the tile, k = column
+ * Packed layout (see kernels/cpu.py pack_blocks): for tile t of 16 rows, j = row within the tile,
+ * k = column:
+ *   q[t][k][j]        int8, or with nibbles: q[t][k][j] for j < 8 is a byte holding row j in its
+ *                     low four bits and row j + 8 in its high four
  *   scale[t][k/32][j] fp32,  min[t][k/32][j] fp32
  */
 #include <immintrin.h>
@@ -23,14 +27,27 @@
 static __thread float *panel = NULL; /* one per OpenMP thread, grown to the widest K seen */
 static __thread long panel_floats = 0;
 
-static void expand_panel(const int8_t *q, const float *scale, const float *min, long K, float *P) {
+/* Column k of a tile: its 16 q values as two vectors of 8 floats (rows 0-7 and 8-15). */
+static inline __attribute__((always_inline)) void load_column(const int NIBBLES, const int8_t *q, long k, __m256 *lo, __m256 *hi) {
+    if (NIBBLES) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)(q + k * TILE / 2)), low4 = _mm_set1_epi8(0x0F);
+        *lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, low4)));
+        *hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)));
+    } else {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(q + k * TILE));
+        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    }
+}
+
+static inline __attribute__((always_inline)) void expand_panel(
+    const int NIBBLES, const int8_t *q, const float *scale, const float *min, long K, float *P) {
     for (long kb = 0; kb < K / QBLOCK; kb++) {
         __m256 s0 = _mm256_loadu_ps(scale + kb * TILE), s1 = _mm256_loadu_ps(scale + kb * TILE + 8);
         __m256 m0 = _mm256_loadu_ps(min + kb * TILE), m1 = _mm256_loadu_ps(min + kb * TILE + 8);
         for (long k = kb * QBLOCK; k < (kb + 1) * QBLOCK; k++) {
-            __m128i qi = _mm_loadu_si128((const __m128i *)(q + k * TILE));
-            __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qi));
-            __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(qi, 8)));
+            __m256 q0, q1;
+            load_column(NIBBLES, q, k, &q0, &q1);
             _mm256_store_ps(P + k * TILE, _mm256_add_ps(_mm256_mul_ps(s0, q0), m0));
             _mm256_store_ps(P + k * TILE + 8, _mm256_add_ps(_mm256_mul_ps(s1, q1), m1));
         }
@@ -56,19 +73,57 @@ static inline __attribute__((always_inline)) void rows_times_panel(
     }
 }
 
-/* X: [M, K] contiguous; N_padded a multiple of 16; Y: [M, N_padded] contiguous. */
-void lp_qgemm(const float *X, long M, long K, const int8_t *q, const float *scale, const float *min,
-              long N_padded, float *Y) {
-    long tiles = N_padded / TILE, groups = K / QBLOCK;
+/* R rows of X (R <= 4, a constant after inlining) times one tile, expanding each column of 16 weights in
+ * registers as it goes: with so few rows, writing and rereading a panel costs more than the FMAs. */
+static inline __attribute__((always_inline)) void rows_times_tile(
+    const int NIBBLES, const int R, const float *X, long K, const int8_t *q, const float *scale, const float *min,
+    float *Y, long ldy) {
+    __m256 a0[4], a1[4];
+    for (int i = 0; i < R; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (long kb = 0; kb < K / QBLOCK; kb++) {
+        const __m256 s0 = _mm256_loadu_ps(scale + kb * TILE), s1 = _mm256_loadu_ps(scale + kb * TILE + 8);
+        const __m256 m0 = _mm256_loadu_ps(min + kb * TILE), m1 = _mm256_loadu_ps(min + kb * TILE + 8);
+        for (long k = kb * QBLOCK; k < (kb + 1) * QBLOCK; k++) {
+            __m256 q0, q1;
+            load_column(NIBBLES, q, k, &q0, &q1);
+            const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(s0, q0), m0), w1 = _mm256_add_ps(_mm256_mul_ps(s1, q1), m1);
+            for (int i = 0; i < R; i++) {
+                const __m256 x = _mm256_broadcast_ss(X + i * K + k);
+                a0[i] = _mm256_fmadd_ps(x, w0, a0[i]);
+                a1[i] = _mm256_fmadd_ps(x, w1, a1[i]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        _mm256_storeu_ps(Y + i * ldy, a0[i]);
+        _mm256_storeu_ps(Y + i * ldy + 8, a1[i]);
+    }
+}
+
+static inline __attribute__((always_inline)) void qgemm(
+    const int NIBBLES, const float *X, long M, long K, const int8_t *q, const float *scale, const float *min,
+    long N_padded, float *Y) {
+    const long tiles = N_padded / TILE, groups = K / QBLOCK, tile_bytes = NIBBLES ? K * TILE / 2 : K * TILE;
 #pragma omp parallel for schedule(static)
     for (long t = 0; t < tiles; t++) {
+        const int8_t *qt = q + t * tile_bytes;
+        const float *st = scale + t * groups * TILE, *mt = min + t * groups * TILE;
+        float *y = Y + t * TILE;
+        if (M <= 4) {
+            switch (M) {
+                case 4: rows_times_tile(NIBBLES, 4, X, K, qt, st, mt, y, N_padded); break;
+                case 3: rows_times_tile(NIBBLES, 3, X, K, qt, st, mt, y, N_padded); break;
+                case 2: rows_times_tile(NIBBLES, 2, X, K, qt, st, mt, y, N_padded); break;
+                case 1: rows_times_tile(NIBBLES, 1, X, K, qt, st, mt, y, N_padded); break;
+            }
+            continue;
+        }
         if (panel_floats < K * TILE) {
             free(panel);
             panel = aligned_alloc(64, K * TILE * sizeof(float));
             panel_floats = K * TILE;
         }
-        expand_panel(q + t * K * TILE, scale + t * groups * TILE, min + t * groups * TILE, K, panel);
-        float *y = Y + t * TILE;
+        expand_panel(NIBBLES, qt, st, mt, K, panel);
         long r = 0;
         for (; r + 6 <= M; r += 6) rows_times_panel(6, X + r * K, K, panel, y + r * N_padded, N_padded);
         const float *x = X + r * K;
@@ -81,6 +136,15 @@ void lp_qgemm(const float *X, long M, long K, const int8_t *q, const float *scal
             case 1: rows_times_panel(1, x, K, panel, y, N_padded); break;
         }
     }
+}
+
+/* X: [M, K] contiguous; N_padded a multiple of 16; Y: [M, N_padded] contiguous; nibbles: see the layout above. */
+void lp_qgemm(const float *X, long M, long K, const int8_t *q, const float *scale, const float *min, long N_padded,
+              int nibbles, float *Y) {
+    if (nibbles)
+        qgemm(1, X, M, K, q, scale, min, N_padded, Y);
+    else
+        qgemm(0, X, M, K, q, scale, min, N_padded, Y);
 }
 
 /* exp for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial), ~1-2 ulp.

@@ -1,6 +1,7 @@
 """The native CPU kernels (kernels/cpu_kernels.c) against float64 torch, on random inputs.
 
-qgemm over odd row counts (every tail of the 6-row register kernel), padded weight tiles and
+qgemm over row counts that take each path (1-4 rows expand weights in registers, more go through a
+panel: every tail of its 6-row register kernel), padded weight tiles and
 Q4_1-like (0..15 plus a min) or Q8_0-like (signed, no min) blocks; paged decode over ragged
 lengths, shuffled block tables, GQA ratios and NaN wherever the kernel must not read.
 """
@@ -26,13 +27,15 @@ def random_blocks(rows: int, cols: int, signed: bool, gen: torch.Generator) -> B
     return BlockQuantized(q, torch.rand(rows, cols // 32, generator=gen) * 0.02, minimum)
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 16, 33])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 6, 7, 16, 33])
 @pytest.mark.parametrize("n,k,signed", [(16, 32, False), (40, 64, True), (96, 576, False), (24, 1536, True)])
 def test_qgemm_matches_dequantised_matmul(m, n, k, signed):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     weight = random_blocks(n, k, signed, gen)
     x = torch.randn(m, k, generator=gen)
-    out = cpu.qgemm(x, cpu.pack_blocks(weight.q, weight.scale, weight.minimum), n)
+    packed = cpu.pack_blocks(weight.q, weight.scale, weight.minimum)
+    assert packed.nibbles == (not signed)
+    out = cpu.qgemm(x, packed)
     ref = x.double() @ weight.dequantize().double().T
     assert out.shape == (m, n)
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
@@ -42,7 +45,7 @@ def test_qgemm_reads_a_strided_input():
     gen = torch.Generator().manual_seed(1)
     weight = random_blocks(32, 64, False, gen)
     x = torch.randn(64, 8, generator=gen).T  # not contiguous
-    out = cpu.qgemm(x, cpu.pack_blocks(weight.q, weight.scale, weight.minimum), 32)
+    out = cpu.qgemm(x, cpu.pack_blocks(weight.q, weight.scale, weight.minimum))
     torch.testing.assert_close(out, x @ weight.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
