@@ -92,7 +92,7 @@ def pack_blocks(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
 
     Where every q is in 0..15 (Q4_1), two share a byte: row j's in the low half, row j+8's in the high.
     """
-    n, k = q.shape
+    n = q.shape[0]
     nibbles = bool(q.min() >= 0 and q.max() <= 15)
     pad = -n % TILE
     if pad:

@@ -15,8 +15,8 @@ from localpaged.attention import TorchAttention, TritonAttention, select_attenti
 from localpaged.config import EngineConfig
 from localpaged.engine.runner import ModelRunner
 from localpaged.errors import ConfigError
-from localpaged.models.llama import LlamaForCausalLM, head_dim_of
 from localpaged.models.gguf_weights import load_gguf_weights
+from localpaged.models.llama import LlamaForCausalLM, head_dim_of
 from localpaged.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model
 from localpaged.models.quantized import swap_in_blocks
 

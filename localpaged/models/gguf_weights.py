@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 QBLOCK = 32
+BLOCK_FIELDS = ("q", "scale", "minimum")
 
 
 @dataclass
@@ -30,15 +31,15 @@ class BlockQuantized:
 
     def dequantize(self) -> torch.Tensor:
         """The exact fp32 values gguf-py (and so transformers) gives: a product, then a sum, no FMA."""
-        expand = lambda t: t.repeat_interleave(QBLOCK, dim=1)  # noqa: E731
-        return expand(self.scale) * self.q.float() + expand(self.minimum)
+        scale, minimum = (t.repeat_interleave(QBLOCK, dim=1) for t in (self.scale, self.minimum))
+        return scale * self.q.float() + minimum
 
     def rows(self, index: torch.Tensor) -> BlockQuantized:
         return BlockQuantized(self.q[index], self.scale[index], self.minimum[index])
 
     @staticmethod
     def cat(parts: list[BlockQuantized]) -> BlockQuantized:
-        return BlockQuantized(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "minimum")))
+        return BlockQuantized(*(torch.cat([getattr(p, f) for p in parts]) for f in BLOCK_FIELDS))
 
 
 def _unpack(data: np.ndarray, kind: str) -> BlockQuantized:
@@ -120,14 +121,11 @@ def load_gguf_weights(gguf_path: Path, folder: Path, hf_config) -> dict[str, tor
     return tensors
 
 
-_PARTS = ("q", "scale", "minimum")
-
-
 def _flatten(tensors: dict[str, torch.Tensor | BlockQuantized]) -> dict[str, torch.Tensor]:
     flat: dict[str, torch.Tensor] = {}
     for name, value in tensors.items():
         if isinstance(value, BlockQuantized):
-            flat.update({f"{name}:{part}": getattr(value, part).contiguous() for part in _PARTS})
+            flat.update({f"{name}:{part}": getattr(value, part).contiguous() for part in BLOCK_FIELDS})
         else:
             flat[name] = value.contiguous()
     return flat
@@ -136,5 +134,5 @@ def _flatten(tensors: dict[str, torch.Tensor | BlockQuantized]) -> dict[str, tor
 def _unflatten(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | BlockQuantized]:
     out: dict[str, torch.Tensor | BlockQuantized] = {n: t for n, t in flat.items() if ":" not in n}
     for name in {n.partition(":")[0] for n in flat if ":" in n}:
-        out[name] = BlockQuantized(*(flat[f"{name}:{part}"] for part in _PARTS))
+        out[name] = BlockQuantized(*(flat[f"{name}:{part}"] for part in BLOCK_FIELDS))
     return out

@@ -12,17 +12,19 @@ import torch
 from torch import nn
 
 from localpaged.kernels import cpu
-from localpaged.models.gguf_weights import QBLOCK, BlockQuantized
+from localpaged.models.gguf_weights import BLOCK_FIELDS, QBLOCK, BlockQuantized
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class BlockLinear(nn.Module):
+    """A projection on the native kernel, its weight packed into 16-row tiles (kernels/cpu.py)."""
+
     def __init__(self, weight: BlockQuantized, bias: nn.Parameter | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.q.shape
         self.packed = cpu.pack_blocks(weight.q, weight.scale, weight.minimum)
-        for name in ("q", "scale", "minimum"):  # registered too, so the model's memory counts them
+        for name in BLOCK_FIELDS:  # registered too, so the model's memory counts them
             self.register_buffer(name, getattr(self.packed, name))
         self.bias = bias
 
@@ -32,11 +34,12 @@ class BlockLinear(nn.Module):
 
 
 class BlockEmbedding(nn.Module):
+    """Token embeddings kept as blocks: a step dequantises only the rows of its tokens."""
+
     def __init__(self, weight: BlockQuantized) -> None:
         super().__init__()
-        self.register_buffer("q", weight.q)
-        self.register_buffer("scale", weight.scale)
-        self.register_buffer("minimum", weight.minimum)
+        for name in BLOCK_FIELDS:
+            self.register_buffer(name, getattr(weight, name))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return BlockQuantized(self.q[ids], self.scale[ids], self.minimum[ids]).dequantize()
