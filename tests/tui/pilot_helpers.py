@@ -1,4 +1,4 @@
-"""Helpers for Pilot tests: wait for a condition, reach the chat or error screen, send a message."""
+"""Helpers for Pilot tests: wait for a condition, reach the chat or error screen, send a message, await a reply."""
 
 from __future__ import annotations
 
@@ -32,6 +32,16 @@ async def main_screen(pilot) -> MainScreen:
     await wait_for(pilot, lambda: any(isinstance(s, MainScreen) for s in pilot.app.screen_stack))
     await pilot.pause()
     return next(s for s in pilot.app.screen_stack if isinstance(s, MainScreen))
+
+
+async def reply_done(pilot, screen: MainScreen, *chats) -> None:
+    """Wait until `chats` have stopped generating and the open chat's reply is drawn in full.
+
+    "Not generating" alone is not enough: the finished reply is drawn and given its stored id by
+    a message handled a moment later, later still when the machine is busy.
+    """
+    await wait_for(pilot, lambda: not any(c.generating for c in chats) and screen.live_bubble is None)
+    await pilot.pause()
 
 
 async def send(pilot, text: str) -> None:

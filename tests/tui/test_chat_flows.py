@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pilot_helpers import error_message, main_screen, send, wait_for
+from pilot_helpers import error_message, main_screen, reply_done, send, wait_for
 
 from localpaged.errors import ModelNotFoundError
 from localpaged.tui.app import LocalpagedApp
@@ -50,8 +50,7 @@ async def test_two_chats_stream_at_once_and_switching_back_shows_the_growing_rep
         engine.release()
         await wait_for(pilot, lambda: len(screen.live_bubble.text) > seen)
         assert a.reply.startswith(screen.live_bubble.text)
-        await wait_for(pilot, lambda: not a.generating and not b.generating)
-        await pilot.pause(0.1)
+        await reply_done(pilot, screen, a, b)
         assert screen.messages.bubbles[-1].text == LONG
         assert screen.messages.bubbles[-1].status == "complete"
         for chat, text in ((a, "tell A"), (b, "tell B")):
@@ -79,8 +78,7 @@ async def test_switch_with_ctrl_arrows_while_streaming(make_app, engine, store):
         assert screen.current is chat
         assert screen.live_bubble.text == chat.reply
         engine.release()
-        await wait_for(pilot, lambda: not chat.generating)
-        await pilot.pause(0.1)
+        await reply_done(pilot, screen, chat)
         assert screen.messages.bubbles[-1].text == LONG
         assert stored(store, chat.session.id)[-1] == ("assistant", LONG, "complete")
 
@@ -94,8 +92,7 @@ async def test_stop_keeps_the_partial_reply_marked(make_app, engine, store):
         chat = screen.current
         await wait_for(pilot, lambda: len(chat.reply) > 20)
         await pilot.press("escape")
-        await wait_for(pilot, lambda: not chat.generating)
-        await pilot.pause(0.1)
+        await reply_done(pilot, screen, chat)
         bubble = screen.messages.bubbles[-1]
         assert bubble.status == "partial" and "stopped" in str(bubble.query_one(".bubble-header").content)
         assert 20 < len(bubble.text) < len(LONG)
@@ -110,11 +107,11 @@ async def test_regenerate_replaces_the_last_reply(make_app, engine, store):
         screen = await main_screen(pilot)
         await send(pilot, "question")
         chat = screen.current
-        await wait_for(pilot, lambda: not chat.generating and chat.reply)
-        await pilot.pause(0.1)
+        await wait_for(pilot, lambda: chat.reply)
+        await reply_done(pilot, screen, chat)
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: chat.reply == "second answer" and not chat.generating)
-        await pilot.pause(0.1)
+        await wait_for(pilot, lambda: chat.reply == "second answer")
+        await reply_done(pilot, screen, chat)
         assert [(b.role, b.text) for b in screen.messages.bubbles] == [("user", "question"), ("assistant", "second answer")]
         assert stored(store, chat.session.id) == [("user", "question", "complete"), ("assistant", "second answer", "complete")]
 
@@ -125,8 +122,8 @@ async def test_edit_an_earlier_message_resends_it_in_a_fork(make_app, store):
         screen = await main_screen(pilot)
         for text in ("first", "second"):
             await send(pilot, text)
-            await wait_for(pilot, lambda: not screen.current.generating and screen.current.reply)
-            await pilot.pause(0.1)
+            await wait_for(pilot, lambda: screen.current.reply)
+            await reply_done(pilot, screen, screen.current)
         original = screen.current.session.id
         second = screen.messages.bubbles[2]
         assert second.role == "user" and second.message_id is not None
@@ -137,8 +134,8 @@ async def test_edit_an_earlier_message_resends_it_in_a_fork(make_app, store):
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: screen.open_id != original)
         fork = screen.current
-        await wait_for(pilot, lambda: not fork.generating and fork.reply)
-        await pilot.pause(0.1)
+        await wait_for(pilot, lambda: fork.reply)
+        await reply_done(pilot, screen, fork)
         assert store.get_session(fork.session.id).parent_id == original
         assert [m[1] for m in stored(store, fork.session.id)] == [
             "first", "You said: **first**.", "second, edited", "You said: **second, edited**."]
