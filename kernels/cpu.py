@@ -64,6 +64,11 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether tensors of this device and dtype go to the native kernels: float32 on a CPU where they built."""
+    return device.type == "cpu" and dtype == torch.float32 and library() is not None
+
+
 def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)

@@ -83,5 +83,4 @@ def select_attention(name: str | None, device: torch.device, dtype: torch.dtype,
     """
     if name == "triton" or (name is None and device.type == "cuda"):
         return TritonAttention()
-    native = device.type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0 and cpu.library() is not None
-    return TorchAttention(native_decode=native)
+    return TorchAttention(native_decode=cpu.runs(device, dtype) and head_dim % 8 == 0)

@@ -15,6 +15,7 @@ from localpaged.attention import TorchAttention, TritonAttention, select_attenti
 from localpaged.config import EngineConfig
 from localpaged.engine.runner import ModelRunner
 from localpaged.errors import ConfigError
+from localpaged.kernels import cpu
 from localpaged.models.gguf_weights import load_gguf_weights
 from localpaged.models.llama import LlamaForCausalLM, head_dim_of
 from localpaged.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model
@@ -61,9 +62,7 @@ def use_block_weights(config: EngineConfig, files, device: torch.device, dtype: 
     Measured with ``make bench`` (16 sessions, SmolLM2-135M Q4_1, 2 cores): 153.3 tok/s and 146 MiB
     of weights, against 102.4 tok/s and 515 MiB with the same values dequantised to float32.
     """
-    from localpaged.kernels import cpu
-
-    return config.weights == "auto" and files.gguf is not None and device.type == "cpu" and dtype == torch.float32 and cpu.library() is not None
+    return config.weights == "auto" and files.gguf is not None and cpu.runs(device, dtype)
 
 
 def stop_token_ids(tokenizer, hf_config) -> set[int]:

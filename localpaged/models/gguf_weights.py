@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-QBLOCK = 32
+from localpaged.kernels.cpu import QBLOCK
+
 BLOCK_FIELDS = ("q", "scale", "minimum")
 
 

@@ -69,7 +69,7 @@ class Linear(nn.Linear):
 
 def native(x: torch.Tensor) -> bool:
     """Whether ``x`` goes to the native CPU kernels (float32 on a CPU where they built)."""
-    return x.is_cpu and x.dtype == torch.float32 and cpu.library() is not None
+    return cpu.runs(x.device, x.dtype)
 
 
 class RMSNorm(nn.Module):

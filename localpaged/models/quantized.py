@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from localpaged.kernels import cpu
-from localpaged.models.gguf_weights import BLOCK_FIELDS, QBLOCK, BlockQuantized
+from localpaged.models.gguf_weights import BLOCK_FIELDS, BlockQuantized
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -60,7 +60,7 @@ def swap_in_blocks(model: nn.Module, tensors: dict) -> dict[str, torch.Tensor]:
         else:
             continue
         shards = [tensors.get(n) for n in hf]
-        if not all(isinstance(s, BlockQuantized) and s.q.shape[1] % QBLOCK == 0 for s in shards):
+        if not all(isinstance(s, BlockQuantized) and s.q.shape[1] % cpu.QBLOCK == 0 for s in shards):
             continue
         weight = BlockQuantized.cat(shards)
         new = BlockEmbedding(weight) if leaf == "embed_tokens" else BlockLinear(weight, module.bias)
