@@ -21,6 +21,8 @@ chat: $(STAMP)
 	$(VENV)/bin/localpaged chat
 
 test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -95,21 +95,30 @@ def main() -> None:
     default = default_num_splits(b, hkv, block_tables.shape[1], device)
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
-    print(f"decode on {name}: batch {b}, context {ctx}, heads {hq}/{hkv}, head_dim {d}, {args.dtype}, "
-          f"{kernel_bytes / 2**20:.1f} MiB moved per call")
+    print(
+        f"decode on {name}: batch {b}, context {ctx}, heads {hq}/{hkv}, head_dim {d}, {args.dtype}, "
+        f"{kernel_bytes / 2**20:.1f} MiB moved per call"
+    )
     print(f"{'what':<22}{'ms':>10}{'GB/s':>10}{'vs copy':>10}")
     print(f"{'copy_':<22}{copy_ms:>10.4f}{copy_gbs:>10.4g}{'100.0%':>10}")
     ratios = {}
     for splits in sorted({1, 2, 4, 8, MAX_SPLITS, default}):
-        ms = time_ms(lambda: paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=splits),
-                     args.iters, device)
+        ms = time_ms(
+            lambda splits=splits: paged_decode(
+                q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=splits
+            ),
+            args.iters,
+            device,
+        )
         gbs = kernel_bytes / ms / 1e6
         ratios[splits] = gbs / copy_gbs
         label = f"paged_decode s={splits}" + (" *" if splits == default else "")
         print(f"{label:<22}{ms:>10.4f}{gbs:>10.4g}{ratios[splits]:>10.1%}")
     best = max(ratios, key=ratios.get)
-    print(f"ratio at the default ({default} splits, *): {ratios[default]:.1%}; best: {ratios[best]:.1%} "
-          f"at {best} splits; goal >= 70%")
+    print(
+        f"ratio at the default ({default} splits, *): {ratios[default]:.1%}; best: {ratios[best]:.1%} "
+        f"at {best} splits; goal >= 70%"
+    )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,16 @@ from pathlib import Path
 
 from localpaged import LLM, AsyncLLM, ChatStore, SamplingParams, Session, load_prompt
 
-QUESTIONS = ["How do I reverse a list?", "What is a closure?", "Explain list comprehensions.", "How do I read a file?",
-             "What does yield do?", "How do I sort a dict by value?", "What is a decorator?", "How do I time code?"]
+QUESTIONS = [
+    "How do I reverse a list?",
+    "What is a closure?",
+    "Explain list comprehensions.",
+    "How do I read a file?",
+    "What does yield do?",
+    "How do I sort a dict by value?",
+    "What is a decorator?",
+    "How do I time code?",
+]
 REPLY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
@@ -30,8 +38,10 @@ def first_turn_ttft(engine: AsyncLLM, store: ChatStore, question: str) -> tuple[
 def live_blocks(llm: LLM, system: str, generate: int = 16) -> int:
     """Blocks in use once all 8 sessions have their prompt in the pool and are decoding."""
     for q in QUESTIONS:
-        llm.add_request([{"role": "system", "content": system}, {"role": "user", "content": q}],
-                        SamplingParams(max_tokens=generate, temperature=0.0, ignore_eos=True))
+        llm.add_request(
+            [{"role": "system", "content": system}, {"role": "user", "content": q}],
+            SamplingParams(max_tokens=generate, temperature=0.0, ignore_eos=True),
+        )
     peak = 0
     while llm.has_unfinished_requests():
         llm.step()
@@ -63,8 +73,12 @@ def main() -> None:
     unshared = LLM(device=args.device, enable_prefix_caching=False)
     without = live_blocks(unshared, system)
     mib = 2**20
-    print(f"8 live sessions, blocks held with prefix sharing:    {with_sharing:5d} ({with_sharing * bytes_per_block / mib:.1f} MiB)")
-    print(f"8 live sessions, blocks held without prefix sharing: {without:5d} ({without * bytes_per_block / mib:.1f} MiB)")
+    print(
+        f"8 live sessions, blocks held with prefix sharing:    {with_sharing:5d} ({with_sharing * bytes_per_block / mib:.1f} MiB)"
+    )
+    print(
+        f"8 live sessions, blocks held without prefix sharing: {without:5d} ({without * bytes_per_block / mib:.1f} MiB)"
+    )
     print(f"sharing holds {without / with_sharing:.1f}x fewer blocks")
 
 

@@ -36,17 +36,30 @@ SYSTEM = (
     "what is still open. Prefer boring, proven tools over clever new ones, and say what it costs."
 )
 QUESTIONS = [
-    "How do I write a good commit message?", "What is a race condition?", "Explain recursion to a child.",
-    "Why is the sky blue?", "How does a hash map work?", "What makes a code review useful?",
-    "How should I name variables?", "What is the difference between a thread and a process?",
-    "How do I estimate a task?", "What is technical debt?", "How do caches speed programs up?",
-    "Why write tests first?", "What is a memory leak?", "How does HTTPS keep data private?",
-    "What is a good way to learn a new language?", "How do I run a useful retrospective?",
+    "How do I write a good commit message?",
+    "What is a race condition?",
+    "Explain recursion to a child.",
+    "Why is the sky blue?",
+    "How does a hash map work?",
+    "What makes a code review useful?",
+    "How should I name variables?",
+    "What is the difference between a thread and a process?",
+    "How do I estimate a task?",
+    "What is technical debt?",
+    "How do caches speed programs up?",
+    "Why write tests first?",
+    "What is a memory leak?",
+    "How does HTTPS keep data private?",
+    "What is a good way to learn a new language?",
+    "How do I run a useful retrospective?",
 ]
 
 
 def conversations(n: int) -> list[list[dict]]:
-    return [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
+    return [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        for i in range(n)
+    ]
 
 
 def run_ours(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
@@ -75,7 +88,9 @@ def run_hf_sequential(model, prompts: list[list[int]], tokens: int, device) -> f
     start = time.perf_counter()
     for p in prompts:
         ids = torch.tensor([p], device=device)
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False
+        )
     return len(prompts) * tokens / (time.perf_counter() - start)
 
 
@@ -85,7 +100,9 @@ def run_hf_batch(model, prompts: list[list[int]], tokens: int, pad_id: int, devi
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     start = time.perf_counter()
-    model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=pad_id)
+    model.generate(
+        ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=pad_id
+    )
     return len(prompts) * tokens / (time.perf_counter() - start)
 
 
@@ -102,8 +119,10 @@ def main() -> None:
     weight_mib: dict[str, float] = {}
     ours32 = LLM(args.model, device=args.device, dtype="float32")
     prompts = [ours32.encode_chat(c) for c in conversations(args.sessions)]
-    print(f"{args.sessions} sessions, system prompt {len(prompts[0]) - 10} tokens or so, prompts {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} tokens, {args.tokens} new tokens each, greedy, device {args.device}, torch threads {torch.get_num_threads()}")
+    print(
+        f"{args.sessions} sessions, system prompt {len(prompts[0]) - 10} tokens or so, prompts {min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} tokens, {args.tokens} new tokens each, greedy, device {args.device}, torch threads {torch.get_num_threads()}"
+    )
     blocks = ours32.config.weights == "auto"  # a GGUF's own blocks, float32 compute (the CPU default)
     name = "localpaged fp32, GGUF blocks (default)" if blocks else "localpaged fp32"
     results[name], peak = run_ours(ours32, prompts, args.tokens)
@@ -127,7 +146,9 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
     if not args.skip_hf_sequential:
         results["HF generate, one after another (fp32)"] = run_hf_sequential(hf, prompts, args.tokens, args.device)
-    results[f"HF generate, padded batch of {args.sessions} (fp32)"] = run_hf_batch(hf, prompts, args.tokens, 2, args.device)
+    results[f"HF generate, padded batch of {args.sessions} (fp32)"] = run_hf_batch(
+        hf, prompts, args.tokens, 2, args.device
+    )
 
     print(f"\n{'contender':<44} {'tok/s':>8}")
     for name, tps in results.items():
@@ -145,7 +166,9 @@ def main() -> None:
     print("\nKV memory for these sessions (fp32 KV):")
     print(f"  localpaged pool, peak in use:                {peak * block_bytes / mib:8.1f} MiB ({peak} blocks)")
     print(f"  same sessions without prefix sharing:        {sum(per_seq) * block_bytes / mib:8.1f} MiB")
-    print(f"  {args.sessions} contiguous max-length ({max_len}) reservations: {args.sessions * (max_len // bs) * block_bytes / mib:8.1f} MiB")
+    print(
+        f"  {args.sessions} contiguous max-length ({max_len}) reservations: {args.sessions * (max_len // bs) * block_bytes / mib:8.1f} MiB"
+    )
 
 
 if __name__ == "__main__":

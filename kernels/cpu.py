@@ -33,11 +33,16 @@ QBLOCK = 32  # weights per scale/min run along a row
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in (
+        "AVX2",
+        "AVX512",
+    ):
         return None
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        warnings.warn("no C compiler (gcc/cc) found: GGUF weights run dequantised through torch, ~2x slower", stacklevel=2)
+        warnings.warn(
+            "no C compiler (gcc/cc) found: GGUF weights run dequantised through torch, ~2x slower", stacklevel=2
+        )
         return None
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
@@ -47,7 +52,9 @@ def library() -> ctypes.CDLL | None:
             _build(compiler, target)
         except (OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", "") or str(e)
-            warnings.warn(f"building the CPU kernels failed; GGUF weights run through torch instead:\n{detail}", stacklevel=2)
+            warnings.warn(
+                f"building the CPU kernels failed; GGUF weights run through torch instead:\n{detail}", stacklevel=2
+            )
             return None
     lib = ctypes.CDLL(str(target))
     p, n = ctypes.c_void_p, ctypes.c_long
@@ -120,7 +127,17 @@ def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
     padded = w.q.shape[0] * TILE
     assert w.q.shape[1] == k and k % QBLOCK == 0 and x.dtype == torch.float32, (x.shape, x.dtype, w.q.shape)
     out = torch.empty(m, padded)
-    library().lp_qgemm(x.data_ptr(), m, k, w.q.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), padded, int(w.nibbles), out.data_ptr())
+    library().lp_qgemm(
+        x.data_ptr(),
+        m,
+        k,
+        w.q.data_ptr(),
+        w.scale.data_ptr(),
+        w.minimum.data_ptr(),
+        padded,
+        int(w.nibbles),
+        out.data_ptr(),
+    )
     return out if padded == w.rows else out[:, : w.rows]
 
 
@@ -136,22 +153,47 @@ def paged_decode(
     b, h, d = q.shape
     kvh = k_cache.shape[2]
     assert q.dtype == k_cache.dtype == torch.float32 and d % 8 == 0 and h % kvh == 0 and k_cache.shape[1] == 16
-    q, tables, lens = q.contiguous(), block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+    q, tables, lens = (
+        q.contiguous(),
+        block_tables.to(torch.int32).contiguous(),
+        context_lens.to(torch.int32).contiguous(),
+    )
     out = torch.empty_like(q)
     library().lp_paged_decode(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        b, h, kvh, d, tables.shape[1], scale, out.data_ptr(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        b,
+        h,
+        kvh,
+        d,
+        tables.shape[1],
+        scale,
+        out.data_ptr(),
     )
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)`` for float32 rows whose width is a multiple of 8."""
     x = x.contiguous()
     m, d = x.shape
     summed, out = torch.empty_like(x), torch.empty_like(x)
     res = residual.contiguous() if residual is not None else None
-    library().lp_add_rms_norm(x.data_ptr(), res.data_ptr() if res is not None else None, weight.data_ptr(), m, d, eps, summed.data_ptr(), out.data_ptr())
+    library().lp_add_rms_norm(
+        x.data_ptr(),
+        res.data_ptr() if res is not None else None,
+        weight.data_ptr(),
+        m,
+        d,
+        eps,
+        summed.data_ptr(),
+        out.data_ptr(),
+    )
     return out, summed
 
 
@@ -183,7 +225,16 @@ def rope_write_kv(
     slots = slot_mapping.to(torch.int64).contiguous()
     q = qkv.new_empty(n, num_heads, d)
     library().lp_rope_write_kv(
-        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), n, num_heads, kvh, d,
-        k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
+        qkv.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        n,
+        num_heads,
+        kvh,
+        d,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        q.data_ptr(),
     )
     return q

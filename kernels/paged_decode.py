@@ -26,8 +26,9 @@ MAX_SPLITS = 16
 
 
 @triton.jit
-def load_page_tile(cache_ptr, block, offset, valid, kv_head, stride_block, stride_slot, stride_head,
-                   HEAD_DIM: tl.constexpr):
+def load_page_tile(
+    cache_ptr, block, offset, valid, kv_head, stride_block, stride_slot, stride_head, HEAD_DIM: tl.constexpr
+):
     """Gather a ``[BLOCK_N, HEAD_DIM]`` tile of one KV head; rows where ``valid`` is False read 0."""
     d = tl.arange(0, HEAD_DIM)
     rows = block * stride_block + offset * stride_slot + kv_head * stride_head
@@ -61,15 +62,35 @@ def softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr, INTERPRETED: 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, lse_ptr, scale,
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    lens_ptr,
+    out_ptr,
+    lse_ptr,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
-    stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -113,11 +134,19 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr, lse_ptr, out_ptr,
-    stride_pb, stride_ph, stride_ps,
-    stride_lb, stride_lh,
-    stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     """Combine one (sequence, head)'s split outputs, weighting each by exp(its lse - max lse)."""
     b = tl.program_id(0)
@@ -126,8 +155,11 @@ def _merge_splits_kernel(
     d = tl.arange(0, HEAD_DIM)
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=s < NUM_SPLITS, other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, 0))  # split 0 always holds tokens, so the max is finite
-    part = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                   mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    part = tl.load(
+        part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+        mask=(s < NUM_SPLITS)[:, None],
+        other=0.0,
+    )
     out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
@@ -189,23 +221,51 @@ def paged_decode(
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device, dtype=torch.float32)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part, lse, scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        part,
+        lse,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2),
-        lse.stride(0), lse.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        PAGE=page,
+        BLOCK_N=BLOCK_N,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision(q.dtype),
         INTERPRETED=q.device.type != "cuda",
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
-            part, lse, out,
-            part.stride(0), part.stride(1), part.stride(2),
-            lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            part,
+            lse,
+            out,
+            part.stride(0),
+            part.stride(1),
+            part.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
         )
     return out

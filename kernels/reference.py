@@ -167,7 +167,9 @@ def _attention_with_lse(q, k, v, bias, scale: float) -> tuple[torch.Tensor, torc
     CUDA against the Triton kernels) it is computed plainly, in fp32 or wider.
     """
     if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale
+        )
     dtype = torch.promote_types(q.dtype, torch.float32)
     scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
     if bias is not None:
@@ -190,7 +192,9 @@ def _decode_attention(q, k, v, bias, k_prefix, v_prefix, scale: float) -> torch.
     out, lse = _attention_with_lse(q4, k, v, bias, scale)
     if k_prefix is not None:
         q_all = q4.transpose(0, 1).reshape(1, hkv, -1, d)
-        out_pre, lse_pre = _attention_with_lse(q_all, k_prefix.transpose(0, 1)[None], v_prefix.transpose(0, 1)[None], None, scale)
+        out_pre, lse_pre = _attention_with_lse(
+            q_all, k_prefix.transpose(0, 1)[None], v_prefix.transpose(0, 1)[None], None, scale
+        )
         out_pre = out_pre.reshape(hkv, g, -1, d).transpose(0, 1)
         lse_pre = lse_pre.reshape(hkv, g, -1).transpose(0, 1)
         lse_all = torch.logaddexp(lse, lse_pre)

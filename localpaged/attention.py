@@ -71,11 +71,20 @@ class TritonAttention:
         if meta.max_q_len == 1:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         return self._prefill(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale, max_q_len=meta.max_q_len
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            scale,
+            max_q_len=meta.max_q_len,
         )
 
 
-def select_attention(name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> TorchAttention | TritonAttention:
+def select_attention(
+    name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> TorchAttention | TritonAttention:
     """``name`` ("triton"/"torch") forces a path; otherwise Triton on CUDA and torch elsewhere.
 
     On the CPU in float32, all-decode steps go to the native kernel where it builds (it reads heads

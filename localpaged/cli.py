@@ -122,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_model(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", metavar="PATH", help="local HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", metavar="PATH", help="local HF folder or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
 
 
 def _add_db(parser: argparse.ArgumentParser) -> None:

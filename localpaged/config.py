@@ -27,7 +27,9 @@ class EngineConfig:
     model: str | None = None  # None: the default model package; else a HF folder or a .gguf file
     device: str = "auto"  # "auto" (cuda if present), "cpu", "cuda"
     dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
-    weights: str = "auto"  # GGUF on the CPU in float32: "auto" keeps the file's blocks (native kernels); "float" dequantises
+    weights: str = (
+        "auto"  # GGUF on the CPU in float32: "auto" keeps the file's blocks (native kernels); "float" dequantises
+    )
     kv_cache_memory: int | str | None = None  # bytes for the block pool; None sizes it from free memory
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # token budget per step; None picks one for the device
@@ -44,7 +46,9 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype={self.dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'")
         if self.weights not in ("auto", "float"):
-            raise ConfigError(f"weights={self.weights!r}: use 'auto' (a GGUF's own blocks where the CPU kernels run) or 'float'")
+            raise ConfigError(
+                f"weights={self.weights!r}: use 'auto' (a GGUF's own blocks where the CPU kernels run) or 'float'"
+            )
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
             if self.kv_cache_memory <= 0:

@@ -30,7 +30,9 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"max_tokens={self.max_tokens!r}: ask for at least 1 token")
         if self.max_tokens > MAX_TOKENS_LIMIT:
-            raise ConfigError(f"max_tokens={self.max_tokens}: more than any context holds; use at most {MAX_TOKENS_LIMIT}")
+            raise ConfigError(
+                f"max_tokens={self.max_tokens}: more than any context holds; use at most {MAX_TOKENS_LIMIT}"
+            )
         if not self.temperature >= 0:
             raise ConfigError(f"temperature={self.temperature}: must be 0 (greedy) or more")
         if not 0 < self.top_p <= 1:

@@ -23,19 +23,19 @@ DEVICE = os.environ.get("LOCALPAGED_TEST_DEVICE", "cpu")
 # The model the tests marked ``model`` run: None is the default model; gpu_check.sh names a stand-in.
 DEFAULT_MODEL = os.environ.get("LOCALPAGED_TEST_MODEL_FOLDER") or None
 
-TINY_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-    initializer_range=0.3,  # peaked logits: greedy choices are rarely near-ties
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+TINY_COMMON = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.3,  # peaked logits: greedy choices are rarely near-ties
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,8 @@ def assert_same_greedy(ours: list[int], theirs: list[int], gaps: list[float], la
     """Token-for-token equality; a divergence passes only at a genuine tie, and comparison stops there."""
     for i, (a, b) in enumerate(zip(ours, theirs)):
         if a != b:
-            assert gaps[i] < TIE, f"{label}: token {i} differs ({a} vs HF {b}) and HF's top-2 gap {gaps[i]:.2e} is no tie"
+            assert gaps[i] < TIE, (
+                f"{label}: token {i} differs ({a} vs HF {b}) and HF's top-2 gap {gaps[i]:.2e} is no tie"
+            )
             return
     assert len(ours) == len(theirs), f"{label}: {len(ours)} tokens vs HF {len(theirs)}"

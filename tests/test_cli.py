@@ -42,7 +42,12 @@ def engines(monkeypatch: pytest.MonkeyPatch) -> list[AsyncLLM]:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "localpaged.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=120
+        [sys.executable, "-m", "localpaged.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
     )
 
 

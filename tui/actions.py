@@ -6,11 +6,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from textual.screen import Screen
-
-from localpaged.chat.prompts import list_prompts
-from localpaged.chat.session import Session
-from localpaged.errors import LocalpagedError
 from localpaged.tui.screens.confirm import ConfirmDialog
 from localpaged.tui.screens.edit import EditDialog
 from localpaged.tui.screens.new_chat import Choice, NewChatDialog
@@ -18,6 +13,12 @@ from localpaged.tui.screens.search import SearchDialog
 from localpaged.tui.screens.text_dialog import TextDialog
 from localpaged.tui.widgets.bubble import MessageBubble
 from localpaged.tui.widgets.chat_input import ChatInput
+from textual.screen import Screen
+
+from localpaged.chat.prompts import list_prompts
+from localpaged.chat.session import Session
+from localpaged.errors import LocalpagedError
+
 
 class ChatActions(Screen[None]):
     """MainScreen's base: each action asks in a dialog, then changes the store and the view.
@@ -103,7 +104,9 @@ class ChatActions(Screen[None]):
                 self.show_title()
             self.notify(f"Deleted “{chat.session.title or 'Untitled'}”")
 
-        self.app.push_screen(ConfirmDialog(f"Delete “{chat.session.title or 'Untitled'}” and all its messages?"), delete)
+        self.app.push_screen(
+            ConfirmDialog(f"Delete “{chat.session.title or 'Untitled'}” and all its messages?"), delete
+        )
 
     def action_search(self) -> None:
         async def jump(hit: Any) -> None:

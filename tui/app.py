@@ -7,14 +7,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from localpaged.tui.screens.error import ErrorScreen
+from localpaged.tui.screens.loading import LoadingScreen
+from localpaged.tui.screens.main import MainScreen
 from textual import work
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 
 from localpaged.errors import LocalpagedError
-from localpaged.tui.screens.error import ErrorScreen
-from localpaged.tui.screens.loading import LoadingScreen
-from localpaged.tui.screens.main import MainScreen
 
 Progress = Callable[[str, "float | None"], None]
 EngineFactory = Callable[[Progress], Any]
@@ -41,9 +41,17 @@ class LocalpagedApp(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "localpaged"
 
-    def __init__(self, engine_factory: EngineFactory | None = None, store: Any = None, *,
-                 model: str | None = None, prompt: str | None = None, session_id: str | None = None,
-                 db: str | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        engine_factory: EngineFactory | None = None,
+        store: Any = None,
+        *,
+        model: str | None = None,
+        prompt: str | None = None,
+        session_id: str | None = None,
+        db: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         super().__init__()
         self.engine_factory = engine_factory or default_engine_factory(model)
         self.store = store
@@ -92,8 +100,11 @@ class LocalpagedApp(App[None]):
         if main is None:
             return
         for binding in main.BINDINGS:
-            yield SystemCommand(binding.description, f"{binding.description} ({binding.key})",
-                                lambda action=binding.action: main.run_action(action))
+            yield SystemCommand(
+                binding.description,
+                f"{binding.description} ({binding.key})",
+                lambda action=binding.action: main.run_action(action),
+            )
 
     async def action_quit(self) -> None:
         """Stop every reply (their partial text is kept), shut the engine down, then exit."""
@@ -106,7 +117,8 @@ class LocalpagedApp(App[None]):
         self.exit()
 
 
-def run_app(model: str | None = None, prompt: str | None = None, session_id: str | None = None,
-            db: str | None = None) -> None:
+def run_app(
+    model: str | None = None, prompt: str | None = None, session_id: str | None = None, db: str | None = None
+) -> None:
     """Entry point of `localpaged chat`."""
     LocalpagedApp(model=model, prompt=prompt, session_id=session_id, db=db).run()

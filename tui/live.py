@@ -6,12 +6,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from localpaged.tui.widgets.status_line import ChatFigures
 from textual.app import App
 from textual.message import Message
 from textual.message_pump import MessagePump
 from textual.worker import Worker
-
-from localpaged.tui.widgets.status_line import ChatFigures
 
 Phase = Literal["start", "first", "grow", "done"]  # "first": the first text arrived (the chat has its title)
 
@@ -108,7 +107,7 @@ class LiveChat:
                 if self._first is None:
                     self._first = time.monotonic()
                     self.target.post_message(ReplyActivity(self, "first"))
-        except Exception as err:  # shown to the user; the app must outlive a failed request
+        except Exception as err:  # noqa: BLE001 -- shown to the user; the app must outlive a failed request
             self.error = str(err) or type(err).__name__
         finally:
             self._running = False

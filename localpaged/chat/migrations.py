@@ -12,7 +12,7 @@ again, so each migration is written to be harmless when repeated.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from sqlite_utils import Database
 
@@ -28,9 +28,7 @@ def migration(fn: Migration) -> Migration:
 
 def migrate(db: Database) -> None:
     """Apply, in order, every registered migration the database has not recorded yet."""
-    db.execute(
-        "CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at FLOAT NOT NULL)"
-    )
+    db.execute("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at FLOAT NOT NULL)")
     applied = {row["name"] for row in db.query("SELECT name FROM _migrations")}
     for fn in MIGRATIONS:
         if fn.__name__ not in applied:

@@ -316,13 +316,13 @@ class _ReplyRecorder:
         metrics = {}
         if output is not None:
             m = output.metrics
-            metrics = dict(
-                prompt_tokens=m.prompt_tokens,
-                cached_tokens=m.cached_tokens,
-                completion_tokens=m.generated_tokens,
-                ttft_s=m.ttft_s,
-                tokens_per_s=m.decode_tokens_per_s,
-            )
+            metrics = {
+                "prompt_tokens": m.prompt_tokens,
+                "cached_tokens": m.cached_tokens,
+                "completion_tokens": m.generated_tokens,
+                "ttft_s": m.ttft_s,
+                "tokens_per_s": m.decode_tokens_per_s,
+            }
         self.store.update_message(
             self.message.id,
             content=output.text if output is not None else "",

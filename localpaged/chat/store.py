@@ -13,13 +13,15 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import platformdirs
 from sqlite_utils import Database
+from typing_extensions import Self
 
 from localpaged.chat.migrations import migrate
 from localpaged.errors import StoreError, UnknownSessionError
@@ -319,7 +321,7 @@ class ChatStore:
         with self._lock:
             self._conn.close()
 
-    def __enter__(self) -> ChatStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

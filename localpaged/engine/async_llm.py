@@ -19,7 +19,9 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, Union
+from typing import Any
+
+from typing_extensions import Self
 
 from localpaged.engine.llm import LLM
 from localpaged.engine.output import RequestMetrics, RequestOutput
@@ -28,9 +30,9 @@ from localpaged.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-Prompt = Union[str, list[int], list[dict]]
+Prompt = str | list[int] | list[dict]
 # What a sink receives: an output, or the exception that ends that request's stream.
-Item = Union[RequestOutput, BaseException]
+Item = RequestOutput | BaseException
 # Hands one item to a consumer; returns False when the consumer is gone for good.
 Deliver = Callable[[Item], bool]
 
@@ -193,7 +195,7 @@ class AsyncLLM:
             self._thread.join(timeout=SHUTDOWN_JOIN_S)
         atexit.unregister(self.shutdown)
 
-    def __enter__(self) -> AsyncLLM:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -243,7 +245,7 @@ class AsyncLLM:
         try:
             with self._engine_lock:
                 self._llm.add_request(command.prompt, command.params, command.request_id)
-        except Exception as exc:  # bad input (RequestError) or not: it concerns this request only
+        except Exception as exc:  # noqa: BLE001 -- bad input (RequestError) or not: it concerns this request only
             command.deliver(exc)
             return
         self._streams[command.request_id] = _Stream(command.deliver)
@@ -260,7 +262,7 @@ class AsyncLLM:
         try:
             with self._engine_lock:
                 self._llm.abort(command.request_id)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- delivered to the stream it concerns
             stream.deliver(exc)
             if command.done is not None:
                 command.done.set_exception(exc)

@@ -24,7 +24,7 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "prev", "next")
+    __slots__ = ("block_hash", "block_id", "next", "prev", "ref_count")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

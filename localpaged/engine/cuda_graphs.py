@@ -22,7 +22,16 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, attention, max_batch: int, max_blocks: int, block_size: int, device: torch.device, capture: bool = True) -> None:
+    def __init__(
+        self,
+        model,
+        attention,
+        max_batch: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+        capture: bool = True,
+    ) -> None:
         self.model = model
         self.attention = attention
         self.block_size = block_size
@@ -68,7 +77,11 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def can_run(self, meta: AttentionMetadata, num_seqs: int) -> bool:
-        return meta.max_q_len == 1 and num_seqs <= self.sizes[-1] and meta.block_tables.shape[1] <= self.block_tables.shape[1]
+        return (
+            meta.max_q_len == 1
+            and num_seqs <= self.sizes[-1]
+            and meta.block_tables.shape[1] <= self.block_tables.shape[1]
+        )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of a decode-only step, through the graph of the next batch size up."""

@@ -21,8 +21,8 @@ from localpaged.engine.output import IncrementalDetokenizer, KVMap, RequestMetri
 from localpaged.engine.runner import ModelRunner
 from localpaged.engine.scheduler import Scheduler
 from localpaged.engine.sequence import Sequence
-from localpaged.errors import RequestError
 from localpaged.engine.setup import EngineParts, build_engine_parts
+from localpaged.errors import RequestError
 from localpaged.sampling import SamplingParams
 
 Prompt = str | list[int] | list[dict]
@@ -94,7 +94,9 @@ class LLM:
                 "shorten the prompt or start the engine with a larger max_model_len"
             )
         seq = Sequence(request_id, ids, params)
-        seq.extra = _RequestState(IncrementalDetokenizer(self.tokenizer, ids, params.stop), params.make_generator(self.device))
+        seq.extra = _RequestState(
+            IncrementalDetokenizer(self.tokenizer, ids, params.stop), params.make_generator(self.device)
+        )
         return seq
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -197,7 +199,9 @@ class LLM:
                     final[out.request_id] = out
         return [final[s.request_id] for s in seqs]
 
-    def chat(self, conversations: list[dict] | Seq[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(
+        self, conversations: list[dict] | Seq[list[dict]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
         """``generate`` over chat conversations (lists of role/content messages)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]

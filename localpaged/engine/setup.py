@@ -126,4 +126,15 @@ def build_engine_parts(config: EngineConfig, progress=None) -> EngineParts:
             f"sequence of max_model_len={config.max_model_len} ({needed} blocks); raise kv_cache_memory to at least "
             f"{needed * block_bytes / 2**20:.0f} MiB or lower max_model_len"
         )
-    return EngineParts(files.name, files.folder, model, tokenizer, attention, device, dtype, num_blocks, block_bytes, stop_token_ids(tokenizer, hf_config))
+    return EngineParts(
+        files.name,
+        files.folder,
+        model,
+        tokenizer,
+        attention,
+        device,
+        dtype,
+        num_blocks,
+        block_bytes,
+        stop_token_ids(tokenizer, hf_config),
+    )

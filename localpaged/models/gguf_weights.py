@@ -91,7 +91,9 @@ def read_gguf(path: Path, hf_names: list[str], hf_config) -> dict[str, torch.Ten
             value: torch.Tensor | BlockQuantized = _unpack(t.data, kind)
         else:
             value = torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))
-        heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads}.get(gguf_name.split(".")[-2])
+        heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads}.get(
+            gguf_name.split(".")[-2]
+        )
         if arch == "llama" and heads and gguf_name.endswith(".weight"):
             perm = _unpermute_rows(t.data.shape[0], heads)
             value = value.rows(perm) if isinstance(value, BlockQuantized) else value[perm]

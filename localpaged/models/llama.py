@@ -107,7 +107,9 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         self.qkv_proj = Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=qkv_bias)
-        self.o_proj = Linear(self.num_heads * head_dim, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
+        self.o_proj = Linear(
+            self.num_heads * head_dim, config.hidden_size, bias=bool(getattr(config, "attention_bias", False))
+        )
         self.attention = attention
         self.k_cache: torch.Tensor | None = None  # bound by the runner to this layer's slice of the pool
         self.v_cache: torch.Tensor | None = None
@@ -125,7 +127,9 @@ class Attention(nn.Module):
     def rope_and_write_kv(self, qkv, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         """Rotate q and k, store k and v in the cache; returns q ``[N, heads, head_dim]``."""
         n = qkv.shape[0]
-        qk, v = qkv.split([(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
+        qk, v = qkv.split(
+            [(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1
+        )
         qk = apply_rope(qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # q and k in one go
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         self.attention.write_kv(k, v.reshape(n, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, meta)
@@ -168,7 +172,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.head_dim = head_dim_of(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, attention) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.head_dim, attention) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("rope_cos", torch.empty(max_positions, self.head_dim // 2), persistent=False)
@@ -225,4 +231,6 @@ class LlamaForCausalLM(nn.Module):
             rows_loaded["lm_head.weight"] = self.lm_head.weight.shape[0]
         missing = [n for n, p in own.items() if rows_loaded.get(n, 0) != p.shape[0]]
         if missing:
-            raise UnsupportedModelError(f"the checkpoint does not cover every weight the model needs, e.g. {missing[:3]}")
+            raise UnsupportedModelError(
+                f"the checkpoint does not cover every weight the model needs, e.g. {missing[:3]}"
+            )

@@ -47,9 +47,11 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(f"the default model is not installed; install it with:\n    {DEFAULT_INSTALL}")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_FILE
     if not path.is_file():
-        raise ModelNotFoundError(f"{path} is missing from the default model package; reinstall it with:\n    {DEFAULT_INSTALL}")
+        raise ModelNotFoundError(
+            f"{path} is missing from the default model package; reinstall it with:\n    {DEFAULT_INSTALL}"
+        )
     return path
 
 
@@ -58,16 +60,22 @@ def resolve_model(model: str | os.PathLike | None, progress: Progress = _quiet) 
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} is a folder without config.json; point --model at a Hugging Face model folder or a .gguf file")
+            raise ModelNotFoundError(
+                f"{path} is a folder without config.json; point --model at a Hugging Face model folder or a .gguf file"
+            )
         if not list(path.glob("*.safetensors")):
-            raise ModelNotFoundError(f"{path} has no .safetensors weights; only safetensors or GGUF are read (never pickle checkpoints)")
+            raise ModelNotFoundError(
+                f"{path} has no .safetensors weights; only safetensors or GGUF are read (never pickle checkpoints)"
+            )
         return ModelFiles(path.name, path, _folder_fingerprint(path))
     if path.is_file() and path.suffix == ".gguf":
         fingerprint = _file_sha256(path)
         return ModelFiles(path.name, _converted_gguf(path, fingerprint, progress), fingerprint, path)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a model folder nor a .gguf file")
-    raise ModelNotFoundError(f"no model at {path}; pass a Hugging Face folder or a .gguf file, or omit --model for the default")
+    raise ModelNotFoundError(
+        f"no model at {path}; pass a Hugging Face folder or a .gguf file, or omit --model for the default"
+    )
 
 
 def _file_sha256(path: Path) -> str:

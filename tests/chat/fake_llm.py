@@ -137,7 +137,7 @@ class FakeLLM:
             prompt_token_ids=req.prompt_ids,
             token_ids=list(req.generated),
             text=text,
-            delta=text[len(before):],
+            delta=text[len(before) :],
             finished=finish_reason is not None,
             finish_reason=finish_reason,
             metrics=self._metrics(req),

@@ -269,7 +269,11 @@ def test_real_engine_abort_frees_blocks(tiny_llm) -> None:
 
 def test_ctrl_c_in_a_script_does_not_hang() -> None:
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.chat.sigint_child"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "tests.chat.sigint_child"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert child.stdout.readline() == "streaming\n", child.stderr.read()

@@ -48,7 +48,10 @@ def test_user_prompt_overrides_shipped_and_adds_new(user_dir: Path) -> None:
     )
     general = get_prompt("general")
     assert (general.title, general.text, general.builtin, general.path) == (
-        "My general", "You are mine.", False, user_dir / "general.md"
+        "My general",
+        "You are mine.",
+        False,
+        user_dir / "general.md",
     )
     pirate = get_prompt("pirate")
     assert (pirate.title, pirate.description, pirate.text) == ("Pirate: the voice", "Arr.", "Talk like a pirate.")

@@ -53,8 +53,9 @@ def test_send_stores_both_messages_with_metrics(engine: AsyncLLM, store: ChatSto
     assert assistant.id == reply.id and assistant.role == "assistant" and assistant.status == "complete"
     assert reply.content == expected_reply(fake, session, [{"role": "user", "content": "What is a block?"}])
     assert reply.completion_tokens == len(reply.content)
-    assert reply.prompt_tokens == len(fake.encode_chat([{"role": "system", "content": "Be brief."},
-                                                        {"role": "user", "content": "What is a block?"}]))
+    assert reply.prompt_tokens == len(
+        fake.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a block?"}])
+    )
     assert reply.cached_tokens == 0 and reply.model == fake.model_name and reply.ttft_s is not None
     assert session.last_metrics is not None and session.last_metrics.generated_tokens == len(reply.content)
     assert session.title == "What is a block?" == store.get_session(session.id).title
@@ -183,7 +184,7 @@ def test_fork_and_fork_before(engine: AsyncLLM, store: ChatStore) -> None:
     session = Session.new(engine, store, system="sys")
     session.send("one", GREEDY)
     session.send("two", GREEDY)
-    u1, a1, u2, a2 = session.history
+    u1, a1, u2, _a2 = session.history
 
     fork = session.fork(a1.id)
     assert fork.id != session.id and fork.parent_id == session.id and fork.system == "sys"
@@ -218,7 +219,9 @@ def test_round_trip_through_a_fresh_process(engine: AsyncLLM, tmp_path: Path) ->
         "print(json.dumps({s.id: [[m.role, m.content, m.status] for m in store.messages(s.id)]"
         " for s in store.list_sessions()}))\n"
     )
-    done = subprocess.run([sys.executable, "-c", reader, str(db)], capture_output=True, text=True, cwd=REPO, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", reader, str(db)], capture_output=True, text=True, cwd=REPO, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == expected
 
@@ -326,7 +329,10 @@ def test_turn_two_reuses_the_cached_blocks_of_turn_one(tiny_llm, store: ChatStor
         params = SamplingParams(max_tokens=24, temperature=0.0)
         first = session.send("Tell me about paged attention.", params)
         turn_one = engine.encode_chat(
-            [{"role": "system", "content": session.system}, {"role": "user", "content": "Tell me about paged attention."}]
+            [
+                {"role": "system", "content": session.system},
+                {"role": "user", "content": "Tell me about paged attention."},
+            ]
         )
         session.send("And prefix caching?", params)
         turn_two = engine.encode_chat(

@@ -179,11 +179,27 @@ def test_search_ranks_and_marks_matches(store: ChatStore) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ['"', '"unbalanced', "AND", "penguin AND", "OR NOT", "*", "pen*", "(", "((penguin", ")", "a:b", "NEAR(x y)", "^", "-", "'"],
+    [
+        '"',
+        '"unbalanced',
+        "AND",
+        "penguin AND",
+        "OR NOT",
+        "*",
+        "pen*",
+        "(",
+        "((penguin",
+        ")",
+        "a:b",
+        "NEAR(x y)",
+        "^",
+        "-",
+        "'",
+    ],
 )
 def test_search_survives_odd_input(store: ChatStore, text: str) -> None:
     s = store.create_session()
-    store.add_message(s.id, "user", "penguin AND (friends) say \"hi\"")
+    store.add_message(s.id, "user", 'penguin AND (friends) say "hi"')
     assert isinstance(store.search(text), list)
 
 
@@ -240,9 +256,8 @@ def test_readonly_file_and_folder(home: Path) -> None:
     path.chmod(0o444)
     home.chmod(0o555)
     try:
-        with pytest.raises(StoreError, match=str(path)):
-            with ChatStore(path) as s:
-                s.add_message(sid, "user", "x")
+        with pytest.raises(StoreError, match=str(path)), ChatStore(path) as s:
+            s.add_message(sid, "user", "x")
     finally:
         home.chmod(0o755)
         path.chmod(0o644)
@@ -305,7 +320,13 @@ def test_sigkill_mid_reply_leaves_everything_written(home: Path) -> None:
         """
     )
     done = subprocess.run(
-        [sys.executable, "-c", child], cwd=REPO, env=os.environ.copy(), capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", child],
+        cwd=REPO,
+        env=os.environ.copy(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert done.returncode == -signal.SIGKILL, done.stderr
     session_id = done.stdout.strip()

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from localpaged.engine.block_pool import BlockPool, FreeBlockQueue, Block, hash_block
+from localpaged.engine.block_pool import Block, BlockPool, FreeBlockQueue, hash_block
 from localpaged.engine.kv_cache_manager import KVCacheManager
 from localpaged.engine.sequence import Sequence
 
@@ -26,8 +26,15 @@ def computed(kv: KVCacheManager, rid: str, tokens: list[int]) -> Sequence:
 
 def test_hash_chains_parent_and_is_cryptographic():
     a = hash_block(None, [1, 2, 3])
-    assert a == hashlib.sha256(b"\0" * 32 + (1).to_bytes(8, "little") + (2).to_bytes(8, "little") + (3).to_bytes(8, "little")).digest()
-    assert hash_block(a, [4]) != hash_block(hash_block(None, [9, 9, 9]), [4]), "same tokens after another prefix must differ"
+    assert (
+        a
+        == hashlib.sha256(
+            b"\0" * 32 + (1).to_bytes(8, "little") + (2).to_bytes(8, "little") + (3).to_bytes(8, "little")
+        ).digest()
+    )
+    assert hash_block(a, [4]) != hash_block(hash_block(None, [9, 9, 9]), [4]), (
+        "same tokens after another prefix must differ"
+    )
     assert hash_block(None, [1, 2, 3], b"salt") != a
 
 
@@ -49,7 +56,9 @@ def test_prefix_hit_shares_blocks_and_recomputes_last_token():
     hit = kv.get_computed_blocks(b)
     assert hit == a.block_table[:2]
     kv.allocate(b, 12 - 8, hit)
-    assert b.num_computed_tokens == 8 and b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert (
+        b.num_computed_tokens == 8 and b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    )
     assert [pool.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
     pool.check_integrity()
     kv.free(a)

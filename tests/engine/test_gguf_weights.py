@@ -28,7 +28,9 @@ def test_default_model_blocks_equal_the_converted_float32_weights(default_model_
         names = list(converted.keys())
         ours = read_gguf(default_model_path(), names, AutoConfig.from_pretrained(default_model_folder))
         assert sorted(ours) == sorted(names)
-        assert sum(isinstance(v, BlockQuantized) for v in ours.values()) == 211  # 7 projections x 30 layers + embeddings
+        assert (
+            sum(isinstance(v, BlockQuantized) for v in ours.values()) == 211
+        )  # 7 projections x 30 layers + embeddings
         for name in names:
             value = ours[name]
             value = value.dequantize() if isinstance(value, BlockQuantized) else value
@@ -38,6 +40,7 @@ def test_default_model_blocks_equal_the_converted_float32_weights(default_model_
 @pytest.mark.model
 def test_default_model_on_the_cpu_runs_on_its_blocks(default_llm):
     from localpaged.kernels import cpu
+
     from localpaged.models.quantized import BlockEmbedding, BlockLinear
 
     if cpu.library() is None or default_llm.device.type != "cpu":
@@ -45,4 +48,7 @@ def test_default_model_on_the_cpu_runs_on_its_blocks(default_llm):
     model = default_llm.runner.model
     assert default_llm.config.weights == "auto"
     assert isinstance(model.embed_tokens, BlockEmbedding)
-    assert all(isinstance(m, BlockLinear) for m in (model.lm_head, model.layers[0].self_attn.qkv_proj, model.layers[-1].mlp.down_proj))
+    assert all(
+        isinstance(m, BlockLinear)
+        for m in (model.lm_head, model.layers[0].self_attn.qkv_proj, model.layers[-1].mlp.down_proj)
+    )

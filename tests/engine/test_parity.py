@@ -16,7 +16,9 @@ def _prompts(tokenizer) -> list[list[int]]:
     """Prompts of 1 token, exactly 16 and 32, a few blocks, and over 500 tokens, most through the chat template."""
 
     def chat(text: str) -> list[int]:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"])
+        return list(
+            tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
+        )
 
     long_text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog number {i}." for i in range(40))
     few_blocks = chat("Explain in detail how a paged KV cache with a block table per sequence works.")

@@ -118,8 +118,8 @@ def test_unknown_model_path(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     save_file({"w": torch.zeros(1)}, tmp_path / "model.safetensors")
@@ -156,7 +156,11 @@ def test_half_precision_engine_runs(tiny_model_path):
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"weights": "int4"}, "weights='int4'"), ({"dtype": "float64"}, "dtype='float64'"), ({"device": "tpu"}, "device='tpu'")],
+    [
+        ({"weights": "int4"}, "weights='int4'"),
+        ({"dtype": "float64"}, "dtype='float64'"),
+        ({"device": "tpu"}, "device='tpu'"),
+    ],
 )
 def test_bad_engine_config(kwargs, match):
     from localpaged.config import EngineConfig

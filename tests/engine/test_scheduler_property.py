@@ -114,7 +114,9 @@ def test_random_load_keeps_invariants_and_outputs(shared, requests, num_blocks, 
         for rid, at in list(aborts.items()):
             if step >= at:
                 del aborts[rid]
-                victim = next((s for s in engine.scheduler.running + list(engine.scheduler.waiting) if s.request_id == rid), None)
+                victim = next(
+                    (s for s in engine.scheduler.running + list(engine.scheduler.waiting) if s.request_id == rid), None
+                )
                 if victim is not None:
                     engine.scheduler.finish(victim, "abort")
                     expected.pop(rid)

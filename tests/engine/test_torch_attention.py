@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from localpaged.kernels import reference
 
 BS = 16
@@ -28,11 +27,14 @@ def naive(q, k_cache, v_cache, tables, cu, lens, scale):
     return out
 
 
-@pytest.mark.parametrize("shared_blocks, lens, q_lens", [
-    (3, [60, 49, 80, 100], [1, 1, 1, 1]),  # decode with a shared 48-token prefix: the cascade path
-    (0, [5, 17, 33], [1, 1, 1]),  # decode, nothing shared
-    (2, [40, 70, 33, 50], [1, 5, 1, 17]),  # decodes share, prefill chunks mixed in
-])
+@pytest.mark.parametrize(
+    "shared_blocks, lens, q_lens",
+    [
+        (3, [60, 49, 80, 100], [1, 1, 1, 1]),  # decode with a shared 48-token prefix: the cascade path
+        (0, [5, 17, 33], [1, 1, 1]),  # decode, nothing shared
+        (2, [40, 70, 33, 50], [1, 5, 1, 17]),  # decodes share, prefill chunks mixed in
+    ],
+)
 def test_matches_naive_attention(shared_blocks, lens, q_lens):
     g = torch.Generator().manual_seed(sum(lens))
     hkv, group, d, num_blocks = 2, 3, 32, 64

@@ -29,8 +29,7 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert err < TOLERANCE[out.dtype], f"relative error {err:.2e} >= {TOLERANCE[out.dtype]:.0e} ({out.dtype})"
 
 
-def _make_paged_kv(context_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                  gen: torch.Generator):
+def _make_paged_kv(context_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator):
     """Random K/V for sequences of ``context_lens`` tokens, scattered over a shuffled block pool.
 
     Everything a kernel must not read is NaN: spare blocks, slots past a sequence's length in its
@@ -50,14 +49,16 @@ def _make_paged_kv(context_lens: list[int], num_kv_heads: int, head_dim: int, dt
     block_tables = spare[torch.randint(len(spare), (len(context_lens), width), generator=gen)]
     start = 0
     for b, (n, nb) in enumerate(zip(context_lens, blocks_per_seq)):
-        mine = ids[start:start + nb].long()
+        mine = ids[start : start + nb].long()
         start += nb
         block_tables[b, :nb] = mine.to(torch.int32)
         slots = (mine[:, None] * PAGE + torch.arange(PAGE)).flatten()[:n]
-        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, generator=gen,
-                                                                      dtype=torch.float64)
-        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, generator=gen,
-                                                                      dtype=torch.float64)
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+            n, num_kv_heads, head_dim, generator=gen, dtype=torch.float64
+        )
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+            n, num_kv_heads, head_dim, generator=gen, dtype=torch.float64
+        )
     k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     k_ref, v_ref = (c.double().nan_to_num(0.0) for c in (k_cache, v_cache))
     return (k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE), k_ref.to(DEVICE), v_ref.to(DEVICE))

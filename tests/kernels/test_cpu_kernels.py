@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from localpaged.kernels import cpu, reference
+
 from localpaged.models.gguf_weights import BlockQuantized
 
-pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler or no AVX2 CPU: the torch path runs instead")
+pytestmark = pytest.mark.skipif(
+    cpu.library() is None, reason="no C compiler or no AVX2 CPU: the torch path runs instead"
+)
 
 
 def random_blocks(rows: int, cols: int, signed: bool, gen: torch.Generator) -> BlockQuantized:
@@ -62,7 +64,9 @@ CASES = [  # (context_lens, num_kv_heads, gqa ratio, head_dim)
 @pytest.mark.parametrize("context_lens,num_kv_heads,gqa,head_dim", CASES)
 def test_paged_decode_matches_reference(context_lens, num_kv_heads, gqa, head_dim, make_paged_kv, assert_close):
     gen = torch.Generator().manual_seed(sum(context_lens) + head_dim + gqa)
-    k_cache, v_cache, tables, k_ref, v_ref = (t.cpu() for t in make_paged_kv(context_lens, num_kv_heads, head_dim, torch.float32, gen))
+    k_cache, v_cache, tables, k_ref, v_ref = (
+        t.cpu() for t in make_paged_kv(context_lens, num_kv_heads, head_dim, torch.float32, gen)
+    )
     q = torch.randn(len(context_lens), num_kv_heads * gqa, head_dim, generator=gen)
     lens = torch.tensor(context_lens, dtype=torch.int32)
     out = cpu.paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)

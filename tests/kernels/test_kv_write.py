@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from localpaged.kernels import reference
 from localpaged.kernels.kv_write import write_kv
 
@@ -17,8 +16,9 @@ from localpaged.kernels.kv_write import write_kv
         (1, 64, torch.bfloat16, torch.float32, torch.int32),  # cast to the cache dtype (exact: an upcast)
     ],
 )
-def test_write_kv_matches_reference_and_skips_minus_one(num_kv_heads, head_dim, src_dtype, cache_dtype, slot_dtype,
-                                                       device):
+def test_write_kv_matches_reference_and_skips_minus_one(
+    num_kv_heads, head_dim, src_dtype, cache_dtype, slot_dtype, device
+):
     gen = torch.Generator().manual_seed(num_kv_heads * head_dim)
     num_tokens, num_blocks = 12, 5
     slots = torch.randperm(num_blocks * 16, generator=gen)[:num_tokens]
@@ -26,7 +26,7 @@ def test_write_kv_matches_reference_and_skips_minus_one(num_kv_heads, head_dim, 
     slot_mapping = slots.to(device, slot_dtype)
     # K/V as the engine gets them: views into one projection output, not contiguous per token.
     kv = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim, generator=gen).to(device, src_dtype)
-    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:2 * num_kv_heads]
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads : 2 * num_kv_heads]
     shape = (num_blocks, 16, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(device, cache_dtype)
     v_cache = torch.randn(shape, generator=gen).to(device, cache_dtype)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from localpaged.kernels import reference
 from localpaged.kernels.paged_decode import paged_decode
 
@@ -29,8 +28,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("context_lens,num_kv_heads,gqa,head_dim,dtype,num_splits", CASES)
-def test_paged_decode_matches_reference(context_lens, num_kv_heads, gqa, head_dim, dtype, num_splits,
-                                        device, make_paged_kv, assert_close, nan_empty):
+def test_paged_decode_matches_reference(
+    context_lens, num_kv_heads, gqa, head_dim, dtype, num_splits, device, make_paged_kv, assert_close, nan_empty
+):
     gen = torch.Generator().manual_seed(len(context_lens) * 1000 + sum(context_lens) + head_dim + gqa)
     k_cache, v_cache, block_tables, k_ref, v_ref = make_paged_kv(context_lens, num_kv_heads, head_dim, dtype, gen)
     q = torch.randn(len(context_lens), num_kv_heads * gqa, head_dim, generator=gen).to(device, dtype)

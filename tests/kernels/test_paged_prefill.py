@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from localpaged.kernels import reference
 from localpaged.kernels.paged_prefill import paged_prefill
 
@@ -23,8 +22,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("q_lens,prefix_lens,num_kv_heads,gqa,head_dim,dtype", CASES)
-def test_paged_prefill_matches_reference(q_lens, prefix_lens, num_kv_heads, gqa, head_dim, dtype,
-                                         device, make_paged_kv, assert_close, nan_empty):
+def test_paged_prefill_matches_reference(
+    q_lens, prefix_lens, num_kv_heads, gqa, head_dim, dtype, device, make_paged_kv, assert_close, nan_empty
+):
     gen = torch.Generator().manual_seed(sum(q_lens) * 1000 + sum(prefix_lens) + head_dim + gqa)
     context_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
     k_cache, v_cache, block_tables, k_ref, v_ref = make_paged_kv(context_lens, num_kv_heads, head_dim, dtype, gen)

@@ -10,11 +10,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fake_engine import FakeEngine  # noqa: E402
-from pilot_helpers import NOW  # noqa: E402
+from fake_engine import FakeEngine
+from localpaged.tui.app import LocalpagedApp
+from pilot_helpers import NOW
 
-from localpaged.chat.store import ChatStore  # noqa: E402
-from localpaged.tui.app import LocalpagedApp  # noqa: E402
+from localpaged.chat.store import ChatStore
 
 
 @pytest.fixture

@@ -54,11 +54,12 @@ class FakeEngine:
         return list(text.encode())
 
     def last_user_text(self, prompt: list[int]) -> str:
-        turns = re.findall(r"<\|user\|>(.*?)<\|end\|>", bytes(prompt).decode(), re.S)
+        turns = re.findall(r"<\|user\|>(.*?)<\|end\|>", bytes(prompt).decode(), re.DOTALL)
         return turns[-1] if turns else ""
 
-    async def stream(self, prompt: list[int], params: object = None,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(
+        self, prompt: list[int], params: object = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         request_id = request_id or f"req-{len(self.prompts)}"
         if request_id in self._running:
             raise RequestError(f"request id {request_id!r} is already in flight")
@@ -83,15 +84,26 @@ class FakeEngine:
             self._running.discard(request_id)
             self._aborted.discard(request_id)
 
-    def _output(self, request_id: str, prompt: list[int], text: str, delta: str, n: int,
-                start: float, first: float | None, reason: str | None) -> RequestOutput:
+    def _output(
+        self,
+        request_id: str,
+        prompt: list[int],
+        text: str,
+        delta: str,
+        n: int,
+        start: float,
+        first: float | None,
+        reason: str | None,
+    ) -> RequestOutput:
         elapsed = time.monotonic() - (first or start)
         metrics = RequestMetrics(
-            ttft_s=None if first is None else round(first - start, 3), prompt_tokens=len(prompt),
-            cached_tokens=0, generated_tokens=n, decode_tokens_per_s=n / elapsed if elapsed > 0 else None,
+            ttft_s=None if first is None else round(first - start, 3),
+            prompt_tokens=len(prompt),
+            cached_tokens=0,
+            generated_tokens=n,
+            decode_tokens_per_s=n / elapsed if elapsed > 0 else None,
         )
-        return RequestOutput(request_id, list(prompt), list(range(n)), text, delta,
-                             reason is not None, reason, metrics)
+        return RequestOutput(request_id, list(prompt), list(range(n)), text, delta, reason is not None, reason, metrics)
 
     async def abort(self, request_id: str) -> None:
         if request_id not in self._running:
@@ -100,9 +112,14 @@ class FakeEngine:
 
     def stats(self) -> dict:
         return {
-            "blocks_total": self.blocks_total, "blocks_used": 12 + 4 * len(self._running),
-            "blocks_cached": 6, "blocks_shared": 3, "prefix_hit_rate": 0.5,
-            "running": len(self._running), "waiting": 0, "tokens_per_s": 0.0 if not self._running else 42.0,
+            "blocks_total": self.blocks_total,
+            "blocks_used": 12 + 4 * len(self._running),
+            "blocks_cached": 6,
+            "blocks_shared": 3,
+            "prefix_hit_rate": 0.5,
+            "running": len(self._running),
+            "waiting": 0,
+            "tokens_per_s": 0.0 if not self._running else 42.0,
         }
 
     def kv_map(self, token_ids: list[int] | None = None) -> KVMap:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from pilot_helpers import error_message, main_screen, reply_done, send, wait_for
-
-from localpaged.errors import ModelNotFoundError
 from localpaged.tui.app import LocalpagedApp
 from localpaged.tui.screens.confirm import ConfirmDialog
 from localpaged.tui.screens.edit import EditDialog
@@ -14,6 +11,9 @@ from localpaged.tui.screens.loading import LoadingScreen
 from localpaged.tui.screens.new_chat import NewChatDialog
 from localpaged.tui.screens.search import SearchDialog
 from localpaged.tui.widgets.sidebar import LIVE_MARK
+from pilot_helpers import error_message, main_screen, reply_done, send, wait_for
+
+from localpaged.errors import ModelNotFoundError
 
 pytestmark = pytest.mark.anyio
 
@@ -112,8 +112,14 @@ async def test_regenerate_replaces_the_last_reply(make_app, engine, store):
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: chat.reply == "second answer")
         await reply_done(pilot, screen, chat)
-        assert [(b.role, b.text) for b in screen.messages.bubbles] == [("user", "question"), ("assistant", "second answer")]
-        assert stored(store, chat.session.id) == [("user", "question", "complete"), ("assistant", "second answer", "complete")]
+        assert [(b.role, b.text) for b in screen.messages.bubbles] == [
+            ("user", "question"),
+            ("assistant", "second answer"),
+        ]
+        assert stored(store, chat.session.id) == [
+            ("user", "question", "complete"),
+            ("assistant", "second answer", "complete"),
+        ]
 
 
 async def test_edit_an_earlier_message_resends_it_in_a_fork(make_app, store):
@@ -138,7 +144,11 @@ async def test_edit_an_earlier_message_resends_it_in_a_fork(make_app, store):
         await reply_done(pilot, screen, fork)
         assert store.get_session(fork.session.id).parent_id == original
         assert [m[1] for m in stored(store, fork.session.id)] == [
-            "first", "You said: **first**.", "second, edited", "You said: **second, edited**."]
+            "first",
+            "You said: **first**.",
+            "second, edited",
+            "You said: **second, edited**.",
+        ]
         assert [m[1] for m in stored(store, original)][2] == "second"
         assert [b.text for b in screen.messages.bubbles][-2:] == ["second, edited", "You said: **second, edited**."]
 
@@ -281,8 +291,13 @@ async def test_loading_screen_shows_progress():
 
     app = LocalpagedApp(engine_factory=factory)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen)
-                       and str(app.screen.query_one("#loading-message").content) == "Loading weights")
+        await wait_for(
+            pilot,
+            lambda: (
+                isinstance(app.screen, LoadingScreen)
+                and str(app.screen.query_one("#loading-message").content) == "Loading weights"
+            ),
+        )
         assert app.screen.query_one("ProgressBar").percentage == 0.5
         release.set()
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen))

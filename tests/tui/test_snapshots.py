@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from localpaged.tui.screens.search import SearchDialog
 from pilot_helpers import NOW, main_screen, wait_for
 
 from localpaged.chat.prompts import Prompt
-from localpaged.tui.screens.search import SearchDialog
 
 SIZE = (120, 40)
 REPLY = """Use a list comprehension:
@@ -20,10 +20,22 @@ def squares(n: int) -> list[int]:
 
 It is **short** and fast."""
 PROMPTS = [
-    Prompt("coding", "Coding assistant", "Careful, correct code with short explanations.",
-           "You are a careful programmer.", Path("coding.md"), True),
-    Prompt("tutor", "Patient tutor", "Explains step by step and checks understanding.",
-           "You are a patient tutor.", Path("tutor.md"), True),
+    Prompt(
+        "coding",
+        "Coding assistant",
+        "Careful, correct code with short explanations.",
+        "You are a careful programmer.",
+        Path("coding.md"),
+        True,
+    ),
+    Prompt(
+        "tutor",
+        "Patient tutor",
+        "Explains step by step and checks understanding.",
+        "You are a patient tutor.",
+        Path("tutor.md"),
+        True,
+    ),
 ]
 
 
@@ -33,15 +45,20 @@ def chats(store):
     for age, title, system, messages in [
         (3 * 86400, "Trip to Lisbon", None, [("user", "Three days in Lisbon?"), ("assistant", "Day one: Alfama.")]),
         (2 * 3600, "Pasta timing", None, [("user", "How long for spaghetti?"), ("assistant", "Until al dente.")]),
-        (300, "Squares in Python", "You are a careful programmer.",
-         [("user", "How do I list the first n squares?"), ("assistant", REPLY)]),
+        (
+            300,
+            "Squares in Python",
+            "You are a careful programmer.",
+            [("user", "How do I list the first n squares?"), ("assistant", REPLY)],
+        ),
     ]:
         session = store.create_session(title=title, system=system, prompt_name="coding" if system else None)
         for role, text in messages:
             metrics = {"tokens_per_s": 48.5, "ttft_s": 0.12} if role == "assistant" else {}
             store.add_message(session.id, role, text, **metrics)
-        store.db.execute("UPDATE sessions SET created = ?, updated = ? WHERE id = ?",
-                         [NOW - age, NOW - age, session.id])
+        store.db.execute(
+            "UPDATE sessions SET created = ?, updated = ? WHERE id = ?", [NOW - age, NOW - age, session.id]
+        )
     return store
 
 

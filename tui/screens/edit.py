@@ -23,8 +23,7 @@ class EditDialog(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog-box"):
-            yield Label("Edit the message; it is resent in a new chat forked before it",
-                        classes="dialog-title")
+            yield Label("Edit the message; it is resent in a new chat forked before it", classes="dialog-title")
             yield TextArea(self.text, id="edit-text", soft_wrap=True)
             yield Label("ctrl+s resend · escape cancel", classes="dialog-hint")
 

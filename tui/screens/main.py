@@ -4,13 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from textual import work
-from textual.app import ComposeResult
-from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
-from textual.widgets import Footer, Label
-
-from localpaged.chat.session import Session
 from localpaged.tui.actions import ChatActions
 from localpaged.tui.live import LiveChat, ReplyActivity
 from localpaged.tui.widgets.bubble import MessageBubble, metrics_note
@@ -19,6 +12,13 @@ from localpaged.tui.widgets.kv_map import KVMapPanel
 from localpaged.tui.widgets.message_list import MessageList
 from localpaged.tui.widgets.sidebar import SessionEntry, SessionList
 from localpaged.tui.widgets.status_line import StatusLine
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Label
+
+from localpaged.chat.session import Session
 
 REFRESH_S = 0.5
 
@@ -37,8 +37,7 @@ class MainScreen(ChatActions):
         Binding("f8", "delete", "Delete chat", id="delete", show=False),
         Binding("ctrl+up", "next_chat(-1)", "Previous chat", id="previous_chat", show=False),
         Binding("ctrl+down", "next_chat(1)", "Next chat", id="next_chat", show=False),
-        *(Binding(f"alt+{n}", f"open_nth({n - 1})", f"Chat {n}", id=f"chat_{n}", show=False)
-          for n in range(1, 10)),
+        *(Binding(f"alt+{n}", f"open_nth({n - 1})", f"Chat {n}", id=f"chat_{n}", show=False) for n in range(1, 10)),
     ]
 
     def __init__(self, engine: Any, store: Any, clock: Any, open_id: str | None = None) -> None:
@@ -137,8 +136,9 @@ class MainScreen(ChatActions):
             bubbles.append(self.live_bubble)
         else:
             self.live_bubble = None
-            bubbles = [MessageBubble(m.role, m.content, m.id, m.status, metrics_note(m))
-                       for m in chat.visible_history()]
+            bubbles = [
+                MessageBubble(m.role, m.content, m.id, m.status, metrics_note(m)) for m in chat.visible_history()
+            ]
         await self.messages.show(bubbles)
         self.refresh_bindings()
         self.refresh_figures()
@@ -197,7 +197,7 @@ class MainScreen(ChatActions):
         tokens: list[int] | None = None
         if chat is not None:
             history = chat.visible_history()
-            messages = ([{"role": "system", "content": chat.session.system}] if chat.session.system else [])
+            messages = [{"role": "system", "content": chat.session.system}] if chat.session.system else []
             messages += [{"role": m.role, "content": m.content} for m in history if m.content]
             tokens = self.engine.encode_chat(messages) if messages else []
             if not chat.generating:

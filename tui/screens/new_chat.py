@@ -28,8 +28,15 @@ class NewChatDialog(ModalScreen[Choice | None]):
     def compose(self) -> ComposeResult:
         options = [Option(Content.from_markup("[b]No system prompt[/b]\n  [dim]a plain chat[/dim]"), id="")]
         options += [
-            Option(Content.from_markup("[b]$title[/b] [dim]($name)[/dim]\n  [dim]$description[/dim]",
-                                       title=p.title, name=p.name, description=p.description), id=p.name)
+            Option(
+                Content.from_markup(
+                    "[b]$title[/b] [dim]($name)[/dim]\n  [dim]$description[/dim]",
+                    title=p.title,
+                    name=p.name,
+                    description=p.description,
+                ),
+                id=p.name,
+            )
             for p in self.prompts.values()
         ]
         with Vertical(classes="dialog-box wide"):

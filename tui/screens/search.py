@@ -47,11 +47,15 @@ class SearchDialog(ModalScreen[Any]):
         self.hits = self.store.search(event.value, limit=50) if event.value.strip() else []
         hits = self.query_one(OptionList)
         hits.clear_options()
-        hits.add_options([
-            Option(Content.assemble((h.session_title or "Untitled", "bold"), f" · {h.role}\n  ",
-                                    highlight(h.snippet)), id=str(i))
-            for i, h in enumerate(self.hits)
-        ])
+        hits.add_options(
+            [
+                Option(
+                    Content.assemble((h.session_title or "Untitled", "bold"), f" · {h.role}\n  ", highlight(h.snippet)),
+                    id=str(i),
+                )
+                for i, h in enumerate(self.hits)
+            ]
+        )
         if self.hits:
             hits.highlighted = 0
 

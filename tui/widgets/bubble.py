@@ -47,8 +47,9 @@ class MessageBubble(Vertical, can_focus=True):
             super().__init__()
             self.bubble = bubble
 
-    def __init__(self, role: str, text: str, message_id: int | None = None,
-                 status: str = "complete", note: str = "") -> None:
+    def __init__(
+        self, role: str, text: str, message_id: int | None = None, status: str = "complete", note: str = ""
+    ) -> None:
         super().__init__(classes=f"bubble {role}")
         self.role = role
         self.text = text
@@ -80,7 +81,7 @@ class MessageBubble(Vertical, can_focus=True):
             return
         if self._stream is None:
             self._stream = Markdown.get_stream(self.query_one(Markdown))
-        fragment, self.shown, self.text = text[self.shown:], len(text), text
+        fragment, self.shown, self.text = text[self.shown :], len(text), text
         await self._stream.write(fragment)
 
     async def close_stream(self) -> None:

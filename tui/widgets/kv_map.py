@@ -38,7 +38,7 @@ def cells(states: list[int], highlight: list[int], count: int) -> list[int]:
         if 0 <= block < len(marked):
             marked[block] = HIGHLIGHT
     per_cell = max(1, -(-len(marked) // max(count, 1)))
-    return [max(marked[i:i + per_cell], key=PRIORITY.index) for i in range(0, len(marked), per_cell)]
+    return [max(marked[i : i + per_cell], key=PRIORITY.index) for i in range(0, len(marked), per_cell)]
 
 
 class KVMapPanel(VerticalScroll):
@@ -59,10 +59,10 @@ class KVMapPanel(VerticalScroll):
         """Redraw from an engine `KVMap` and `stats()`."""
         width = max(self.content_size.width, 8)
         grid = cells(kv_map.states, kv_map.highlight, width * self.MAX_ROWS)
-        rows = [grid[i:i + width] for i in range(0, len(grid), width)]
-        self.query_one("#kv-grid", Static).update(Content("\n").join(
-            Content.assemble(*((CELL, STATES[c][1]) for c in row)) for row in rows
-        ))
+        rows = [grid[i : i + width] for i in range(0, len(grid), width)]
+        self.query_one("#kv-grid", Static).update(
+            Content("\n").join(Content.assemble(*((CELL, STATES[c][1]) for c in row)) for row in rows)
+        )
         per_cell = -(-len(kv_map.states) // max(len(grid), 1))
         legend = [Content.assemble((CELL, style), f" {name}") for name, style in STATES.values()]
         if per_cell > 1:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from textual.containers import VerticalScroll
-
 from localpaged.tui.widgets.bubble import MessageBubble
+from textual.containers import VerticalScroll
 
 
 class MessageList(VerticalScroll):

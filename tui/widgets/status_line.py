@@ -39,17 +39,29 @@ class StatusLine(Static):
         """First row: the engine and its block pool; second row: the open chat and the prefix cache."""
         total = max(int(stats.get("blocks_total", 0)), 1)
         used = int(stats.get("blocks_used", 0))
-        engine = Content(" │ ").join([
-            Content.from_markup("[b]$model[/b] on $device", model=model, device=device),
-            Content(f"running {stats.get('running', 0)} · waiting {stats.get('waiting', 0)}"),
-            Content(f"all chats {_num(stats.get('tokens_per_s'), '.1f', ' tok/s')}"),
-            Content.from_markup("KV [$accent on $panel-lighten-1]$bar[/] $pct% of $total blocks",
-                                bar=bar(used / total), pct=f"{100 * used / total:.0f}", total=str(total)),
-        ])
-        this = Content("no chat open") if chat is None else Content(
-            f"this chat {_num(chat.tokens_per_s, '.1f', ' tok/s')} · first token {_num(chat.ttft_s, '.2f', ' s')}"
-            f" · context {chat.context_tokens} of {chat.max_context} tokens"
+        engine = Content(" │ ").join(
+            [
+                Content.from_markup("[b]$model[/b] on $device", model=model, device=device),
+                Content(f"running {stats.get('running', 0)} · waiting {stats.get('waiting', 0)}"),
+                Content(f"all chats {_num(stats.get('tokens_per_s'), '.1f', ' tok/s')}"),
+                Content.from_markup(
+                    "KV [$accent on $panel-lighten-1]$bar[/] $pct% of $total blocks",
+                    bar=bar(used / total),
+                    pct=f"{100 * used / total:.0f}",
+                    total=str(total),
+                ),
+            ]
         )
-        cache = Content(f"prefix cache hits {100 * float(stats.get('prefix_hit_rate', 0.0)):.0f}%"
-                        f" · {stats.get('blocks_shared', 0)} shared blocks")
+        this = (
+            Content("no chat open")
+            if chat is None
+            else Content(
+                f"this chat {_num(chat.tokens_per_s, '.1f', ' tok/s')} · first token {_num(chat.ttft_s, '.2f', ' s')}"
+                f" · context {chat.context_tokens} of {chat.max_context} tokens"
+            )
+        )
+        cache = Content(
+            f"prefix cache hits {100 * float(stats.get('prefix_hit_rate', 0.0)):.0f}%"
+            f" · {stats.get('blocks_shared', 0)} shared blocks"
+        )
         self.update(Content("\n").join([engine, Content(" │ ").join([this, cache])]))
