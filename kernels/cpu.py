@@ -1,8 +1,9 @@
 """The native CPU kernels (cpu_kernels.c): compiled once with the system's C compiler, called through ctypes.
 
 Like Triton on CUDA, the kernel source ships with the package and is built on first use: the
-shared library lands in the cache folder under a name that hashes the source, the flags and the
-compiler, so an edit or an upgrade rebuilds it and nothing else does. It links the OpenMP runtime
+shared library lands in ``locations.kernels_cache_dir()`` (a 0700 folder; the library is 0700 too)
+under a name that hashes the source, the flags and the compiler, so an edit or an upgrade rebuilds
+it and nothing else does. It links the OpenMP runtime
 that torch has already loaded (the same soname), so both share one thread pool. Where no compiler,
 no x86-64 AVX2 CPU or no working build is found, ``library()`` returns None and callers use torch.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from localpaged.cache import cache_dir
+from localpaged.locations import EXECUTABLE_MODE, kernels_cache_dir, make_private
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -46,7 +47,7 @@ def library() -> ctypes.CDLL | None:
         return None
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"cpu_kernels-{digest}.so"
+    target = kernels_cache_dir() / f"cpu_kernels-{digest}.so"
     if not target.is_file():
         try:
             _build(compiler, target)
@@ -77,11 +78,11 @@ def runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+        make_private(tmp, EXECUTABLE_MODE)  # the linker writes it 0777 less the umask
         os.replace(tmp, target)  # atomic: a concurrent start never loads a half-written library
     finally:
         if os.path.exists(tmp):

@@ -15,16 +15,14 @@ in the user's folder replaces a shipped prompt of the same name.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import platformdirs
-
 from localpaged.errors import PromptError
+from localpaged.locations import user_prompts_dir
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -46,10 +44,8 @@ class Prompt:
 
 
 def user_prompt_dir() -> Path:
-    """``$LOCALPAGED_HOME/prompts`` if that is set, else ``prompts`` in the user config folder."""
-    home = os.environ.get("LOCALPAGED_HOME")
-    base = Path(home).expanduser() if home else Path(platformdirs.user_config_dir("localpaged"))
-    return base / "prompts"
+    """The user's prompt folder, :func:`localpaged.locations.user_prompts_dir` (created if missing)."""
+    return user_prompts_dir()
 
 
 def list_prompts() -> list[Prompt]:

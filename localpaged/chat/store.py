@@ -17,14 +17,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import platformdirs
 from sqlite_utils import Database
-from typing_extensions import Self
 
 from localpaged.chat.migrations import migrate
 from localpaged.errors import StoreError, UnknownSessionError
+from localpaged.locations import chat_db_path, create_private_file, make_private
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 ROLES = ("system", "user", "assistant")
 STATUSES = ("complete", "partial", "error")
@@ -84,19 +86,19 @@ _MESSAGE_COLUMNS = ", ".join(f.name for f in fields(MessageRecord))
 
 
 def default_db_path() -> Path:
-    """``$LOCALPAGED_HOME/chats.db`` if that is set, else ``chats.db`` in the user data folder."""
-    home = os.environ.get("LOCALPAGED_HOME")
-    folder = Path(home).expanduser() if home else Path(platformdirs.user_data_dir("localpaged"))
-    return folder / "chats.db"
+    """The default database, :func:`localpaged.locations.chat_db_path` (``chats.db`` in $LOCALPAGED_HOME)."""
+    return chat_db_path()
 
 
 class ChatStore:
     """Sessions and messages in SQLite; safe to share between the UI thread and a worker.
 
     ``path`` defaults to :func:`default_db_path`; ``":memory:"`` keeps everything in
-    memory (tests). ``timeout`` is how long a write waits for another program's lock
-    before giving up with StoreError. ``db`` is the sqlite-utils Database, for ad-hoc
-    reads; write through the methods so the rules above hold.
+    memory (tests). A database file this creates is 0600, and so are its -wal and -shm
+    files (SQLite gives them the database's mode); the default one is made 0600 if an
+    older version left it readable by others. ``timeout`` is how long a write waits for
+    another program's lock before giving up with StoreError. ``db`` is the sqlite-utils
+    Database, for ad-hoc reads; write through the methods so the rules above hold.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, timeout: float = 5.0) -> None:
@@ -105,14 +107,8 @@ class ChatStore:
         # One connection, shared: the lock serialises statements so that one thread's
         # reads never land inside another thread's open write transaction.
         self._lock = threading.RLock()
-        try:
-            if self.path is not None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(
-                f"Cannot create the folder for the chat database {self.path}: {exc}. "
-                "Make it writable, or pass --db with another path."
-            ) from exc
+        if self.path is not None:
+            self._create_file(default=not path)
         with self._errors():
             # isolation_level=None: each statement outside an explicit BEGIN commits at once.
             self._conn = sqlite3.connect(
@@ -130,6 +126,22 @@ class ChatStore:
         except BaseException:
             self._conn.close()
             raise
+
+    def _create_file(self, *, default: bool) -> None:
+        """Create the database file 0600 before SQLite opens it (SQLite would use 0644 less the umask)."""
+        assert self.path is not None
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # --db's folder; the default exists
+            if not create_private_file(self.path) and default:
+                for name in ("", "-wal", "-shm"):  # a database from before files were private
+                    file = self.path.with_name(self.path.name + name)
+                    if file.is_file():
+                        make_private(file)
+        except OSError as exc:
+            raise StoreError(
+                f"Cannot create the chat database {self.path}: {exc}. "
+                "Make its folder writable, or pass --db with another path."
+            ) from exc
 
     # -- sessions ------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
 """Find a model (the default package, a Hugging Face folder or a .gguf file) and load its parts.
 
 GGUF files are dequantised by transformers once, slowly, and the result is cached as an ordinary
-safetensors folder under the user cache directory, keyed by a hash of the file's bytes, so every
-later start loads plain safetensors in about a second. Only safetensors and GGUF are ever read:
-no pickle-based checkpoint is opened.
+safetensors folder in ``locations.models_cache_dir()`` (0700 folders, 0600 files), keyed by a hash
+of the file's bytes, so every later start loads plain safetensors in about a second. Only
+safetensors and GGUF are ever read: no pickle-based checkpoint is opened.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from localpaged.cache import cache_dir
 from localpaged.errors import ModelNotFoundError, UnsupportedModelError
+from localpaged.locations import make_private_tree, models_cache_dir
 
 Progress = Callable[[str, "float | None"], None]
 
@@ -95,14 +95,13 @@ def _folder_fingerprint(folder: Path) -> str:
 
 
 def _converted_gguf(path: Path, fingerprint: str, progress: Progress) -> Path:
-    target = cache_dir() / "models" / fingerprint[:32]
+    target = models_cache_dir() / fingerprint[:32]
     if (target / "config.json").is_file():
         return target
     progress(f"Converting {path.name} to safetensors (one time only)", 0.0)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))  # 0700
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         progress("Dequantising weights", 0.3)
@@ -111,6 +110,7 @@ def _converted_gguf(path: Path, fingerprint: str, progress: Progress) -> Path:
         _save_plain(model, tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "localpaged-source.json").write_text(json.dumps({"source": str(path), "sha256": fingerprint}))
+        make_private_tree(tmp)  # the writers above use the umask's modes
         os.replace(tmp, target)  # atomic: a killed conversion never leaves a half-written model behind
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
