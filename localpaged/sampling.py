@@ -1,15 +1,21 @@
-"""SamplingParams, and the sampler that turns a step's logits into one token per finishing sequence."""
+"""SamplingParams: how a request picks its tokens, checked in full when it is built.
+
+Torch-free on purpose: a front end (TUI, server, a script talking to the core process) builds
+SamplingParams without paying for torch. The sampler that applies them lives with the runner,
+in ``localpaged.engine.sampler``. Every field is validated here, so a bad value is refused with
+a ConfigError naming the field at the caller, never found deep inside an engine step.
+"""
 
 from __future__ import annotations
 
-import os
+import math
+import numbers
 from dataclasses import dataclass, field
-
-import torch
 
 from localpaged.errors import ConfigError
 
 MAX_TOKENS_LIMIT = 1 << 20  # beyond any context we can hold: a value above it is a mistake
+MAX_SEED = (1 << 63) - 1  # what every torch generator accepts
 
 
 @dataclass
@@ -24,52 +30,69 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past EOS/end-of-turn (benchmarks)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in self.stop if s]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        self.max_tokens = _whole("max_tokens", self.max_tokens, "a whole number of tokens")
+        if self.max_tokens < 1:
             raise ConfigError(f"max_tokens={self.max_tokens!r}: ask for at least 1 token")
         if self.max_tokens > MAX_TOKENS_LIMIT:
             raise ConfigError(
                 f"max_tokens={self.max_tokens}: more than any context holds; use at most {MAX_TOKENS_LIMIT}"
             )
+        self.temperature = _real("temperature", self.temperature, "0 (greedy) or more, e.g. 0.7")
         if not self.temperature >= 0:
-            raise ConfigError(f"temperature={self.temperature}: must be 0 (greedy) or more")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]; 1 turns it off")
+            raise ConfigError(f"temperature={self.temperature!r}: must be 0 (greedy) or more, e.g. 0.7")
+        self.top_k = _whole("top_k", self.top_k, "0 (off) or a positive number of tokens")
         if self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k}: must be 0 (off) or more")
+        self.top_p = _real("top_p", self.top_p, "a number in (0, 1]; 1 turns it off")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p!r}: must be in (0, 1]; 1 turns it off")
+        if self.seed is not None:
+            self.seed = _whole("seed", self.seed, f"None or a whole number from 0 to {MAX_SEED}")
+            if not 0 <= self.seed <= MAX_SEED:
+                raise ConfigError(f"seed={self.seed}: use None (random) or a whole number from 0 to {MAX_SEED}")
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _token_ids(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos={self.ignore_eos!r}: use True or False")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
-    def make_generator(self, device: torch.device) -> torch.Generator | None:
-        """The request's own random stream; None when greedy."""
-        if self.greedy:
-            return None
-        g = torch.Generator(device=device)
-        g.manual_seed(self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
-        return g
+
+def _whole(name: str, value: object, use: str) -> int:
+    """``value`` as an int; numpy integers pass, while bools and floats (even 3.0) are refused as likely mistakes."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{name}={value!r}: must be {use}, not {type(value).__name__}")
+    return int(value)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``[S, vocab]``; greedy rows in one argmax, others row by row."""
-    out = logits.argmax(dim=-1).tolist()
-    for i, (p, g) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            out[i] = _sample_row(logits[i].float(), p, g)
-    return out
+def _real(name: str, value: object, use: str) -> float:
+    """``value`` as a finite float; ints and numpy floats pass, bools, strings and NaN/inf do not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name}={value!r}: must be {use}, not {type(value).__name__}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{name}={value!r}: must be a finite number, {use}")
+    return number
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    logits = logits / p.temperature
-    if p.top_k:
-        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the smallest set reaching top_p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
+def _stop_strings(stop: object) -> list[str]:
+    """One stop string or a list/tuple of them, as a list without empty strings (an empty one would stop at once)."""
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ConfigError(f"stop={stop!r}: use a string or a list of strings, e.g. stop=['\\n\\n']")
+    return [s for s in stop if s]
+
+
+def _token_ids(ids: object) -> list[int]:
+    """A list/tuple of token ids as a list of ints; the vocabulary bound is checked by the engine that knows it."""
+    if not isinstance(ids, (list, tuple)) or any(
+        isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in ids
+    ):
+        raise ConfigError(f"stop_token_ids={ids!r}: use a list of token ids (whole numbers, 0 or more)")
+    return [int(t) for t in ids]

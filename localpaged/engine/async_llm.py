@@ -289,7 +289,8 @@ class AsyncLLM:
             stream.last = output
             if output.finished:
                 del self._streams[output.request_id]
-            if not stream.deliver(output) and not output.finished:
+            item = RequestError(output.error) if output.error is not None else output  # it alone failed
+            if not stream.deliver(item) and not output.finished:
                 self._abort(_Abort(output.request_id))
 
     def _fail_all(self, cause: Exception) -> None:

@@ -2,10 +2,17 @@
 
 ``add_request`` + ``step`` is the engine loop that AsyncLLM drives from its thread;
 ``generate`` and ``chat`` run that loop to completion for scripts.
+
+One bad request never affects another: whatever fails while ``step`` serves a single request
+(sampling its row, stop checks, detokenizing, building its output) ends that request alone with
+``finish_reason="error"`` and ``error`` set, its blocks freed. A failure of the batch as a whole
+(the model's forward pass) ends every request of that batch the same way; ``step`` itself does
+not raise for either, so the engine keeps serving new requests.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import deque
@@ -19,6 +26,7 @@ from localpaged.engine.block_pool import BlockPool
 from localpaged.engine.kv_cache_manager import KVCacheManager
 from localpaged.engine.output import IncrementalDetokenizer, KVMap, RequestMetrics, RequestOutput
 from localpaged.engine.runner import ModelRunner
+from localpaged.engine.sampler import make_generator
 from localpaged.engine.scheduler import Scheduler
 from localpaged.engine.sequence import Sequence
 from localpaged.engine.setup import EngineParts, build_engine_parts
@@ -26,6 +34,8 @@ from localpaged.errors import RequestError
 from localpaged.sampling import SamplingParams
 
 Prompt = str | list[int] | list[dict]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,9 +103,14 @@ class LLM:
                 f"the prompt is {len(ids)} tokens but the context holds {limit} (max_model_len), with room for a reply; "
                 "shorten the prompt or start the engine with a larger max_model_len"
             )
+        vocab = self.runner.model.config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise RequestError(
+                f"stop_token_ids={params.stop_token_ids}: token ids must be below {vocab}, the model's vocabulary size"
+            )
         seq = Sequence(request_id, ids, params)
         seq.extra = _RequestState(
-            IncrementalDetokenizer(self.tokenizer, ids, params.stop), params.make_generator(self.device)
+            IncrementalDetokenizer(self.tokenizer, ids, params.stop), make_generator(params, self.device)
         )
         return seq
 
@@ -122,18 +137,62 @@ class LLM:
     # ---- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; an output for each request that produced a token."""
+        """Schedule, run the model once, sample; an output for each request that produced a token or failed.
+
+        Never raises for a failed request or a failed forward pass: those requests end with
+        ``finish_reason="error"`` (see the module docstring). Exceptions that are not ``Exception``
+        (KeyboardInterrupt) propagate; ``generate`` aborts its requests on the way out.
+        """
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        sampled = self.runner.run(batch)
-        self.scheduler.on_step_done(batch)
+        try:
+            sampled = self.runner.run(batch)
+            self.scheduler.on_step_done(batch)
+        except Exception as exc:  # not attributable to one request: the batch fails, the engine goes on
+            log.exception("the model step failed; ending the %d requests of its batch", len(batch.seqs))
+            cause = f"the model step for this request's batch failed ({type(exc).__name__}: {exc})"
+            return [self._fail(seq, cause) for seq in batch.seqs]
         outputs = []
+        tokens = 0
         for seq, token in zip(batch.seqs, sampled):
-            if token is not None:
-                outputs.append(self._on_token(seq, token))
-        self._recent.append((time.perf_counter(), len(outputs)))
+            if isinstance(token, Exception):
+                log.warning("request %s failed while sampling", seq.request_id, exc_info=token)
+                outputs.append(self._fail(seq, f"sampling its next token failed ({type(token).__name__}: {token})"))
+            elif token is not None:
+                try:
+                    outputs.append(self._on_token(seq, token))
+                    tokens += 1
+                except Exception as exc:  # this request's own failure: it alone ends
+                    log.exception("request %s failed while processing its new token", seq.request_id)
+                    cause = f"processing its new token failed ({type(exc).__name__}: {exc})"
+                    outputs.append(self._fail(seq, cause))
+        self._recent.append((time.perf_counter(), tokens))
         return outputs
+
+    def _fail(self, seq: Sequence, cause: str) -> RequestOutput:
+        """End ``seq`` with an error, free its blocks and forget it; its final output, built without its detokenizer.
+
+        The detokenizer may be what failed, so the output repeats only text already handed out.
+        """
+        if seq.is_finished:  # it failed after being retired (e.g. while building its final output)
+            seq.finish_reason = "error"
+        else:
+            self.scheduler.finish(seq, "error")
+        self.requests.pop(seq.request_id, None)
+        seq.finish_time = seq.finish_time or time.perf_counter()
+        detok = seq.extra.detokenizer
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=list(seq.output_token_ids),
+            text=detok.text[: detok.emitted],
+            delta="",
+            finished=True,
+            finish_reason="error",
+            metrics=self._metrics(seq),
+            error=f"request {seq.request_id!r} failed: {cause}; it was stopped, other requests go on",
+        )
 
     def _on_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.append_token(token)
@@ -158,15 +217,6 @@ class LLM:
         state: _RequestState = seq.extra
         finished = seq.is_finished
         delta = state.detokenizer.take_delta(final=finished)
-        now = seq.finish_time or time.perf_counter()
-        decode_s = now - seq.first_token_time if seq.first_token_time else 0.0
-        metrics = RequestMetrics(
-            ttft_s=seq.first_token_time - seq.arrival_time if seq.first_token_time else None,
-            prompt_tokens=seq.num_prompt_tokens,
-            cached_tokens=seq.num_cached_tokens,
-            generated_tokens=seq.num_output_tokens,
-            decode_tokens_per_s=(seq.num_output_tokens - 1) / decode_s if decode_s > 0 else None,
-        )
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
@@ -175,7 +225,19 @@ class LLM:
             delta=delta,
             finished=finished,
             finish_reason=seq.finish_reason,
-            metrics=metrics,
+            metrics=self._metrics(seq),
+        )
+
+    @staticmethod
+    def _metrics(seq: Sequence) -> RequestMetrics:
+        now = seq.finish_time or time.perf_counter()
+        decode_s = now - seq.first_token_time if seq.first_token_time else 0.0
+        return RequestMetrics(
+            ttft_s=seq.first_token_time - seq.arrival_time if seq.first_token_time else None,
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=seq.num_cached_tokens,
+            generated_tokens=seq.num_output_tokens,
+            decode_tokens_per_s=(seq.num_output_tokens - 1) / decode_s if decode_s > 0 else None,
         )
 
     # ---- offline API ----------------------------------------------------------------------
@@ -183,26 +245,38 @@ class LLM:
     def generate(
         self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; outputs in the order of ``prompts``."""
+        """Run every prompt to completion, batched; outputs in the order of ``prompts``.
+
+        A request that fails is returned in its place with ``finish_reason="error"`` and ``error``
+        set; the others are unaffected. Bad input raises RequestError before anything is queued.
+        If this call is interrupted (KeyboardInterrupt, or any exception out of ``step``), every
+        request it queued is aborted on the way out, so no blocks stay held.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]  # type: ignore[list-item]
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(plist)} sampling params; pass one, or one per prompt")
         seqs = [self._make_sequence(p, sp, None) for p, sp in zip(prompts, plist)]  # all checked before any is queued
-        for seq in seqs:
-            self._enqueue(seq)
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(seqs):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+        try:
+            for seq in seqs:
+                self._enqueue(seq)
+            mine = {s.request_id for s in seqs}
+            while len(final) < len(seqs):
+                for out in self.step():
+                    if out.finished and out.request_id in mine:  # other callers' requests may be stepped too
+                        final[out.request_id] = out
+        finally:
+            for seq in seqs:
+                if self.requests.get(seq.request_id) is seq:
+                    self.abort(seq.request_id)
         return [final[s.request_id] for s in seqs]
 
     def chat(
         self, conversations: list[dict] | Seq[list[dict]], params: SamplingParams | None = None
     ) -> list[RequestOutput]:
-        """``generate`` over chat conversations (lists of role/content messages)."""
+        """``generate`` over chat conversations (lists of role/content messages); fails and cleans up as it does."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         return self.generate(list(conversations), params)  # type: ignore[arg-type]

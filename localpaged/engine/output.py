@@ -26,8 +26,9 @@ class RequestOutput:
     text: str  # generated so far, stop string excluded
     delta: str  # text new since this request's previous output
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None  # "stop", "length", "abort", or "error" (then ``error`` says why)
     metrics: RequestMetrics
+    error: str | None = None  # why this request alone failed; every other request goes on
 
 
 class IncrementalDetokenizer:

@@ -14,8 +14,8 @@ import torch
 
 from localpaged.attention import AttentionMetadata
 from localpaged.engine.cuda_graphs import DecodeGraphs
+from localpaged.engine.sampler import sample
 from localpaged.engine.scheduler import ScheduledBatch
-from localpaged.sampling import sample
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -103,15 +103,19 @@ class ModelRunner:
         return ids, pos, meta, to_sample, logit_rows
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """One forward over the batch; a sampled token for each sequence that reached its end, else None."""
+    def run(self, batch: ScheduledBatch) -> list[int | Exception | None]:
+        """One forward over the batch; a sampled token for each sequence that reached its end, else None.
+
+        A sequence whose own sampling failed gets the exception instead of a token (see ``sample``);
+        a failure of the batch as a whole (the forward pass) raises.
+        """
         ids, pos, meta, to_sample, logit_rows = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(meta, len(batch.seqs)):
             hidden = self.graphs.run(ids, pos, meta)
         else:
             self.attention.prepare(meta)
             hidden = self.model(ids, pos, meta)
-        sampled: list[int | None] = [None] * len(batch.seqs)
+        sampled: list[int | Exception | None] = [None] * len(batch.seqs)
         if not logit_rows:
             return sampled
         logits = self.model.compute_logits(hidden[logit_rows])
