@@ -21,6 +21,10 @@ class RequestError(LocalpagedError, ValueError):
     """A request cannot be served as given (too long, empty, duplicate id, unknown id)."""
 
 
+class EngineDeadError(LocalpagedError):
+    """The engine core process is gone (killed, crashed, out of memory); start a new engine to go on."""
+
+
 class StoreError(LocalpagedError):
     """The chat database cannot be opened, read or written."""
 

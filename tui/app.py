@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
+import termios
 import time
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from typing import Any
 
+from localpaged.tui.live import EngineDied
+from localpaged.tui.screens.engine_dead import EngineDeadScreen
 from localpaged.tui.screens.error import ErrorScreen
 from localpaged.tui.screens.loading import LoadingScreen
 from localpaged.tui.screens.main import MainScreen
@@ -15,6 +21,10 @@ from textual.app import App, SystemCommand
 from textual.screen import Screen
 
 from localpaged.errors import LocalpagedError
+
+log = logging.getLogger(__name__)
+
+TERMINAL_CHECK_S = 1.0  # how often the app makes sure it still has a terminal: one system call
 
 Progress = Callable[[str, "float | None"], None]
 EngineFactory = Callable[[Progress], Any]
@@ -35,7 +45,8 @@ class LocalpagedApp(App[None]):
     """Many chats streaming at once against one engine.
 
     The engine is built in a thread worker so the loading screen stays live; `engine_factory`
-    and `store` can be injected (tests pass a fake engine and an in-memory store).
+    and `store` can be injected (tests pass a fake engine and an in-memory store). If the engine
+    dies, `engine_factory` builds its successor the same way, and the open chats carry on with it.
     """
 
     CSS_PATH = "app.tcss"
@@ -60,11 +71,24 @@ class LocalpagedApp(App[None]):
         self.db = db
         self.clock = clock
         self.engine: Any = None
+        self.engine_lost = False  # the engine died and no new one has taken over yet
 
     def on_mount(self) -> None:
         loading = LoadingScreen()
         self.push_screen(loading)
         self.start(loading)
+        if not self.is_headless and sys.__stdin__ is not None and sys.__stdin__.isatty():
+            self.set_interval(TERMINAL_CHECK_S, self._quit_if_terminal_gone)
+
+    async def _quit_if_terminal_gone(self) -> None:
+        """Quit (keeping every partial reply) once the terminal is gone.
+
+        When the terminal closes under ``make chat`` (tmux killed, an SSH session dropped), no hang-up
+        signal reaches the app, and Textual's input thread spins on the dead terminal: the app and its
+        engine went on at a full core each, with nobody to see them, until killed by hand.
+        """
+        if terminal_gone(sys.__stdin__.fileno()):
+            await self.action_quit()
 
     @work(thread=True, exclusive=True, group="startup")
     def start(self, loading: LoadingScreen) -> None:
@@ -80,6 +104,48 @@ class LocalpagedApp(App[None]):
             self.call_from_thread(self.switch_screen, ErrorScreen(str(err)))
             return
         self.call_from_thread(self.switch_screen, MainScreen(self.engine, self.store, self.clock, open_id))
+
+    # ----- engine death and restart ----------------------------------------------------
+
+    def on_engine_died(self, event: EngineDied) -> None:
+        """Say once what happened, however many chats and refreshes report it, and offer a restart."""
+        if event.engine is not self.engine or self.engine_lost:
+            return  # old news: an engine already replaced, or already explained
+        self.engine_lost = True
+        self.push_screen(EngineDeadScreen(str(event.error)), self._restart_chosen)
+
+    def _restart_chosen(self, restart: bool | None) -> None:
+        if restart:
+            dead, self.engine = self.engine, None
+            loading = LoadingScreen("Restarting the engine…")
+            self.push_screen(loading)
+            self.restart(loading, dead)
+
+    @work(thread=True, exclusive=True, group="startup")
+    def restart(self, loading: LoadingScreen, dead: Any) -> None:
+        """Shut the dead engine down, build a new one as at startup, or explain why not."""
+        if dead is not None:
+            try:
+                dead.shutdown()
+            except Exception:  # it is dead already: a new engine is what matters
+                log.warning("shutting down the dead engine failed", exc_info=True)
+        try:
+            engine = self.engine_factory(lambda msg, frac: self.call_from_thread(loading.progress, msg, frac))
+        except LocalpagedError as err:
+            screen = ErrorScreen(str(err), title="localpaged could not restart the engine")
+            self.call_from_thread(self.switch_screen, screen)
+            return
+        self.call_from_thread(self._restarted, engine, loading)
+
+    def _restarted(self, engine: Any, loading: LoadingScreen) -> None:
+        """Hand the new engine to the chat screen (and through it to every open chat), then show it."""
+        self.engine, self.engine_lost = engine, False
+        for screen in self.screen_stack:
+            if isinstance(screen, MainScreen):
+                screen.use_engine(engine)
+        if self.screen is loading:
+            self.pop_screen()
+        self.notify("The engine was restarted; your chats carry on.", title="Engine")
 
     def _first_session(self) -> str | None:
         """The session to open first: the one asked for, or a new one with the asked-for prompt."""
@@ -97,8 +163,8 @@ class LocalpagedApp(App[None]):
         """Every chat action is in the command palette too, titled like its footer entry."""
         yield from super().get_system_commands(screen)
         main = next((s for s in self.screen_stack if isinstance(s, MainScreen)), None)
-        if main is None:
-            return
+        if main is None or isinstance(screen, (EngineDeadScreen, LoadingScreen, ErrorScreen)):
+            return  # no chat actions while there is no engine to run them
         for binding in main.BINDINGS:
             yield SystemCommand(
                 binding.description,
@@ -110,10 +176,12 @@ class LocalpagedApp(App[None]):
         """Stop every reply (their partial text is kept), shut the engine down, then exit."""
         for screen in self.screen_stack:
             if isinstance(screen, MainScreen):
+                screen.stop_refreshing()
                 await asyncio.gather(*(chat.stop() for chat in screen.chats.values()))
         await self.workers.wait_for_complete([w for w in self.workers if w.group == "replies"])
         if self.engine is not None:
-            await asyncio.to_thread(self.engine.shutdown)
+            with suppress(LocalpagedError):  # a dead engine has nothing left to shut down
+                await asyncio.to_thread(self.engine.shutdown)
         self.exit()
 
 
@@ -122,3 +190,12 @@ def run_app(
 ) -> None:
     """Entry point of `localpaged chat`."""
     LocalpagedApp(model=model, prompt=prompt, session_id=session_id, db=db).run()
+
+
+def terminal_gone(fd: int) -> bool:
+    """True once the terminal on ``fd`` has hung up (its other end closed): its settings cannot be read."""
+    try:
+        termios.tcgetattr(fd)
+    except (termios.error, OSError):
+        return True
+    return False

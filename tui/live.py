@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import suppress
 from typing import Any, Literal
 
 from localpaged.tui.widgets.status_line import ChatFigures
@@ -12,16 +13,36 @@ from textual.message import Message
 from textual.message_pump import MessagePump
 from textual.worker import Worker
 
-Phase = Literal["start", "first", "grow", "done"]  # "first": the first text arrived (the chat has its title)
+from localpaged.errors import EngineDeadError, LocalpagedError
+
+Phase = Literal["start", "first", "done"]  # "first": the first text arrived (the chat has its title)
 
 
 class ReplyActivity(Message):
-    """A chat started, extended or finished a reply (posted for every chat, shown or not)."""
+    """A chat started a reply, got its first text, or finished (posted for every chat, shown or not).
+
+    Growth in between posts nothing: the screen pulls the open chat's `reply` at most every
+    REDRAW_S, so the cost of drawing does not grow with tokens per second, and a chat that is
+    not on screen costs no drawing at all.
+    """
 
     def __init__(self, chat: LiveChat, phase: Phase) -> None:
         super().__init__()
         self.chat = chat
         self.phase = phase
+
+
+class EngineDied(Message):
+    """`engine` is gone for good (its core process died); the app offers to start a new one.
+
+    Posted by a chat whose reply failed with EngineDeadError, and by the figures refresh. It
+    bubbles from the chat screen to the app, which shows one screen for any number of these.
+    """
+
+    def __init__(self, engine: Any, error: EngineDeadError) -> None:
+        super().__init__()
+        self.engine = engine
+        self.error = error
 
 
 class LiveChat:
@@ -31,6 +52,8 @@ class LiveChat:
     growing while another one is on screen; the screen asks for `reply` when it shows the chat
     again. `before` is what the chat held when the reply started (plus the user's new message),
     so the screen can draw a chat mid-reply without relying on how the session stores partials.
+    When the engine is restarted the screen hands `session` the new one; a reply that dies with
+    the old one reports that engine (`EngineDied`), so a late report is known as old news.
     """
 
     def __init__(self, session: Any, app: App, target: MessagePump) -> None:
@@ -39,6 +62,8 @@ class LiveChat:
         self.target = target
         self.reply = ""
         self.error: str | None = None
+        self.failure: Exception | None = None  # what `error` says, as raised
+        self.unsent: str | None = None  # the user's text when the reply failed before it was stored
         self.stopped = False
         self.before: list[tuple[str, str]] = []
         self.worker: Worker[None] | None = None
@@ -48,6 +73,8 @@ class LiveChat:
         self._started = 0.0
         self._first: float | None = None
         self._chunks = 0
+        self._text: str | None = None
+        self._engine: Any = None  # the engine of the reply in flight (the session's may be replaced)
 
     @property
     def generating(self) -> bool:
@@ -60,7 +87,7 @@ class LiveChat:
     def send(self, text: str) -> None:
         """Store `text` as the user's message and stream the reply."""
         self.before = [(m.role, m.content) for m in self.visible_history()] + [("user", text)]
-        self._run(self.session.astream(text))
+        self._run(self.session.astream(text), text)
 
     def regenerate(self) -> None:
         """Replace the last reply with a fresh one."""
@@ -68,13 +95,16 @@ class LiveChat:
         while shown and shown[-1][0] == "assistant":
             shown.pop()
         self.before = shown
-        self._run(self.session.aregenerate())
+        self._run(self.session.aregenerate(), None)
 
     async def stop(self) -> None:
         """Stop generating; the partial reply stays in the chat, marked as such."""
         if self.generating:
             self.stopped = True
-            await self.session.stop()
+            try:
+                await self.session.stop()
+            except EngineDeadError:
+                pass  # nothing left to stop: the reply ends with that error on its own
 
     def figures(self) -> ChatFigures:
         """Live tok/s and time to first token while generating, the engine's figures after."""
@@ -89,9 +119,10 @@ class LiveChat:
             return ChatFigures(*self.stored_figures, self.context_tokens, max_len)
         return ChatFigures(metrics.decode_tokens_per_s, metrics.ttft_s, self.context_tokens, max_len)
 
-    def _run(self, deltas: AsyncIterator[str]) -> None:
-        self.reply, self.error, self.stopped = "", None, False
+    def _run(self, deltas: AsyncIterator[str], text: str | None) -> None:
+        self.reply, self.error, self.failure, self.unsent, self.stopped = "", None, None, None, False
         self._started, self._first, self._chunks = time.monotonic(), None, 0
+        self._text, self._engine = text, self.session.engine
         self._running = True
         self.worker = self.app.run_worker(
             self._consume(deltas), name=f"reply-{self.session.id}", group="replies", exit_on_error=False
@@ -101,14 +132,18 @@ class LiveChat:
         self.target.post_message(ReplyActivity(self, "start"))
         try:
             async for delta in deltas:
-                self._chunks += 1
+                self._chunks += 1  # live tok/s counts what arrived, however seldom it is drawn
                 self.reply += delta
-                self.target.post_message(ReplyActivity(self, "grow"))
                 if self._first is None:
                     self._first = time.monotonic()
                     self.target.post_message(ReplyActivity(self, "first"))
         except Exception as err:  # noqa: BLE001 -- shown to the user; the app must outlive a failed request
-            self.error = str(err) or type(err).__name__
+            self.error, self.failure = str(err) or type(err).__name__, err
+            if isinstance(err, EngineDeadError):
+                self.target.post_message(EngineDied(self._engine, err))
+            with suppress(LocalpagedError):  # failed before the session stored the text: give it back
+                if self._text is not None and len(self.visible_history()) < len(self.before):
+                    self.unsent = self._text
         finally:
             self._running = False
             self.target.post_message(ReplyActivity(self, "done"))

@@ -2,6 +2,7 @@
 
 Prompts are "tokenised" as UTF-8 bytes of a tiny chat template, so the fake can read back
 the last user message and answer it from a script, a word at a time with a small delay.
+`die(cause)` plays the core process dying: what AsyncLLM does then, the fake does too.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
-from localpaged.errors import RequestError
+from localpaged.errors import EngineDeadError, RequestError
 
 BLOCK_SIZE = 16
 
@@ -30,7 +31,9 @@ class FakeEngine:
     """Answers `replies[user text]` (or `default(user text)`), `delay` seconds per word.
 
     With `hold_at` set, every reply pauses after that many words until `release()`: tests
-    then see replies mid-stream however slow the machine is.
+    then see replies mid-stream however slow the machine is. After `die(cause)`, every open
+    stream raises EngineDeadError(cause), and so does every later stream, abort, stats, kv_map
+    and encode_chat call (`calls_when_dead` counts those); `shutdown` stays safe.
     """
 
     replies: dict[str, str] = field(default_factory=dict)
@@ -42,6 +45,8 @@ class FakeEngine:
     config: FakeConfig = field(default_factory=FakeConfig)
     prompts: list[list[int]] = field(default_factory=list)
     shut_down: bool = False
+    cause: str | None = None
+    calls_when_dead: int = 0
     _aborted: set[str] = field(default_factory=set)
     _running: set[str] = field(default_factory=set)
 
@@ -49,7 +54,22 @@ class FakeEngine:
         """Let held replies run to their end."""
         self.hold_at = None
 
+    def die(self, cause: str = "the engine core process died (killed by signal 9 SIGKILL)") -> None:
+        """Act as if the core process died: open streams and every later call raise EngineDeadError."""
+        self.cause = cause
+
+    def _check_alive(self) -> None:
+        if self.cause is not None:
+            raise EngineDeadError(self.cause)
+
+    def _call(self) -> None:
+        """A call that asks the (maybe dead) core process something."""
+        if self.cause is not None:
+            self.calls_when_dead += 1
+        self._check_alive()
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        self._call()
         text = "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages) + "<|assistant|>"
         return list(text.encode())
 
@@ -61,6 +81,7 @@ class FakeEngine:
         self, prompt: list[int], params: object = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         request_id = request_id or f"req-{len(self.prompts)}"
+        self._call()
         if request_id in self._running:
             raise RequestError(f"request id {request_id!r} is already in flight")
         self.prompts.append(list(prompt))
@@ -72,7 +93,9 @@ class FakeEngine:
             for i, word in enumerate(words):
                 await asyncio.sleep(self.delay)
                 while self.hold_at is not None and i >= self.hold_at and request_id not in self._aborted:
+                    self._check_alive()
                     await asyncio.sleep(0.01)
+                self._check_alive()
                 if request_id in self._aborted:
                     yield self._output(request_id, prompt, out, "", i, start, first, "abort")
                     return
@@ -106,11 +129,13 @@ class FakeEngine:
         return RequestOutput(request_id, list(prompt), list(range(n)), text, delta, reason is not None, reason, metrics)
 
     async def abort(self, request_id: str) -> None:
+        self._call()
         if request_id not in self._running:
             raise RequestError(f"no request {request_id!r} is in flight")
         self._aborted.add(request_id)
 
     def stats(self) -> dict:
+        self._call()
         return {
             "blocks_total": self.blocks_total,
             "blocks_used": 12 + 4 * len(self._running),
@@ -124,6 +149,7 @@ class FakeEngine:
 
     def kv_map(self, token_ids: list[int] | None = None) -> KVMap:
         """A fixed picture: 3 shared, 9 used, 6 cached, the rest free; the chat's first blocks lit."""
+        self._call()
         states = [2] * 3 + [1] * 9 + [3] * 6 + [0] * (self.blocks_total - 18)
         highlight = list(range(min(len(token_ids or []) // BLOCK_SIZE, 12)))
         return KVMap(states, highlight, BLOCK_SIZE, 4096, 3 * 4096)

@@ -1,10 +1,11 @@
-"""Helpers for Pilot tests: wait for a condition, reach the chat or error screen, send a message, await a reply."""
+"""Helpers for Pilot tests: wait for a condition, reach the chat or an error screen, send a message, await a reply."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
+from localpaged.tui.screens.engine_dead import EngineDeadScreen
 from localpaged.tui.screens.error import ErrorScreen
 from localpaged.tui.screens.main import MainScreen
 
@@ -25,6 +26,13 @@ async def error_message(pilot) -> str:
     app = pilot.app
     await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen) and app.screen.query("#error-message"))
     return str(app.screen.query_one("#error-message").content)
+
+
+async def engine_dead_message(pilot) -> str:
+    """Wait until the engine-died screen shows its message; return the text."""
+    app = pilot.app
+    await wait_for(pilot, lambda: isinstance(app.screen, EngineDeadScreen) and app.screen.query("#engine-dead-message"))
+    return str(app.screen.query_one("#engine-dead-message").content)
 
 
 async def main_screen(pilot) -> MainScreen:

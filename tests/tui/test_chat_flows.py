@@ -76,7 +76,8 @@ async def test_switch_with_ctrl_arrows_while_streaming(make_app, engine, store):
         await wait_for(pilot, lambda: len(chat.reply) > before + 20)  # accumulates while hidden
         await pilot.press("ctrl+up")
         assert screen.current is chat
-        assert screen.live_bubble.text == chat.reply
+        assert len(screen.live_bubble.text) > before + 20 and chat.reply.startswith(screen.live_bubble.text)
+        await wait_for(pilot, lambda: screen.live_bubble.text == chat.reply)  # drawn every REDRAW_S, not per token
         engine.release()
         await reply_done(pilot, screen, chat)
         assert screen.messages.bubbles[-1].text == LONG
@@ -323,3 +324,32 @@ async def test_sending_while_the_chat_replies_keeps_the_text(make_app, engine):
         await send(pilot, "second")
         assert screen.query_one("#input").text == "second"
         engine.release()
+
+
+async def test_a_message_that_was_never_stored_goes_back_in_the_box(make_app, engine, store):
+    engine.config.max_model_len = 200  # less than the reply's 256 tokens: every turn is refused
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await main_screen(pilot)
+        await send(pilot, "a question that cannot fit")
+        chat = screen.current
+        await wait_for(pilot, lambda: screen.query_one("#input").text == "a question that cannot fit")
+        assert not chat.generating and "too long" in chat.error
+        assert any(n.title == "Reply failed" for n in app._notifications)
+        assert stored(store, chat.session.id) == []
+        assert screen.messages.bubbles == []
+
+
+def test_a_closed_terminal_is_noticed() -> None:
+    """The app quits once its terminal hangs up (tmux killed under `make chat`), instead of spinning on."""
+    import os
+
+    from localpaged.tui.app import terminal_gone
+
+    controller, terminal = os.openpty()
+    try:
+        assert not terminal_gone(terminal)
+        os.close(controller)
+        assert terminal_gone(terminal)
+    finally:
+        os.close(terminal)

@@ -1,4 +1,4 @@
-"""The screen that explains why the app could not start."""
+"""The screen that explains why the app could not start (or could not restart its engine)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ class ErrorScreen(Screen[None]):
 
     BINDINGS = [Binding("q,escape,enter", "app.quit", "Quit", id="error_quit")]
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, title: str = "localpaged could not start") -> None:
         super().__init__()
         self.message = message
+        self.title_text = title
 
     def compose(self) -> ComposeResult:
         with Middle(), Center():
-            yield Label("localpaged could not start", id="error-title")
+            yield Label(self.title_text, id="error-title")
             yield Static(self.message, id="error-message", markup=False)
         yield Footer()

@@ -14,10 +14,14 @@ class LoadingScreen(Screen[None]):
     A fraction of None means the step has no measurable progress: the bar then pulses.
     """
 
+    def __init__(self, message: str = "Starting…") -> None:
+        super().__init__()
+        self.message = message
+
     def compose(self) -> ComposeResult:
         with Middle(), Center():
             yield Label("localpaged", id="loading-title")
-            yield Label("Starting…", id="loading-message")
+            yield Label(self.message, id="loading-message")
             yield ProgressBar(total=None, show_eta=False, id="loading-bar")
 
     def progress(self, message: str, fraction: float | None) -> None:
