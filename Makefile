@@ -28,6 +28,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/sessions.py
+	$(PY) benchmarks/app_speed.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

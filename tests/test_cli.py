@@ -58,7 +58,7 @@ def test_run_streams_the_answer_and_stores_the_turn(home: Path, engines, capsys)
     assert "\033" not in out  # no colour into a pipe
     (session,) = ChatStore(home / "chats.db").list_sessions()
     assert f"--session {session.id}" in err
-    assert engines[0]._thread.is_alive() is False  # shut down on the way out
+    assert engines[0]._core._thread.is_alive() is False  # shut down on the way out
 
     assert cli.main(["run", "And then?", "--session", session.id]) == 0
     messages = ChatStore(home / "chats.db").messages(session.id)
@@ -96,7 +96,7 @@ def test_ctrl_c_exits_130_quietly_and_keeps_the_partial_reply(home: Path, engine
     assert cli.main(["run", "interrupt me"]) == 130
     monkeypatch.undo()
     assert capsys.readouterr().err == ""
-    assert not engines[0]._thread.is_alive()
+    assert not engines[0]._core._thread.is_alive()
     (session,) = ChatStore(home / "chats.db").list_sessions()
     user, reply = ChatStore(home / "chats.db").messages(session.id)
     assert user.content == "interrupt me" and reply.status == "partial"

@@ -1,4 +1,4 @@
-"""Session: one conversation, stored in a ChatStore and answered by a shared AsyncLLM.
+"""Session: one conversation, stored in a ChatStore and answered by a shared engine (an EngineClient).
 
 Each turn's prompt is the chat template over the system prompt and the whole stored
 history plus the new user message, so turn N+1 starts with exactly the tokens of turns
@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import aclosing, closing
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing, closing, contextmanager
 from typing import TYPE_CHECKING
 
 from localpaged.chat.store import ChatStore, MessageRecord, SessionRecord
 from localpaged.errors import RequestError
+from localpaged.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from localpaged.engine.async_llm import AsyncLLM
     from localpaged.engine.output import RequestMetrics, RequestOutput
-    from localpaged.sampling import SamplingParams
+    from localpaged.engine.protocol import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,9 @@ def title_from(text: str) -> str:
 class Session:
     """One conversation. Create with Session.new or Session.load, not the constructor."""
 
-    def __init__(self, engine: AsyncLLM, store: ChatStore, record: SessionRecord, *, truncate: bool = False) -> None:
+    def __init__(
+        self, engine: EngineClient, store: ChatStore, record: SessionRecord, *, truncate: bool = False
+    ) -> None:
         self.engine = engine
         self.store = store
         self.id = record.id
@@ -61,7 +63,7 @@ class Session:
     @classmethod
     def new(
         cls,
-        engine: AsyncLLM,
+        engine: EngineClient,
         store: ChatStore,
         system: str | None = None,
         title: str | None = None,
@@ -74,7 +76,7 @@ class Session:
         return cls(engine, store, record, truncate=truncate)
 
     @classmethod
-    def load(cls, engine: AsyncLLM, store: ChatStore, session_id: str, *, truncate: bool = False) -> Session:
+    def load(cls, engine: EngineClient, store: ChatStore, session_id: str, *, truncate: bool = False) -> Session:
         """Reopen a stored session; UnknownSessionError if there is none with that id."""
         return cls(engine, store, store.get_session(session_id), truncate=truncate)
 
@@ -243,49 +245,47 @@ class Session:
         return prompt
 
     def _reply(self, prompt: list[int], params: SamplingParams) -> Iterator[str]:
-        recorder = self._start_reply()
-        error: BaseException | None = None
-        try:
-            with closing(self.engine.iter_stream(prompt, params, request_id=self._request_id)) as outputs:
-                for output in outputs:
-                    recorder.update(output)
-                    self.last_metrics = output.metrics
-                    if output.delta:
-                        yield output.delta
-        except Exception as exc:
-            error = exc
-            raise
-        finally:
-            self._end_reply(recorder, error)
+        with self._replying() as take, closing(self.engine.iter_stream(prompt, params, self._request_id)) as outputs:
+            for output in outputs:
+                if delta := take(output):
+                    yield delta
 
     async def _areply(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[str]:
-        recorder = self._start_reply()
-        error: BaseException | None = None
-        try:
-            async with aclosing(self.engine.stream(prompt, params, request_id=self._request_id)) as outputs:
+        """The twin of _reply: the same body, driven by ``async for``."""
+        with self._replying() as take:
+            async with aclosing(self.engine.stream(prompt, params, self._request_id)) as outputs:
                 async for output in outputs:
-                    recorder.update(output)
-                    self.last_metrics = output.metrics
-                    if output.delta:
-                        yield output.delta
-        except Exception as exc:
-            error = exc
-            raise
-        finally:
-            self._end_reply(recorder, error)
+                    if delta := take(output):
+                        yield delta
 
-    def _start_reply(self) -> _ReplyRecorder:
+    @contextmanager
+    def _replying(self) -> Iterator[Callable[[RequestOutput], str]]:
+        """Store the reply as it streams: yields ``take(output) -> delta``; the end stores its status.
+
+        An exception (the engine died, a bad request) is stored as ``error`` with its message; leaving
+        early (stop, break, close) keeps what was said as ``partial``.
+        """
         recorder = _ReplyRecorder(self.store, self.id, self.engine.model_name)
         self.generating = True
         self._request_id = f"{self.id}-{recorder.message.id}"
-        return recorder
 
-    def _end_reply(self, recorder: _ReplyRecorder, error: BaseException | None) -> None:
+        def take(output: RequestOutput) -> str:
+            recorder.update(output)
+            self.last_metrics = output.metrics
+            return output.delta
+
+        error: BaseException | None = None
         try:
-            self.last_reply = recorder.finish(error)
+            yield take
+        except Exception as exc:
+            error = exc
+            raise
         finally:
-            self.generating = False
-            self._request_id = None
+            try:
+                self.last_reply = recorder.finish(error)
+            finally:
+                self.generating = False
+                self._request_id = None
 
 
 class _ReplyRecorder:
@@ -334,9 +334,6 @@ class _ReplyRecorder:
 
 
 def _params(params: SamplingParams | None) -> SamplingParams:
-    # Imported here: localpaged.sampling pulls in torch, which the store-only CLI commands avoid.
-    from localpaged.sampling import SamplingParams
-
     return params if params is not None else SamplingParams()
 
 

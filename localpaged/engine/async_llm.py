@@ -1,11 +1,14 @@
-"""AsyncLLM: the synchronous LLM stepping on its own thread, so many callers stream at once.
+"""AsyncLLM: the front end of the engine core, so that many callers stream at once.
 
-One engine step serves every running request (continuous batching), so requests must be
-able to join and leave between steps while each caller waits on its own stream. A daemon
-thread owns the stepping: callers post add/abort commands to an inbox that the thread
-drains between steps, and the thread hands every output to its request's sink (an
-asyncio.Queue fed through `loop.call_soon_threadsafe`, or a queue.Queue for plain
-scripts). When no request is running the thread sleeps on a condition, it never spins.
+One engine step serves every running request (continuous batching), so requests join and leave
+between steps while each caller waits on its own stream. The core runs in its own process by
+default (``engine_process=False`` runs it on a thread of this one, for tests and debugging); see
+localpaged.engine.core for why. Either way the front end does the same: it sends adds, aborts and
+calls, and a dispatcher turns each message from the core into the outputs of the streams it names
+(an asyncio.Queue fed through ``loop.call_soon_threadsafe``, or a queue.Queue for scripts).
+
+The tokenizer is loaded here too, so ``encode_chat`` (every turn, every status refresh) never
+waits for an engine step.
 """
 
 from __future__ import annotations
@@ -14,158 +17,227 @@ import asyncio
 import atexit
 import concurrent.futures
 import dataclasses
-import logging
+import itertools
+import os
 import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
-from typing_extensions import Self
+import msgspec
 
-from localpaged.engine.llm import LLM
-from localpaged.engine.output import RequestMetrics, RequestOutput
-from localpaged.errors import LocalpagedError, RequestError
+from localpaged.config import EngineConfig
+from localpaged.engine import messages as m
+from localpaged.engine.core import error_from
+from localpaged.engine.core_client import CoreProcess, CoreThread
+from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
+from localpaged.engine.protocol import Prompt
+from localpaged.errors import EngineDeadError, LocalpagedError, RequestError
 from localpaged.sampling import SamplingParams
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
-Prompt = str | list[int] | list[dict]
-# What a sink receives: an output, or the exception that ends that request's stream.
+# What a consumer receives: an output, or the exception that ends its stream.
 Item = RequestOutput | BaseException
 # Hands one item to a consumer; returns False when the consumer is gone for good.
 Deliver = Callable[[Item], bool]
 
-# How long shutdown() waits for a step in progress before leaving the daemon thread behind.
-SHUTDOWN_JOIN_S = 10.0
-
-
-@dataclasses.dataclass
-class _Add:
-    request_id: str
-    prompt: Prompt
-    params: SamplingParams | None
-    deliver: Deliver
-
-
-@dataclasses.dataclass
-class _Abort:
-    request_id: str
-    # Set when a caller awaits the abort; None when a consumer simply walked away.
-    done: concurrent.futures.Future | None = None
-    # Only abort the stream owned by this sink (a consumer leaving must never abort
-    # another request that reused its id); None aborts whichever stream has the id.
-    owner: Deliver | None = None
-
 
 @dataclasses.dataclass
 class _Stream:
-    """A request in flight, as the engine thread sees it."""
+    """A request in flight, as the front end sees it: the outputs so far, rebuilt from the core's deltas."""
 
+    request_id: str
     deliver: Deliver
+    ended: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
     last: RequestOutput | None = None
+
+    def update(self, out: m.Output) -> RequestOutput:
+        if out.prompt_token_ids is not None:
+            self.prompt_token_ids = out.prompt_token_ids
+        self.token_ids.extend(out.new_token_ids)
+        self.text += out.delta
+        self.last = RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.token_ids),
+            text=self.text,
+            delta=out.delta,
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            metrics=out.metrics,
+            error=out.error,
+        )
+        return self.last
+
+    def aborted(self) -> RequestOutput:
+        """The final output of an aborted request: everything generated so far, nothing new."""
+        if self.last is not None:
+            return dataclasses.replace(self.last, delta="", finished=True, finish_reason="abort")
+        metrics = RequestMetrics(
+            ttft_s=None, prompt_tokens=0, cached_tokens=0, generated_tokens=0, decode_tokens_per_s=None
+        )
+        return RequestOutput(self.request_id, [], [], "", "", True, "abort", metrics)
+
+
+class _Consumer:
+    """What stream() and iter_stream() share; they differ only in how they wait for the next item."""
+
+    def __init__(self, engine: AsyncLLM, stream: _Stream) -> None:
+        self.engine = engine
+        self.stream = stream
+        self.finished = False
+
+    def take(self, item: Item) -> RequestOutput:
+        """The next output, or raise the error that ends the stream."""
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Leaving before the end (break, cancel, close, an exception) aborts the request."""
+        if not self.finished:
+            self.engine._walk_away(self.stream)
 
 
 class AsyncLLM:
-    """Serves many concurrent streams from one engine stepping on a background thread."""
+    """Serves many concurrent streams from one engine core; an EngineClient."""
 
-    def __init__(self, model: str | None = None, *, llm: LLM | None = None, **engine_config: Any) -> None:
-        """Load `model` (or wrap `llm`, an LLM or anything of its shape) and start the engine thread."""
-        self._llm = llm if llm is not None else LLM(model, **engine_config)
-        self._engine_lock = threading.RLock()  # every call into self._llm holds it
-        self._wakeup = threading.Condition()  # guards _inbox and _stopping
-        self._inbox: list[_Add | _Abort] = []
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        llm: Any = None,
+        engine_process: bool | None = None,
+        progress: Callable[[str, float | None], None] | None = None,
+        **engine_config: Any,
+    ) -> None:
+        """Start the engine core for `model` in its own process, or (``engine_process=False``) on a thread.
+
+        ``engine_process=None`` takes $LOCALPAGED_ENGINE_PROCESS (``0`` runs the core on a thread: for
+        debugging, and to measure the difference), else True.
+
+        ``llm`` wraps an existing LLM, or anything of its shape, on a thread of this process (tests).
+        Start-up errors are the engine's own: a bad model path is a ModelNotFoundError, and so on.
+        """
+        self._lock = threading.Lock()  # guards _streams, _calls, _closed
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._closed: LocalpagedError | None = None  # why nothing more can be served
         self._stopping = False
-        self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
-        self._thread = threading.Thread(target=self._serve, name="localpaged-engine", daemon=True)
-        self._thread.start()
+        if engine_process is None:
+            engine_process = os.environ.get("LOCALPAGED_ENGINE_PROCESS", "1") != "0"
+        if llm is None and engine_process:
+            config = EngineConfig(model=model, **engine_config)  # checked here, before a process starts
+            self._start_process(dataclasses.asdict(config), progress)
+        else:
+            if llm is None:
+                from localpaged.engine.llm import LLM
+
+                llm = LLM(model, progress=progress, **engine_config)
+            self.config, self.model_name, self.tokenizer = llm.config, llm.model_name, llm.tokenizer
+            # The core thread detokenizes with this same tokenizer, so encoding runs there too, between
+            # steps: a fast tokenizer used from two threads at once fails with "Already borrowed".
+            self._encode_chat = partial(self._call, "encode_chat")
+            self._core: CoreProcess | CoreThread = CoreThread(llm, self._dispatch, self._on_core_exit)
         atexit.register(self.shutdown)
 
-    # ----- pass-throughs -------------------------------------------------------------
+    def _start_process(self, config: dict, progress: Callable | None) -> None:
+        from localpaged.engine.tokenizer import encode_chat, load_front_end_tokenizer, load_tokenizer, probe_ids
 
-    @property
-    def tokenizer(self) -> Any:
-        return self._llm.tokenizer
+        # The tokenizer loads here while the core loads the weights.
+        loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="localpaged-tokenizer")
+        tokenizer: list[concurrent.futures.Future] = []
+        try:
+            core = CoreProcess(
+                config, progress, lambda folder: tokenizer.append(loader.submit(load_front_end_tokenizer, folder))
+            )
+            try:
+                self.tokenizer = tokenizer[0].result()
+                if probe_ids(self.tokenizer) != core.ready.probe_ids:  # a tokenizer class with its own ways
+                    self.tokenizer = load_tokenizer(core.ready.model_folder)
+            except BaseException:
+                core.kill()
+                raise
+        finally:
+            loader.shutdown(wait=False)
+        self.config = EngineConfig(**core.ready.config)
+        self.model_name = core.ready.model_name
+        tokenizer_lock = threading.Lock()  # the UI thread and a status refresh may encode at once
 
-    @property
-    def config(self) -> Any:
-        return self._llm.config
+        def encode(messages: list[dict]) -> list[int]:
+            with tokenizer_lock:
+                return encode_chat(self.tokenizer, messages)
 
-    @property
-    def model_name(self) -> str:
-        return self._llm.model_name
+        self._encode_chat = encode
+        self._core = core
+        core.serve(self._dispatch, self._on_core_exit)
 
-    def stats(self) -> dict:
-        with self._engine_lock:
-            return self._llm.stats()
-
-    def kv_map(self, token_ids: list[int] | None = None) -> Any:
-        with self._engine_lock:
-            return self._llm.kv_map(token_ids)
+    # ----- what the front ends read ----------------------------------------------------
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        with self._engine_lock:
-            return self._llm.encode_chat(messages)
+        """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn."""
+        return self._encode_chat(messages)
 
-    # ----- streaming -----------------------------------------------------------------
+    def stats(self) -> dict:
+        """The engine's figures (blocks, prefix hit rate, queues, tok/s) as of the end of its last step."""
+        return self._call("stats")
+
+    def kv_map(self, token_ids: list[int] | None = None) -> KVMap:
+        return msgspec.convert(self._call("kv_map", token_ids), KVMap)
+
+    # ----- streaming -------------------------------------------------------------------
 
     async def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them; the last one has finished=True.
 
-        Must run inside an event loop. Leaving the loop early (break, cancel) aborts the
-        request; a RequestError from add_request is raised here, to this consumer only.
+        Must run inside an event loop. Leaving early (break, cancel) aborts the request; an error
+        that concerns this request (bad input, the engine died) is raised here, to this consumer only.
         """
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[Item] = asyncio.Queue()
+        items: asyncio.Queue[Item] = asyncio.Queue()
 
         def deliver(item: Item) -> bool:
             try:
-                loop.call_soon_threadsafe(outputs.put_nowait, item)
+                loop.call_soon_threadsafe(items.put_nowait, item)
             except RuntimeError:  # the loop is closed: nobody will ever read this stream
                 return False
             return True
 
-        request_id = request_id or _new_request_id()
-        self._post(_Add(request_id, prompt, params, deliver))
-        finished = False
+        consumer = self._open(prompt, params, request_id, deliver)
         try:
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+            while not consumer.finished:
+                yield consumer.take(await items.get())
         finally:
-            if not finished:
-                self._post(_Abort(request_id, owner=deliver), quiet=True)
+            consumer.close()
 
     def iter_stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> Iterator[RequestOutput]:
         """The blocking twin of stream() for scripts without an event loop."""
-        outputs: queue.Queue[Item] = queue.Queue()
+        items: queue.Queue[Item] = queue.Queue()
 
         def deliver(item: Item) -> bool:
-            outputs.put(item)
+            items.put(item)
             return True
 
-        request_id = request_id or _new_request_id()
-        self._post(_Add(request_id, prompt, params, deliver))
-        finished = False
+        consumer = self._open(prompt, params, request_id, deliver)
         try:
-            while not finished:
-                item = outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+            while not consumer.finished:
+                yield consumer.take(items.get())
         finally:
-            if not finished:
-                self._post(_Abort(request_id, owner=deliver), quiet=True)
+            consumer.close()
 
     def generate_text(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
         """Run one request to the end and return its final output (blocking)."""
@@ -180,20 +252,23 @@ class AsyncLLM:
 
         Raises RequestError when no request with that id is in flight.
         """
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(_Abort(request_id, done=done))
-        await asyncio.wrap_future(done)
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            raise RequestError(f"no request {request_id!r} is in flight (unknown id, or already finished)")
+        self._send(m.Abort(request_id))
+        await asyncio.wrap_future(stream.ended)
 
-    # ----- lifecycle -----------------------------------------------------------------
+    # ----- lifecycle -------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop the engine thread; streams still in flight end with an error. Safe to call twice."""
-        with self._wakeup:
-            self._stopping = True
-            self._wakeup.notify()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=SHUTDOWN_JOIN_S)
+        """Stop the engine core; streams still in flight end with an error. Safe to call twice."""
         atexit.unregister(self.shutdown)
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        self._core.shutdown()
 
     def __enter__(self) -> Self:
         return self
@@ -201,155 +276,112 @@ class AsyncLLM:
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
-    def _post(self, command: _Add | _Abort, quiet: bool = False) -> None:
-        """Queue a command for the engine thread; raise if the engine is shut down, unless quiet."""
-        with self._wakeup:
-            if not self._stopping:
-                self._inbox.append(command)
-                self._wakeup.notify()
+    # ----- towards the core ------------------------------------------------------------
+
+    def _open(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, deliver: Deliver
+    ) -> _Consumer:
+        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        stream = _Stream(request_id, deliver)
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed
+            if request_id in self._streams:
+                raise RequestError(f"request id {request_id!r} is already in flight; use another id")
+            self._streams[request_id] = stream
+        fields = None if params is None else dataclasses.asdict(params)
+        self._send(m.Add(request_id, prompt, fields))
+        return _Consumer(self, stream)
+
+    def _walk_away(self, stream: _Stream) -> None:
+        """A consumer left early: abort its request, unless that id now belongs to someone else."""
+        with self._lock:
+            if self._closed is not None or self._streams.get(stream.request_id) is not stream:
                 return
-        if not quiet:
-            raise RequestError("the engine has been shut down; create a new AsyncLLM to serve requests")
+        self._send(m.Abort(stream.request_id), quiet=True)
 
-    # ----- the engine thread ---------------------------------------------------------
+    def _call(self, method: str, *args: Any) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+        self._send(m.Call(call_id, method, list(args)))
+        return future.result()
 
-    def _serve(self) -> None:
-        while (commands := self._next_commands()) is not None:
-            for command in commands:
-                self._run(command)
-            self._step()
-        self._close_all()
+    def _send(self, message: m.Add | m.Abort | m.Call, quiet: bool = False) -> None:
+        try:
+            self._core.send(m.encode(message))
+        except OSError:
+            if not quiet:
+                raise self._closed or _shut_down() from None
 
-    def _next_commands(self) -> list[_Add | _Abort] | None:
-        """Take the inbox, first sleeping while there is neither work nor a command; None on shutdown."""
-        with self._engine_lock:
-            idle = not self._llm.has_unfinished_requests()
-        with self._wakeup:
-            while idle and not self._inbox and not self._stopping:
-                self._wakeup.wait()
-            if self._stopping:
-                return None
-            commands, self._inbox = self._inbox, []
-        return commands
+    # ----- from the core (on its thread, or on the reader thread) ----------------------
 
-    def _run(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Add):
-            self._add(command)
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, m.StepOutputs):
+            for out in message.outputs:
+                self._on_output(out)
+        elif isinstance(message, m.Aborted):
+            stream = self._end(message.request_id)
+            if stream is not None:
+                stream.deliver(stream.aborted())
+        elif isinstance(message, m.RequestFailed):
+            stream = self._end(message.request_id)
+            if stream is not None:
+                stream.deliver(error_from(message.error_type, message.message))
+        elif isinstance(message, m.Reply):
+            with self._lock:
+                future = self._calls.pop(message.call_id, None)
+            if future is not None and message.error is not None:
+                future.set_exception(LocalpagedError(f"the engine could not answer: {message.error}"))
+            elif future is not None:
+                future.set_result(message.value)
+
+    def _on_output(self, out: m.Output) -> None:
+        with self._lock:
+            stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        output = stream.update(out)
+        if out.finished:
+            self._end(out.request_id)
+        delivered = stream.deliver(RequestError(out.error) if out.error is not None else output)
+        if not delivered and not out.finished:
+            self._walk_away(stream)
+
+    def _end(self, request_id: str) -> _Stream | None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.ended.set_result(None)
+        return stream
+
+    def _on_core_exit(self) -> None:
+        """The core stopped: a shutdown if we asked for one, else it died. Nobody is left waiting."""
+        if self._stopping:
+            closed: LocalpagedError = _shut_down()
         else:
-            self._abort(command)
-
-    def _add(self, command: _Add) -> None:
-        if command.request_id in self._streams:
-            command.deliver(RequestError(f"request id {command.request_id!r} is already in flight; use another id"))
-            return
-        try:
-            with self._engine_lock:
-                self._llm.add_request(command.prompt, command.params, command.request_id)
-        except Exception as exc:  # noqa: BLE001 -- bad input (RequestError) or not: it concerns this request only
-            command.deliver(exc)
-            return
-        self._streams[command.request_id] = _Stream(command.deliver)
-
-    def _abort(self, command: _Abort) -> None:
-        stream = self._streams.get(command.request_id)
-        if stream is None or (command.owner is not None and stream.deliver is not command.owner):
-            if command.done is not None:
-                command.done.set_exception(
-                    RequestError(f"no request {command.request_id!r} is in flight (unknown id, or already finished)")
-                )
-            return
-        del self._streams[command.request_id]
-        try:
-            with self._engine_lock:
-                self._llm.abort(command.request_id)
-        except Exception as exc:  # noqa: BLE001 -- delivered to the stream it concerns
-            stream.deliver(exc)
-            if command.done is not None:
-                command.done.set_exception(exc)
-            return
-        stream.deliver(_aborted(command.request_id, stream.last))
-        if command.done is not None:
-            command.done.set_result(None)
-
-    def _step(self) -> None:
-        """One engine step, if there is work; its outputs go to their streams."""
-        try:
-            with self._engine_lock:
-                if not self._llm.has_unfinished_requests():
-                    return
-                outputs = self._llm.step()
-        except Exception as exc:
-            log.exception("engine step failed; failing every request in flight")
-            self._fail_all(exc)
-            return
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:  # added to the LLM directly, not through this AsyncLLM
-                continue
-            stream.last = output
-            if output.finished:
-                del self._streams[output.request_id]
-            item = RequestError(output.error) if output.error is not None else output  # it alone failed
-            if not stream.deliver(item) and not output.finished:
-                self._abort(_Abort(output.request_id))
-
-    def _fail_all(self, cause: Exception) -> None:
-        """A step raised: end every stream with an error that says so, and free their blocks."""
-        for request_id, stream in list(self._streams.items()):
-            del self._streams[request_id]
-            self._forget(request_id)
-            error = LocalpagedError(
-                f"the engine failed while serving this request ({type(cause).__name__}: {cause}); "
-                "the request was stopped, new requests are still served"
+            closed = EngineDeadError(
+                f"the engine core process died ({self._core.exit_cause()}); what was generated so far is kept. "
+                "Start a new engine to go on (in the app: restart; in a script: create a new AsyncLLM)"
             )
-            error.__cause__ = cause
-            stream.deliver(error)
-
-    def _close_all(self) -> None:
-        """On shutdown: end streams and pending commands with an error, so no caller waits forever."""
-        with self._wakeup:
-            pending, self._inbox = self._inbox, []
-        for command in pending:
-            if isinstance(command, _Add):
-                command.deliver(_shut_down())
-            elif command.done is not None:
-                command.done.set_exception(_shut_down())
-        for request_id, stream in list(self._streams.items()):
-            self._forget(request_id)
-            stream.deliver(_shut_down())
-        self._streams.clear()
-
-    def _forget(self, request_id: str) -> None:
-        """Abort in the LLM, tolerating a request it no longer knows or an engine in a bad state."""
-        try:
-            with self._engine_lock:
-                self._llm.abort(request_id)
-        except Exception:
-            log.debug("abort of %s after failure/shutdown did not succeed", request_id, exc_info=True)
-
-
-def _new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex[:16]}"
+        with self._lock:
+            self._closed = closed
+            streams, self._streams = list(self._streams.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
+        for stream in streams:
+            stream.ended.set_result(None)
+            stream.deliver(_copy(closed))
+        for future in calls:
+            future.set_exception(_copy(closed))
 
 
 def _shut_down() -> RequestError:
-    """A fresh error per consumer: one exception object raised in many tasks would tangle tracebacks."""
-    return RequestError("the engine was shut down before this request finished")
+    return RequestError("the engine has been shut down; create a new AsyncLLM to serve requests")
 
 
-def _aborted(request_id: str, last: RequestOutput | None) -> RequestOutput:
-    """The final output of an aborted request: everything generated so far, nothing new."""
-    if last is not None:
-        return dataclasses.replace(last, delta="", finished=True, finish_reason="abort")
-    return RequestOutput(
-        request_id=request_id,
-        prompt_token_ids=[],
-        token_ids=[],
-        text="",
-        delta="",
-        finished=True,
-        finish_reason="abort",
-        metrics=RequestMetrics(
-            ttft_s=None, prompt_tokens=0, cached_tokens=0, generated_tokens=0, decode_tokens_per_s=None
-        ),
-    )
+def _copy(error: LocalpagedError) -> LocalpagedError:
+    """A fresh exception per consumer: one object raised in many tasks would tangle tracebacks."""
+    return type(error)(str(error))

@@ -30,7 +30,9 @@ from localpaged.engine.sampler import make_generator
 from localpaged.engine.scheduler import Scheduler
 from localpaged.engine.sequence import Sequence
 from localpaged.engine.setup import EngineParts, build_engine_parts
+from localpaged.engine.tokenizer import encode_chat
 from localpaged.errors import RequestError
+from localpaged.models.loader import ModelFiles
 from localpaged.sampling import SamplingParams
 
 Prompt = str | list[int] | list[dict]
@@ -45,9 +47,13 @@ class _RequestState:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, progress=None, **engine_config) -> None:
+    def __init__(
+        self, model: str | None = None, *, progress=None, model_files: ModelFiles | None = None, **engine_config
+    ) -> None:
+        """Load ``model`` (None: the default). ``model_files``: that model already resolved, as the core
+        process does first so that its front end can load the tokenizer while the weights load."""
         self.config = EngineConfig(model=model, **engine_config)
-        parts: EngineParts = build_engine_parts(self.config, progress)
+        parts: EngineParts = build_engine_parts(self.config, progress, model_files)
         self.model_name = parts.name
         self.model_folder = parts.folder
         self.tokenizer = parts.tokenizer
@@ -75,8 +81,7 @@ class LLM:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn."""
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return encode_chat(self.tokenizer, messages)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

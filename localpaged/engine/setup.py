@@ -14,11 +14,12 @@ import torch
 from localpaged.attention import TorchAttention, TritonAttention, select_attention
 from localpaged.config import EngineConfig
 from localpaged.engine.runner import ModelRunner
+from localpaged.engine.tokenizer import load_tokenizer
 from localpaged.errors import ConfigError
 from localpaged.kernels import cpu
 from localpaged.models.gguf_weights import load_gguf_weights
 from localpaged.models.llama import LlamaForCausalLM, head_dim_of
-from localpaged.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model
+from localpaged.models.loader import ModelFiles, load_config, load_state_dict, resolve_model
 from localpaged.models.quantized import swap_in_blocks
 
 MAX_DEFAULT_CONTEXT = 8192
@@ -84,14 +85,15 @@ def default_kv_memory(device: torch.device) -> int:
     return min(available // 4, 2 * GiB)
 
 
-def build_engine_parts(config: EngineConfig, progress=None) -> EngineParts:
+def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | None = None) -> EngineParts:
+    """Everything the engine needs; ``files`` is the model already resolved (else resolved from config.model)."""
     progress = progress or (lambda message, fraction: None)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     config.device, config.dtype = str(device), str(dtype).removeprefix("torch.")  # what "auto" became
     if config.num_threads and device.type == "cpu":
         torch.set_num_threads(config.num_threads)
-    files = resolve_model(config.model, progress)
+    files = files or resolve_model(config.model, progress)
     progress("Loading the model", None)
     hf_config = load_config(files.folder)
     tokenizer = load_tokenizer(files.folder)

@@ -143,12 +143,6 @@ def load_config(folder: Path):
     return config
 
 
-def load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
-
-
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from localpaged.engine.output import RequestMetrics, RequestOutput
+from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
 from localpaged.errors import RequestError
 from localpaged.sampling import SamplingParams
 
@@ -173,5 +173,8 @@ class FakeLLM:
             "tokens_per_s": 0.0,
         }
 
-    def kv_map(self, token_ids: list[int] | None = None) -> dict:
-        return {"blocks_total": self.config.num_blocks, "prefix_blocks": []}
+    def kv_map(self, token_ids: list[int] | None = None) -> KVMap:
+        states = [0] * self.config.num_blocks
+        for block in range(sum(req.blocks for req in self._requests.values())):
+            states[block] = 1
+        return KVMap(states, [], BLOCK_SIZE, block_bytes=1024, bytes_saved=0)

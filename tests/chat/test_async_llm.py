@@ -185,7 +185,7 @@ def test_a_failing_step_fails_every_stream_in_flight_and_the_engine_goes_on(fake
 
 def test_shutdown_is_idempotent_and_ends_the_thread(fake: FakeLLM) -> None:
     engine = AsyncLLM(llm=fake)
-    thread = engine._thread
+    thread = engine._core._thread
     engine.shutdown()
     engine.shutdown()
     assert not thread.is_alive()
