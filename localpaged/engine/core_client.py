@@ -159,8 +159,10 @@ class CoreProcess:
         except subprocess.TimeoutExpired:
             return "it stopped answering"
         if code < 0:
-            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
-            cause = f"killed by signal {-code} ({name})"
+            try:
+                cause = f"killed by signal {-code} ({signal.Signals(-code).name})"
+            except ValueError:
+                cause = f"killed by signal {-code}"
             if -code == signal.SIGKILL:
                 cause += ", perhaps by the system for lack of memory"
         else:

@@ -163,7 +163,7 @@ class Channel:
                 self._readable(None)
             try:
                 chunk = self.sock.recv(_READ_CHUNK)
-            except (ConnectionResetError, OSError):
+            except OSError:  # reset by the peer, or the socket closed under us
                 chunk = b""
             if not chunk:
                 self.closed = True
