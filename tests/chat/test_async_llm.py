@@ -1,7 +1,7 @@
 """AsyncLLM: streams share the engine thread's steps; abort, errors and shutdown behave.
 
-Most tests drive a FakeLLM (milliseconds, deterministic, can be told to fail a step);
-the block accounting test also runs on the real tiny engine.
+These tests drive a FakeLLM (milliseconds, deterministic, can be told to fail a step); the same
+behaviour on the real tiny engine, in both modes, is in test_engine_modes.py.
 """
 
 from __future__ import annotations
@@ -244,27 +244,6 @@ def test_pass_throughs(engine: AsyncLLM, fake: FakeLLM) -> None:
     assert engine.model_name == fake.model_name
     assert engine.stats()["blocks_total"] == fake.config.num_blocks
     assert engine.kv_map() == fake.kv_map()
-
-
-def test_real_engine_abort_frees_blocks(tiny_llm) -> None:
-    engine = AsyncLLM(llm=tiny_llm())
-    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-
-    async def main():
-        streams = [engine.stream(f"request {i} " * 5, params, request_id=f"r{i}") for i in range(3)]
-        for stream in streams:
-            await stream.__anext__()
-        assert engine.stats()["blocks_used"] > 0
-        for i in range(3):
-            await engine.abort(f"r{i}")
-        for stream in streams:
-            assert [out.finish_reason async for out in stream][-1] == "abort"
-
-    try:
-        asyncio.run(main())
-        assert engine.stats()["blocks_used"] == 0
-    finally:
-        engine.shutdown()
 
 
 def test_ctrl_c_in_a_script_does_not_hang() -> None:
