@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = actions.add_parser("export", help="write a session as Markdown")
     export.add_argument("id")
     export.add_argument("-o", "--output", metavar="FILE", help="file to write (default: stdout)")
+    export.add_argument("--force", action="store_true", help="overwrite FILE if it exists (never the chat database)")
     _add_db(export)
     export.set_defaults(func=cmd_sessions_export)
     delete = actions.add_parser("delete", help="delete a session and its messages")
@@ -208,11 +209,31 @@ def cmd_sessions_show(args: argparse.Namespace, engines: list[AsyncLLM]) -> None
 def cmd_sessions_export(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
     with ChatStore(args.db) as store:
         text = export_markdown(store.get_session(args.id), store.messages(args.id))
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-        print(f"wrote {args.output}", file=sys.stderr)
-    else:
+        database = store.path
+    if not args.output:
         sys.stdout.write(text)
+        return
+    target = Path(args.output).expanduser()
+    _check_export_target(target, database, args.force)
+    try:
+        target.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot write {target}: {exc.strerror}; pick another file") from exc
+    print(f"wrote {target}", file=sys.stderr)
+
+
+def _check_export_target(target: Path, database: Path | None, force: bool) -> None:
+    """Refuse a target that is a folder, sits in a missing folder, is the chat database, or exists (unless forced)."""
+    if target.is_dir():
+        raise ConfigError(f"{target} is a folder; name a file in it, e.g. {target / 'chat.md'}")
+    if not target.parent.is_dir():
+        raise ConfigError(f"the folder {target.parent} does not exist; create it first or pick another file")
+    if database is not None:
+        for own in (database, database.with_name(database.name + "-wal"), database.with_name(database.name + "-shm")):
+            if own.exists() and target.exists() and os.path.samefile(own, target):
+                raise ConfigError(f"{target} is the chat database itself; pick another file")
+    if target.exists() and not force:
+        raise ConfigError(f"{target} already exists; pass --force to overwrite it, or pick another file")
 
 
 def cmd_sessions_delete(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:

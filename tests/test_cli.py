@@ -121,6 +121,8 @@ def test_sessions_list_show_export_delete_and_search(home: Path, tmp_path: Path,
     assert cli.main(["sessions", "export", session.id, "-o", str(target)]) == 0
     assert "## Assistant\n\nit maps positions to blocks" in target.read_text()
 
+    capsys.readouterr()
+
     assert cli.main(["search", "block table"]) == 0
     hit = capsys.readouterr().out.strip().split("\t")
     assert hit[:3] == [session.id, "1", "user"] and "«block»" in hit[4]
@@ -201,3 +203,31 @@ def test_a_malformed_prompt_file_is_reported(home: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.startswith("error: ") and "broken.md, line 1" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_export_never_overwrites_without_force_and_never_the_database(home: Path, tmp_path: Path, capsys) -> None:
+    database = home / "chats.db"
+    with ChatStore(database) as store:
+        session = store.create_session(title="Keep me")
+        store.add_message(session.id, "user", "precious words")
+    before = database.read_bytes()
+    existing = tmp_path / "notes.md"
+    existing.write_text("my own notes")
+
+    def export(*extra: str) -> str:
+        assert cli.main(["sessions", "export", session.id, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and err.count("\n") == 1  # one line
+        return err
+
+    assert "--force" in export("-o", str(existing))
+    assert existing.read_text() == "my own notes"
+    for own in (database, database.with_name("chats.db-wal")):
+        if own.exists():
+            assert "the chat database itself" in export("-o", str(own), "--force")
+    assert database.read_bytes() == before and ChatStore(database).messages(session.id)[0].content == "precious words"
+    assert "is a folder" in export("-o", str(tmp_path))
+    assert "does not exist" in export("-o", str(tmp_path / "missing" / "out.md"))
+
+    assert cli.main(["sessions", "export", session.id, "-o", str(existing), "--force"]) == 0
+    assert "precious words" in existing.read_text()
