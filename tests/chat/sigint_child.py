@@ -3,10 +3,14 @@
 Prints "streaming" once output flows; the parent then sends SIGINT and times the exit.
 """
 
+import faulthandler
+import signal
+
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.sampling import SamplingParams
 from tests.chat.fake_llm import FakeLLM
 
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack if we hang
 engine = AsyncLLM(llm=FakeLLM(reply=lambda ids: "s" * 100_000, step_delay=0.005))
 for output in engine.iter_stream("never ending", SamplingParams(max_tokens=100_000)):
     if len(output.text) == 3:

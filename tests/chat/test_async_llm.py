@@ -257,7 +257,13 @@ def test_ctrl_c_in_a_script_does_not_hang() -> None:
     try:
         assert child.stdout.readline() == "streaming\n", child.stderr.read()
         child.send_signal(signal.SIGINT)
-        child.wait(timeout=15)
+        try:
+            child.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGUSR1)  # every thread's stack, to see where it hangs
+            time.sleep(1)
+            child.kill()
+            pytest.fail("the script did not exit after Ctrl-C; its threads:\n" + child.communicate()[1][-6000:])
     finally:
         if child.poll() is None:
             child.kill()
