@@ -2,7 +2,8 @@
 
 Commands that only read the chat store never import the engine (and so never torch):
 listing sessions should be instant. Our own errors (LocalpagedError) become one
-`error: ...` line and exit code 2; Ctrl-C shuts the engine down and exits 130.
+`error: ...` line and exit code 2; Ctrl-C shuts the engine down and exits 130, SIGTERM
+the same way with 143 (a reply in flight is kept as partial either way).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import closing
@@ -28,7 +31,16 @@ if TYPE_CHECKING:
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as shells report it
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "throughput.py"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is: the reply in flight is stored as partial and the engine shut down."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,12 +52,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.bench_args = extra
     engines: list[AsyncLLM] = []  # shut down on the way out, whatever happens
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
     try:
         args.func(args, engines)
         return 0
     except LocalpagedError as exc:
         print(f"{_red('error:', sys.stderr)} {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except Terminated:
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # e.g. `localpaged sessions list | head -1`: the reader has what it wanted
@@ -54,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for engine in engines:
             engine.shutdown()
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -102,6 +102,30 @@ def test_ctrl_c_exits_130_quietly_and_keeps_the_partial_reply(home: Path, engine
     assert user.content == "interrupt me" and reply.status == "partial"
 
 
+def test_sigterm_exits_143_and_keeps_the_partial_reply(home: Path, engines, monkeypatch, capsys) -> None:
+    """`kill PID` during `localpaged run` is handled as Ctrl-C is: the reply so far is stored, not lost."""
+    import os
+    import signal
+
+    real_write = sys.stdout.write
+    written = []
+
+    def write_then_terminate(text: str) -> int:
+        written.append(text)
+        if len(written) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises on the way out of this call
+        return real_write(text)
+
+    monkeypatch.setattr(sys.stdout, "write", write_then_terminate)
+    assert cli.main(["run", "terminate me"]) == 143
+    monkeypatch.undo()
+    assert capsys.readouterr().err == ""
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored for the rest of the process
+    (session,) = ChatStore(home / "chats.db").list_sessions()
+    user, reply = ChatStore(home / "chats.db").messages(session.id)
+    assert user.content == "terminate me" and reply.status == "partial" and reply.content
+
+
 def test_sessions_list_show_export_delete_and_search(home: Path, tmp_path: Path, capsys) -> None:
     with ChatStore(home / "chats.db") as store:
         session = store.create_session(title="Paging talk", system="sys")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 import termios
 import time
@@ -79,6 +80,8 @@ class LocalpagedApp(App[None]):
         self.start(loading)
         if not self.is_headless and sys.__stdin__ is not None and sys.__stdin__.isatty():
             self.set_interval(TERMINAL_CHECK_S, self._quit_if_terminal_gone)
+        if not self.is_headless:  # `kill PID` quits as the quit key does: partial replies are kept
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: self.call_later(self.action_quit))
 
     async def _quit_if_terminal_gone(self) -> None:
         """Quit (keeping every partial reply) once the terminal is gone.
@@ -189,7 +192,12 @@ def run_app(
     model: str | None = None, prompt: str | None = None, session_id: str | None = None, db: str | None = None
 ) -> None:
     """Entry point of `localpaged chat`."""
-    LocalpagedApp(model=model, prompt=prompt, session_id=session_id, db=db).run()
+    app = LocalpagedApp(model=model, prompt=prompt, session_id=session_id, db=db)
+    try:
+        app.run()
+    finally:
+        if app.store is not None:  # closing checkpoints the WAL: no chats.db-wal stays behind
+            app.store.close()
 
 
 def terminal_gone(fd: int) -> bool:
