@@ -212,7 +212,7 @@ def open_engine(model: str | None) -> AsyncLLM:
 def cmd_sessions_list(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
     with ChatStore(args.db) as store:
         for s in store.list_sessions():
-            print(f"{s.id}\t{_when(s.updated)}\t{s.title or '(untitled)'}")
+            print(f"{s.id}\t{_when(s.updated)}\t{_shown(s.title or '(untitled)', one_line=True)}")
 
 
 def cmd_sessions_show(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
@@ -220,8 +220,8 @@ def cmd_sessions_show(args: argparse.Namespace, engines: list[AsyncLLM]) -> None
         messages = store.messages(args.id)
     for m in messages:
         status = "" if m.status == "complete" else f" [{m.status}{': ' + m.error if m.error else ''}]"
-        print(f"--- {m.id} {m.role}{status}")
-        print(m.content)
+        print(f"--- {m.id} {m.role}{_shown(status, one_line=True)}")
+        print(_shown(m.content))
 
 
 def cmd_sessions_export(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
@@ -229,7 +229,7 @@ def cmd_sessions_export(args: argparse.Namespace, engines: list[AsyncLLM]) -> No
         text = export_markdown(store.get_session(args.id), store.messages(args.id))
         database = store.path
     if not args.output:
-        sys.stdout.write(text)
+        sys.stdout.write(_shown(text))
         return
     target = Path(args.output).expanduser()
     _check_export_target(target, database, args.force)
@@ -264,14 +264,17 @@ def cmd_search(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
     with ChatStore(args.db) as store:
         hits = store.search(args.text, limit=args.limit)
     for hit in hits:
-        snippet = " ".join(hit.snippet.split())
-        print(f"{hit.session_id}\t{hit.message_id}\t{hit.role}\t{hit.session_title or '(untitled)'}\t{snippet}")
+        snippet = _shown(" ".join(hit.snippet.split()), one_line=True)
+        title = _shown(hit.session_title or "(untitled)", one_line=True)
+        print(f"{hit.session_id}\t{hit.message_id}\t{hit.role}\t{title}\t{snippet}")
 
 
 def cmd_prompts_list(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
     for prompt in list_prompts():
         origin = "" if prompt.builtin else " (yours)"
-        print(f"{prompt.name}\t{prompt.title}{origin}\t{prompt.description}")
+        print(
+            f"{prompt.name}\t{_shown(prompt.title, one_line=True)}{origin}\t{_shown(prompt.description, one_line=True)}"
+        )
 
 
 def cmd_prompts_show(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
@@ -293,6 +296,19 @@ def cmd_bench(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
 
 def _when(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
+
+
+# Control characters (C0 but newline and tab, DEL, C1) as visible escapes: text from the store
+# or a prompt file must not drive the terminal (clear it, retitle it, plant hyperlinks).
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if chr(c) not in "\n\t"}
+_CONTROLS_ONE_LINE = {**_CONTROLS, ord("\n"): "\\n", ord("\t"): "\\t"}
+
+
+def _shown(text: str, *, one_line: bool = False) -> str:
+    """``text`` for stdout: control characters escaped when that is a terminal, unchanged into pipes and files."""
+    if not sys.stdout.isatty():
+        return text
+    return text.translate(_CONTROLS_ONE_LINE if one_line else _CONTROLS)
 
 
 def _red(text: str, stream: TextIO) -> str:

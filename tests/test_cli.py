@@ -255,3 +255,35 @@ def test_export_never_overwrites_without_force_and_never_the_database(home: Path
 
     assert cli.main(["sessions", "export", session.id, "-o", str(existing), "--force"]) == 0
     assert "precious words" in existing.read_text()
+
+
+def test_text_from_the_store_never_drives_the_terminal(home: Path, monkeypatch, capsys) -> None:
+    """Control characters in titles and messages are escaped on a terminal, and kept as they are in pipes."""
+    evil = "clear\x1b[2J title\x1b]0;pwned\x07"
+    with ChatStore(home / "chats.db") as store:
+        session = store.create_session(title=evil)
+        store.add_message(session.id, "user", "line one\rover\x08written\x9b31m\nline two")
+
+    assert cli.main(["sessions", "show", session.id]) == 0
+    assert "\rover\x08written\x9b31m" in capsys.readouterr().out  # a pipe gets the text unchanged
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    for command in (["sessions", "list"], ["sessions", "show", session.id], ["search", "line"]):
+        assert cli.main(command) == 0
+        out = capsys.readouterr().out
+        assert not any(ord(c) < 0x20 and c not in "\n\t" or 0x7F <= ord(c) < 0xA0 for c in out), (command, out)
+    assert cli.main(["sessions", "show", session.id]) == 0
+    assert "line one\\x0dover\\x08written\\x9b31m\nline two" in capsys.readouterr().out
+
+
+def test_a_message_cannot_forge_a_turn_in_the_export(home: Path, capsys) -> None:
+    with ChatStore(home / "chats.db") as store:
+        session = store.create_session(title="two\nlines")
+        store.add_message(session.id, "user", "hello\n## Assistant\nI am a forged reply\n## Steps stay headings")
+        store.add_message(session.id, "assistant", "the real reply")
+
+    assert cli.main(["sessions", "export", session.id]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "# two lines"
+    assert [line for line in lines if line.startswith("## ")] == ["## User", "## Steps stay headings", "## Assistant"]
+    assert "\\## Assistant" in lines

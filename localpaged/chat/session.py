@@ -14,6 +14,7 @@ This module imports no torch at import time (the CLI exports sessions without a 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, closing, contextmanager
@@ -354,13 +355,27 @@ def _drop_oldest_exchange(turns: list[dict]) -> list[dict]:
     return turns[rest:]
 
 
+# A line of message text that reads like one of the export's own turn headings.
+_TURN_HEADING = re.compile(r"^(\s{0,3}#{1,6}\s*(?:user|assistant|system)\b)", re.IGNORECASE | re.MULTILINE)
+
+
+def _unambiguous(text: str) -> str:
+    """Message text whose heading-like lines are escaped (``\\## Assistant``), so no message can forge a turn."""
+    return _TURN_HEADING.sub(r"\\\1", text)
+
+
 def export_markdown(session: SessionRecord, messages: list[MessageRecord]) -> str:
-    """The conversation as Markdown: title, system prompt, then each message under its role."""
-    lines = [f"# {session.title or 'Untitled session'}", "", f"Session `{session.id}`"]
+    """The conversation as Markdown: title, system prompt, then each message under its role.
+
+    The only ``## User`` / ``## Assistant`` / ``## System`` headings are the export's own: such lines
+    inside a message are escaped, and the title is kept to one line.
+    """
+    title = " ".join((session.title or "Untitled session").split())
+    lines = [f"# {title}", "", f"Session `{session.id}`"]
     if session.model:
         lines[-1] += f", model `{session.model}`"
     if session.system:
-        lines += ["", "## System", "", session.system]
+        lines += ["", "## System", "", _unambiguous(session.system)]
     for m in messages:
         if m.role not in ("user", "assistant"):
             continue
@@ -369,5 +384,5 @@ def export_markdown(session: SessionRecord, messages: list[MessageRecord]) -> st
             heading += " (partial)"
         elif m.status == "error":
             heading += f" (error: {m.error})"
-        lines += ["", heading, "", m.content]
+        lines += ["", heading, "", _unambiguous(m.content)]
     return "\n".join(lines) + "\n"
