@@ -30,7 +30,6 @@ import msgspec
 
 from localpaged.config import EngineConfig
 from localpaged.engine import messages as m
-from localpaged.engine.core import error_from
 from localpaged.engine.core_client import CoreProcess, CoreThread
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
 from localpaged.engine.protocol import Prompt
@@ -330,7 +329,7 @@ class AsyncLLM:
         elif isinstance(message, m.RequestFailed):
             stream = self._end(message.request_id)
             if stream is not None:
-                stream.deliver(error_from(message.error_type, message.message))
+                stream.deliver(m.error_from(message.error_type, message.message))
         elif isinstance(message, m.Reply):
             with self._lock:
                 future = self._calls.pop(message.call_id, None)

@@ -152,14 +152,6 @@ class EngineCore:
         self.emit(m.encode(message))
 
 
-def error_from(error_type: str, message: str) -> errors.LocalpagedError:
-    """Our exception of that name (so a bad model path is still a ModelNotFoundError), else the base class."""
-    cls = getattr(errors, error_type, None)
-    if isinstance(cls, type) and issubclass(cls, errors.LocalpagedError):
-        return cls(message)
-    return errors.LocalpagedError(f"{error_type}: {message}" if error_type != "LocalpagedError" else message)
-
-
 # ----- the process --------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from localpaged.engine import messages as m
-from localpaged.engine.core import EngineCore, error_from
+from localpaged.engine.core import EngineCore
 from localpaged.errors import EngineDeadError
 
 Dispatch = Callable[[Any], None]  # takes one decoded message from the core
@@ -119,7 +119,7 @@ class CoreProcess:
                     return message
                 elif isinstance(message, m.StartFailed):
                     self.process.wait(timeout=SHUTDOWN_WAIT_S)
-                    raise error_from(message.error_type, message.message)
+                    raise m.error_from(message.error_type, message.message)
         raise EngineDeadError(f"the engine core process died while starting ({self.exit_cause()})")
 
     def serve(self, dispatch: Dispatch, on_exit: Callable[[], None]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from localpaged import errors
 from localpaged.engine.output import RequestMetrics
 
 # ----- front end -> core ------------------------------------------------------------------
@@ -123,6 +124,15 @@ class Reply(msgspec.Struct, tag=True):
 
 FromCore = Progress | Resolved | Ready | StartFailed | StepOutputs | Aborted | RequestFailed | Reply
 
+
+def error_from(error_type: str, message: str) -> errors.LocalpagedError:
+    """Our exception of that name (so a bad model path is still a ModelNotFoundError), else the base class."""
+    cls = getattr(errors, error_type, None)
+    if isinstance(cls, type) and issubclass(cls, errors.LocalpagedError):
+        return cls(message)
+    return errors.LocalpagedError(f"{error_type}: {message}" if error_type != "LocalpagedError" else message)
+
+
 _encoder = msgspec.msgpack.Encoder()
 to_core = msgspec.msgpack.Decoder(ToCore)
 from_core = msgspec.msgpack.Decoder(FromCore)
@@ -152,24 +162,24 @@ class Channel:
             self.sock.sendall(len(payload).to_bytes(_LENGTH, "little") + payload)
 
     def receive(self, wait: bool) -> list[Any] | None:
-        """The messages that have arrived, waiting for at least one if ``wait``; None once the peer has gone."""
-        if self.closed:
-            return None
-        while True:
-            messages = self._frames()
-            if messages or (not wait and not self._readable(0.0)):
+        """The messages that have arrived; None once the peer has gone.
+
+        With ``wait`` it blocks until bytes arrive (if they end mid-frame, that call returns []).
+        """
+        while not self.closed:
+            if messages := self._frames():
                 return messages
-            if wait:
-                self._readable(None)
+            if not wait and not self._readable(0.0):
+                return []
             try:
-                chunk = self.sock.recv(_READ_CHUNK)
+                chunk = self.sock.recv(_READ_CHUNK)  # a blocking socket: waits when nothing is there
             except OSError:  # reset by the peer, or the socket closed under us
                 chunk = b""
             if not chunk:
                 self.closed = True
-                return messages or None
             self._buffer += chunk
             wait = False  # something arrived: return what is complete without blocking again
+        return None
 
     def _readable(self, timeout: float | None) -> bool:
         ready, _, _ = select.select([self.sock], [], [], timeout)
