@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup chat test bench clean
+.PHONY: setup chat lint test snapshots bench clean
 
 setup: $(STAMP)
 
@@ -20,10 +20,16 @@ $(STAMP): pyproject.toml Makefile
 chat: $(STAMP)
 	$(VENV)/bin/localpaged chat
 
-test: $(STAMP)
+lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
+
+# Redraw tests/tui/__snapshots__ after a deliberate change to the app's look; review the SVGs before committing.
+snapshots: $(STAMP)
+	$(PY) -m pytest tests/tui --snapshot-update -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
