@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/sessions.py
 	$(PY) benchmarks/app_speed.py
+	$(PY) benchmarks/serve_speed.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -114,12 +114,9 @@ def run_app(args: argparse.Namespace, process: bool) -> dict:
     from localpaged.tui.app import LocalpagedApp
     from localpaged.tui.screens.main import MainScreen
 
-    from localpaged.chat import session as session_module
     from localpaged.chat.store import ChatStore
     from localpaged.engine.async_llm import AsyncLLM
 
-    # The app asks for the default SamplingParams; here every reply is greedy and exactly --tokens long.
-    session_module._params = lambda given: given or params(args.tokens)
     started = time.perf_counter()
     results: dict = {}
 
@@ -131,16 +128,16 @@ def run_app(args: argparse.Namespace, process: bool) -> dict:
                     await pilot.pause(0.01)  # until the chat screen is there and composed
                 results["start_to_chat_s"] = time.perf_counter() - started
                 screen = app.screen
-                await replies(screen, [QUESTIONS[0]], store)  # warm-up: first prefill, first draw
-                results["one_chat"] = await replies(screen, [QUESTIONS[0]], store)
-                results["eight_chats"] = await replies(screen, QUESTIONS, store)
+                await replies(screen, [QUESTIONS[0]], store, args.tokens)  # warm-up: first prefill, first draw
+                results["one_chat"] = await replies(screen, [QUESTIONS[0]], store, args.tokens)
+                results["eight_chats"] = await replies(screen, QUESTIONS, store, args.tokens)
                 await app.action_quit()
 
     asyncio.run(main())
     return results
 
 
-async def replies(screen, questions: list[str], store) -> dict:
+async def replies(screen, questions: list[str], store, tokens: int) -> dict:
     """One new chat per question, the first on screen; start every reply at once, as fast as the app can.
 
     Returns each reply's decode tok/s as the engine timed it (first token to last, as LLM.chat's
@@ -152,6 +149,8 @@ async def replies(screen, questions: list[str], store) -> dict:
     from localpaged.chat.session import Session
 
     chats = [screen.adopt(Session.new(screen.engine, store, system=SYSTEM)) for _ in questions]
+    for chat in chats:  # every reply greedy and exactly `tokens` long, whatever the settings say
+        chat.session.sampling, chat.session.max_tokens = params(tokens), tokens
     await screen.open(chats[0].session.id)  # one chat on screen, the others streaming behind it
     began = time.perf_counter()
     for chat, question in zip(chats, questions):

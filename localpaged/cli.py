@@ -1,9 +1,11 @@
-"""The `localpaged` command: chat (the TUI), run, sessions, search, prompts, bench.
+"""The `localpaged` command: chat (the TUI), run, serve, sessions, search, prompts, bench; --version.
 
 Commands that only read the chat store never import the engine (and so never torch):
 listing sessions should be instant. Our own errors (LocalpagedError) become one
 `error: ...` line and exit code 2; Ctrl-C shuts the engine down and exits 130, SIGTERM
-the same way with 143 (a reply in flight is kept as partial either way).
+the same way with 143 (a reply in flight is kept as partial either way). `serve` is the
+exception once it is serving: Ctrl-C and SIGTERM are how a server is meant to stop, so it
+aborts the requests in flight and exits 0.
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ import threading
 import time
 from collections.abc import Sequence
 from contextlib import closing
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from localpaged.chat.prompts import get_prompt, list_prompts, load_prompt
-from localpaged.chat.session import export_markdown
+from localpaged.chat.session import export_markdown, limit_note
 from localpaged.chat.store import ChatStore
 from localpaged.errors import ConfigError, LocalpagedError
 
 if TYPE_CHECKING:
+    from localpaged.config_file import Settings
     from localpaged.engine.async_llm import AsyncLLM
 
 EXIT_ERROR = 2
@@ -78,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="localpaged", description="Many chat sessions at once against one local paged-KV LLM engine."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     chat = commands.add_parser("chat", help="open the terminal chat app")
@@ -93,12 +98,28 @@ def build_parser() -> argparse.ArgumentParser:
     system.add_argument("--system", metavar="TEXT", help="system prompt text (new sessions only)")
     system.add_argument("--prompt", metavar="NAME", help="a named system prompt (new sessions only)")
     run.add_argument("--session", metavar="ID", help="continue this stored session")
-    run.add_argument("--max-tokens", type=int, metavar="N", help="most tokens in the reply")
-    run.add_argument("--temperature", type=float, metavar="T", help="0 is greedy")
+    _add_sampling(run)
     _add_model(run)
     _add_db(run)
     run.add_argument("--no-store", action="store_true", help="keep nothing: use an in-memory store")
     run.set_defaults(func=cmd_run)
+
+    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)"
+    )
+    serve.add_argument(
+        "--port", type=int, default=8000, metavar="N", help="port to listen on (default: 8000; 0 picks a free one)"
+    )
+    _add_model(serve)
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        "(default: $LOCALPAGED_API_KEY; none: no key needed)",
+    )
+    _add_engine(serve)
+    serve.set_defaults(func=cmd_serve)
 
     sessions = commands.add_parser("sessions", help="list, show, export or delete stored sessions")
     actions = sessions.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -126,6 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_db(search)
     search.set_defaults(func=cmd_search)
 
+    config = commands.add_parser("config", help="show the effective settings, or where the settings file is")
+    config_actions = config.add_subparsers(dest="action", required=True, metavar="ACTION")
+    config_show = config_actions.add_parser(
+        "show", help="print every setting and where it came from (flag, settings file, built-in)"
+    )
+    _add_model(config_show)
+    config_show.add_argument("--prompt", metavar="NAME", help="a named system prompt, as for `run`")
+    _add_sampling(config_show)
+    config_show.set_defaults(func=cmd_config_show)
+    config_actions.add_parser("path", help="print the settings file's path").set_defaults(func=cmd_config_path)
+
     prompts = commands.add_parser("prompts", help="list or show system prompts")
     prompt_actions = prompts.add_subparsers(dest="action", required=True, metavar="ACTION")
     prompt_actions.add_parser("list", help="list prompt names and titles").set_defaults(func=cmd_prompts_list)
@@ -140,10 +172,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def package_version() -> str:
+    """The installed distribution's version (pyproject's ``version``), or "unknown" from an uninstalled checkout."""
+    try:
+        return version("localpaged")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", metavar="PATH", help="local HF folder or .gguf file (default: SmolLM2-135M-Instruct)"
     )
+
+
+def _add_sampling(parser: argparse.ArgumentParser) -> None:
+    """The sampling flags; each overrides the settings file's [sampling] value."""
+    parser.add_argument(
+        "--max-tokens", type=int, metavar="N", help="most tokens in the reply (default: none, the whole reply)"
+    )
+    parser.add_argument("--temperature", type=float, metavar="T", help="0 is greedy (default: 0.7)")
+    parser.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling, in (0, 1]; 1 is off (default)")
+    parser.add_argument("--top-k", type=int, metavar="K", help="keep the K likeliest tokens; 0 is off (default)")
+    parser.add_argument("--seed", type=int, metavar="N", help="the same seed gives the same reply (default: random)")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """The settings file with this command's flags on top (flag > file > built-in)."""
+    from localpaged.config_file import load_settings
+
+    flags = {"model": getattr(args, "model", None), "prompt": getattr(args, "prompt", None)}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        flags[f"sampling.{name}"] = getattr(args, name, None)
+    return load_settings().with_flags(flags)
+
+
+def _add_engine(parser: argparse.ArgumentParser) -> None:
+    """The engine's capacity knobs (EngineConfig checks their values)."""
+    parser.add_argument("--max-num-seqs", type=int, metavar="N", help="most requests in one batch (default: 64)")
+    parser.add_argument(
+        "--kv-cache-memory", metavar="SIZE", help="memory for the KV cache, e.g. 2GiB (default: sized from free memory)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="context length, prompt and reply (default: the model's, <= 8192)",
+    )
+
+
+def _engine_settings(args: argparse.Namespace) -> dict:
+    settings = {
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_memory": args.kv_cache_memory,
+        "max_model_len": args.max_model_len,
+    }
+    return {name: value for name, value in settings.items() if value is not None}
 
 
 def _add_db(parser: argparse.ArgumentParser) -> None:
@@ -156,31 +240,33 @@ def _add_db(parser: argparse.ArgumentParser) -> None:
 def cmd_chat(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
     from localpaged.tui.app import run_app  # Textual loads only for the app
 
-    run_app(model=args.model, prompt=args.prompt, session_id=args.session, db=args.db)
+    settings = _settings(args)
+    run_app(model=settings.model, prompt=args.prompt, session_id=args.session, db=args.db, settings=settings)
 
 
 def cmd_run(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
     from localpaged.chat.session import Session
-    from localpaged.sampling import SamplingParams
 
     if args.session and (args.system or args.prompt):
         raise ConfigError("--system and --prompt set up new sessions; a continued --session keeps its own")
     if args.session and args.no_store:
         raise ConfigError("--session continues a stored session; drop --no-store")
-    settings = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    params = SamplingParams(**{name: value for name, value in settings.items() if value is not None})
-    system = load_prompt(args.prompt) if args.prompt else args.system
+    settings = _settings(args)
+    # A new session's system prompt: --system, else --prompt, else the settings file's prompt.
+    prompt_name = None if args.system else settings.prompt
+    system = load_prompt(prompt_name) if prompt_name else args.system
+    reply = {"sampling": settings.sampling.template(), "max_tokens": settings.sampling.max_tokens}
     with ChatStore(":memory:" if args.no_store else args.db) as store:
         if args.session:
             store.get_session(args.session)  # fail on a wrong id before spending seconds on the model
-        engine = open_engine(args.model)
+        engine = open_engine(settings.model, **settings.engine.as_kwargs())
         engines.append(engine)
         if args.session:
-            session = Session.load(engine, store, args.session)
+            session = Session.load(engine, store, args.session, **reply)
         else:
-            session = Session.new(engine, store, system=system, prompt_name=args.prompt)
+            session = Session.new(engine, store, system=system, prompt_name=prompt_name, **reply)
         # closing(): on Ctrl-C the reply is finalised (stored as partial) before the engine stops.
-        with closing(session.stream(args.message, params)) as deltas:
+        with closing(session.stream(args.message)) as deltas:
             for delta in deltas:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
@@ -188,25 +274,66 @@ def cmd_run(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
     sys.stdout.flush()  # before the note on stderr, so a terminal shows them in order
     if session.warning:
         print(f"warning: {session.warning}", file=sys.stderr)
+    if session.last_reply is not None and (note := limit_note(session.last_reply)):
+        print(f"note: the reply {note} (raise --max-tokens or max_tokens in {settings.path})", file=sys.stderr)
     if not args.no_store:
         print(f"session {session.id} (continue with --session {session.id})", file=sys.stderr)
 
 
-def open_engine(model: str | None) -> AsyncLLM:
+def open_engine(model: str | None, **engine_config: object) -> AsyncLLM:
     """Load the model, telling a person at a terminal what is happening meanwhile."""
     from localpaged.engine.async_llm import AsyncLLM
 
     if not sys.stderr.isatty():
-        return AsyncLLM(model)
+        return AsyncLLM(model, **engine_config)
 
     def progress(message: str, fraction: float | None) -> None:
         percent = f" {fraction:.0%}" if fraction is not None else ""
         sys.stderr.write(f"\r\033[K{message}{percent}")
         sys.stderr.flush()
 
-    engine = AsyncLLM(model, progress=progress)
+    engine = AsyncLLM(model, progress=progress, **engine_config)
     sys.stderr.write("\r\033[K")
     return engine
+
+
+def cmd_serve(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+    from localpaged.config import EngineConfig
+    from localpaged.server.app import build_app
+    from localpaged.server.runner import listen, serve
+
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: use a port from 1 to 65535 (0 picks a free one)")
+    api_key = args.api_key or os.environ.get("LOCALPAGED_API_KEY") or None
+    settings = _engine_settings(args)
+    EngineConfig(model=args.model, **settings)  # a bad setting fails before the port is taken or the model loads
+    with closing(listen(args.host, args.port)) as sock:  # a port in use fails before the model loads
+        engine = open_engine(args.model, **settings)
+        engines.append(engine)
+        app = build_app(engine, api_key=api_key)
+        host, port = sock.getsockname()[:2]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        print(f"serving {engine.model_name} at {url}/v1 (OpenAI API; Ctrl-C stops)", file=sys.stderr, flush=True)
+        if api_key is None and not _is_loopback(args.host):
+            print(
+                f"warning: listening on {args.host} without an API key: anyone who can reach port {port} can use "
+                "the model; pass --api-key (or set LOCALPAGED_API_KEY)",
+                file=sys.stderr,
+                flush=True,
+            )
+        serve(app, sock)
+    print("stopped", file=sys.stderr)
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 def cmd_sessions_list(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
@@ -220,6 +347,8 @@ def cmd_sessions_show(args: argparse.Namespace, engines: list[AsyncLLM]) -> None
         messages = store.messages(args.id)
     for m in messages:
         status = "" if m.status == "complete" else f" [{m.status}{': ' + m.error if m.error else ''}]"
+        if note := limit_note(m):
+            status += f" [{note}]"
         print(f"--- {m.id} {m.role}{_shown(status, one_line=True)}")
         print(_shown(m.content))
 
@@ -267,6 +396,36 @@ def cmd_search(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
         snippet = _shown(" ".join(hit.snippet.split()), one_line=True)
         title = _shown(hit.session_title or "(untitled)", one_line=True)
         print(f"{hit.session_id}\t{hit.message_id}\t{hit.role}\t{title}\t{snippet}")
+
+
+def cmd_config_show(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+    from localpaged.config_file import UNSET
+
+    settings = _settings(args)
+    exists = settings.path is not None and settings.path.is_file()
+    print(f"# settings file: {settings.path}{'' if exists else ' (not there: built-in defaults)'}")
+    print("# each value comes from, highest first: a flag, the settings file, the built-in default")
+    entries = [(key, _toml_value(value, UNSET.get(key)), origin) for key, value, origin in settings.entries()]
+    width = max(len(f"{key} = {value}") for key, value, _ in entries)
+    for key, value, origin in entries:
+        print(_shown(f"{f'{key} = {value}':<{width}}  # {origin}", one_line=True))
+
+
+def _toml_value(value: object, unset: str | None) -> str:
+    """A setting as TOML would write it; an unset one as what it means, in parentheses."""
+    if value is None:
+        return f"({unset or 'not set'})"
+    if isinstance(value, str):
+        import json
+
+        return json.dumps(value)
+    return str(value)
+
+
+def cmd_config_path(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+    from localpaged.locations import config_file_path
+
+    print(config_file_path())
 
 
 def cmd_prompts_list(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:

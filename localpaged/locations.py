@@ -12,6 +12,8 @@ the environment variables or platformdirs for these folders.
 - ``chat_db_path()``: ``chats.db`` in data_dir()
 - ``user_prompts_dir()``: $LOCALPAGED_HOME/prompts, else ``prompts`` in the user config folder
   (``~/.config/localpaged/prompts``)
+- ``config_file_path()``: $LOCALPAGED_HOME/config.toml, else ``config.toml`` in the user config folder
+  (``~/.config/localpaged/config.toml``), the settings file
 - ``cache_dir()``: $LOCALPAGED_CACHE, else platformdirs' user cache folder (``~/.cache/localpaged``)
 - ``models_cache_dir()``: ``models`` in cache_dir(), GGUF files converted to safetensors
 - ``kernels_cache_dir()``: ``kernels`` in cache_dir(), the compiled CPU kernels
@@ -64,6 +66,16 @@ def user_prompts_dir() -> Path:
     if os.environ.get(HOME_VAR):
         return _sub(data_dir(), "prompts", HOME_VAR)
     return _sub(_root(None, platformdirs.user_config_dir, fix_var=HOME_VAR), "prompts", HOME_VAR)
+
+
+def config_file_path() -> Path:
+    """The settings file: $LOCALPAGED_HOME/config.toml, else ``config.toml`` in the user config folder.
+
+    The folder is created (as for the prompts); the file is not: a missing one means the built-in defaults.
+    """
+    if os.environ.get(HOME_VAR):
+        return data_dir() / "config.toml"
+    return _root(None, platformdirs.user_config_dir, fix_var=HOME_VAR) / "config.toml"
 
 
 def cache_dir() -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ def engines(monkeypatch: pytest.MonkeyPatch) -> list[AsyncLLM]:
     """Every engine `run` opens: a FakeLLM behind an AsyncLLM."""
     opened: list[AsyncLLM] = []
 
-    def open_engine(model: str | None) -> AsyncLLM:
+    def open_engine(model: str | None, **engine_config: object) -> AsyncLLM:
         opened.append(AsyncLLM(llm=FakeLLM(reply=lambda ids: f"fake answer {len(ids)}")))
         return opened[-1]
 
@@ -193,10 +194,21 @@ def test_chat_hands_its_options_to_the_tui(monkeypatch) -> None:
     fake_app.run_app = lambda **kwargs: calls.append(kwargs)
     monkeypatch.setitem(sys.modules, "localpaged.tui.app", fake_app)
     assert cli.main(["chat", "--model", "m.gguf", "--prompt", "general", "--session", "s1", "--db", "x.db"]) == 0
-    assert calls == [{"model": "m.gguf", "prompt": "general", "session_id": "s1", "db": "x.db"}]
+    (call,) = calls
+    settings = call.pop("settings")
+    assert call == {"model": "m.gguf", "prompt": "general", "session_id": "s1", "db": "x.db"}
+    assert (settings.model, settings.prompt) == ("m.gguf", "general")
+    assert settings.origin("model") == "flag --model"
 
 
 # ----- what a person sees: subprocesses ------------------------------------------------------
+
+
+def test_version_prints_the_package_version_and_exits_0() -> None:
+    done = run_cli("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"localpaged {version('localpaged')}\n"
+    assert done.stderr == ""
 
 
 def test_unknown_session_is_one_clear_line_and_exit_2(home: Path) -> None:

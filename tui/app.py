@@ -19,9 +19,11 @@ from localpaged.tui.screens.loading import LoadingScreen
 from localpaged.tui.screens.main import MainScreen
 from textual import work
 from textual.app import App, SystemCommand
+from textual.binding import Binding
 from textual.screen import Screen
 
-from localpaged.errors import LocalpagedError
+from localpaged.config_file import Settings, save_theme
+from localpaged.errors import ConfigError, LocalpagedError
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +33,13 @@ Progress = Callable[[str, "float | None"], None]
 EngineFactory = Callable[[Progress], Any]
 
 
-def default_engine_factory(model: str | None) -> EngineFactory:
+def default_engine_factory(model: str | None, **engine_config: Any) -> EngineFactory:
     """Build the real AsyncLLM (imported late: torch and the model load only in the worker)."""
 
     def make(progress: Progress) -> Any:
         from localpaged.engine.async_llm import AsyncLLM
 
-        return AsyncLLM(model, progress=progress)
+        return AsyncLLM(model, progress=progress, **engine_config)
 
     return make
 
@@ -48,6 +50,9 @@ class LocalpagedApp(App[None]):
     The engine is built in a thread worker so the loading screen stays live; `engine_factory`
     and `store` can be injected (tests pass a fake engine and an in-memory store). If the engine
     dies, `engine_factory` builds its successor the same way, and the open chats carry on with it.
+    `settings` (from the settings file, flags on top) give the replies' sampling and limit, the
+    prompt of new chats, the theme and the keymap; a theme picked in the app is saved to the
+    settings file (only when the settings came from one: tests and scripts leave files alone).
     """
 
     CSS_PATH = "app.tcss"
@@ -63,9 +68,13 @@ class LocalpagedApp(App[None]):
         session_id: str | None = None,
         db: str | None = None,
         clock: Callable[[], float] = time.time,
+        settings: Settings | None = None,
     ) -> None:
         super().__init__()
-        self.engine_factory = engine_factory or default_engine_factory(model)
+        self.settings = settings if settings is not None else Settings()
+        self.engine_factory = engine_factory or default_engine_factory(
+            model or self.settings.model, **self.settings.engine.as_kwargs()
+        )
         self.store = store
         self.prompt = prompt
         self.session_id = session_id
@@ -77,11 +86,48 @@ class LocalpagedApp(App[None]):
     def on_mount(self) -> None:
         loading = LoadingScreen()
         self.push_screen(loading)
+        try:
+            self.apply_settings()
+        except ConfigError as err:
+            self.switch_screen(ErrorScreen(str(err)))
+            return
         self.start(loading)
         if not self.is_headless and sys.__stdin__ is not None and sys.__stdin__.isatty():
             self.set_interval(TERMINAL_CHECK_S, self._quit_if_terminal_gone)
         if not self.is_headless:  # `kill PID` quits as the quit key does: partial replies are kept
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: self.call_later(self.action_quit))
+
+    def apply_settings(self) -> None:
+        """The settings' theme and keymap; from then on, a theme the user picks is remembered.
+
+        A keymap naming a binding id the app does not have is a ConfigError (Textual would ignore it
+        without a word, and the user would wonder why the key does nothing).
+        """
+        settings = self.settings
+        if settings.keys:
+            unknown = sorted(set(settings.keys) - binding_ids())
+            if unknown:
+                where = settings.path or "the settings"
+                raise ConfigError(
+                    f"{where}: [keys] names no binding {', '.join(unknown)}; "
+                    f"the binding ids are: {', '.join(sorted(binding_ids()))}"
+                )
+            self.set_keymap(dict(settings.keys))
+        if settings.theme:
+            self.theme = settings.theme
+        self._saved_theme = self.theme
+        self.watch(self, "theme", self._remember_theme, init=False)
+
+    def _remember_theme(self, theme: str) -> None:
+        """Write a newly picked theme into the settings file, so the next start uses it."""
+        if self.settings.path is None or theme == self._saved_theme:
+            return
+        try:
+            save_theme(theme, self.settings.path)
+        except ConfigError as err:
+            self.notify(str(err), title="Theme not saved", severity="warning", timeout=8)
+            return
+        self._saved_theme = theme
 
     async def _quit_if_terminal_gone(self) -> None:
         """Quit (keeping every partial reply) once the terminal is gone.
@@ -106,7 +152,8 @@ class LocalpagedApp(App[None]):
         except LocalpagedError as err:
             self.call_from_thread(self.switch_screen, ErrorScreen(str(err)))
             return
-        self.call_from_thread(self.switch_screen, MainScreen(self.engine, self.store, self.clock, open_id))
+        main = MainScreen(self.engine, self.store, self.clock, open_id, settings=self.settings)
+        self.call_from_thread(self.switch_screen, main)
 
     # ----- engine death and restart ----------------------------------------------------
 
@@ -157,7 +204,7 @@ class LocalpagedApp(App[None]):
 
         if self.session_id is not None:
             return Session.load(self.engine, self.store, self.session_id).id
-        if self.prompt is not None:
+        if self.prompt is not None:  # --prompt: a new chat with it (the settings' prompt is for new chats only)
             prompt = get_prompt(self.prompt)
             return Session.new(self.engine, self.store, system=prompt.text, prompt_name=prompt.name).id
         return None
@@ -189,15 +236,38 @@ class LocalpagedApp(App[None]):
 
 
 def run_app(
-    model: str | None = None, prompt: str | None = None, session_id: str | None = None, db: str | None = None
+    model: str | None = None,
+    prompt: str | None = None,
+    session_id: str | None = None,
+    db: str | None = None,
+    settings: Settings | None = None,
 ) -> None:
-    """Entry point of `localpaged chat`."""
-    app = LocalpagedApp(model=model, prompt=prompt, session_id=session_id, db=db)
+    """Entry point of `localpaged chat`; ``settings`` default to the settings file's."""
+    if settings is None:
+        from localpaged.config_file import load_settings
+
+        settings = load_settings()
+    app = LocalpagedApp(model=model, prompt=prompt, session_id=session_id, db=db, settings=settings)
     try:
         app.run()
     finally:
         if app.store is not None:  # closing checkpoints the WAL: no chats.db-wal stays behind
             app.store.close()
+
+
+def binding_ids() -> set[str]:
+    """Every binding id a [keys] table may name: the chat screen's, the messages', the dialogs'."""
+    from localpaged.tui.screens.confirm import ConfirmDialog
+    from localpaged.tui.screens.edit import EditDialog
+    from localpaged.tui.screens.new_chat import NewChatDialog
+    from localpaged.tui.screens.search import SearchDialog
+    from localpaged.tui.screens.text_dialog import TextDialog
+    from localpaged.tui.widgets.bubble import MessageBubble
+    from localpaged.tui.widgets.chat_input import ChatInput
+
+    owners = [MainScreen, MessageBubble, ChatInput, NewChatDialog, SearchDialog, EditDialog, TextDialog]
+    owners += [ConfirmDialog, EngineDeadScreen, ErrorScreen]
+    return {b.id for owner in owners for b in owner.BINDINGS if isinstance(b, Binding) and b.id}
 
 
 def terminal_gone(fd: int) -> bool:

@@ -107,13 +107,19 @@ class LiveChat:
                 pass  # nothing left to stop: the reply ends with that error on its own
 
     def figures(self) -> ChatFigures:
-        """Live tok/s and time to first token while generating, the engine's figures after."""
+        """Live tok/s and time to first token while generating, the engine's figures after.
+
+        The context is everything the model sees: while a reply streams, the session's count of its
+        whole prompt (system prompt, history, the new message) plus the tokens generated so far; until
+        the session has built that prompt, the last count of the stored chat.
+        """
         max_len = self.session.engine.config.max_model_len
         if self.generating:
             now = time.monotonic()
             ttft = None if self._first is None else self._first - self._started
             rate = None if self._first is None or now <= self._first else self._chunks / (now - self._first)
-            return ChatFigures(rate, ttft, self.context_tokens + self._chunks, max_len)
+            live = self.session.live_context_tokens
+            return ChatFigures(rate, ttft, self.context_tokens if live is None else live, max_len)
         metrics = self.session.last_metrics
         if metrics is None:  # reopened from the store: show what its last reply achieved
             return ChatFigures(*self.stored_figures, self.context_tokens, max_len)

@@ -92,3 +92,11 @@ def m002_messages(db: Database) -> None:
 def m003_messages_fts(db: Database) -> None:
     # Triggers keep the index in step with every insert, update and delete.
     db["messages"].enable_fts(["content"], create_triggers=True, replace=True)
+
+
+@migration
+def m004_messages_finish_reason(db: Database) -> None:
+    # Why a reply ended ("stop", "length", "abort", "error"), so a reply cut off by a token limit
+    # says so after a restart. Older rows keep NULL: nobody knows why they ended.
+    if "finish_reason" not in db["messages"].columns_dict:
+        db["messages"].add_column("finish_reason", str)

@@ -6,13 +6,22 @@ history plus the new user message, so turn N+1 starts with exactly the tokens of
 
 Nothing is lost: the user message is stored before generation starts, the reply is
 stored at once as ``partial`` and saved as it grows, then marked ``complete`` (with
-metrics), ``error`` (with the reason), or left ``partial`` when stopped.
+metrics), ``error`` (with the reason), or left ``partial`` when stopped; the engine's
+finish reason is stored with it, so a reply cut off by a token limit says so later.
+
+How long a reply may run: a call may pass SamplingParams, used as given. Without them a turn
+uses the session's ``sampling`` (temperature, top_p, top_k, seed) and its ``max_tokens`` limit;
+with no limit (the default) the reply runs until the model stops or the context is full, and
+nothing beyond what the prompt needs is reserved. This differs on purpose from SamplingParams'
+own default of 256 tokens, which is for ``LLM.generate``: a chat should not cut an answer short
+unless the user asked it to.
 
 This module imports no torch at import time (the CLI exports sessions without a model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -20,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, closing, contextmanager
 from typing import TYPE_CHECKING
 
-from localpaged.chat.store import ChatStore, MessageRecord, SessionRecord
+from localpaged.chat.store import FINISH_REASONS, ChatStore, MessageRecord, SessionRecord
 from localpaged.errors import RequestError
 from localpaged.sampling import SamplingParams
 
@@ -44,7 +53,14 @@ class Session:
     """One conversation. Create with Session.new or Session.load, not the constructor."""
 
     def __init__(
-        self, engine: EngineClient, store: ChatStore, record: SessionRecord, *, truncate: bool = False
+        self,
+        engine: EngineClient,
+        store: ChatStore,
+        record: SessionRecord,
+        *,
+        truncate: bool = False,
+        sampling: SamplingParams | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         self.engine = engine
         self.store = store
@@ -55,11 +71,17 @@ class Session:
         self.parent_id = record.parent_id
         # When True, turns too long for the context drop their oldest exchanges instead of failing.
         self.truncate = truncate
+        # Turns without their own SamplingParams sample with these (its max_tokens is not used)...
+        self.sampling = sampling if sampling is not None else SamplingParams()
+        # ...and stop after max_tokens; None: until the model stops or the context is full.
+        self.max_tokens = None if max_tokens is None else SamplingParams(max_tokens=max_tokens).max_tokens
         self.generating = False
         self.last_metrics: RequestMetrics | None = None
         self.last_reply: MessageRecord | None = None  # the assistant message of the latest turn
         self.warning: str | None = None  # set when the latest turn's prompt had to drop old turns
         self._request_id: str | None = None
+        self._turn_prompt_tokens = 0  # the prompt of the reply in flight
+        self._turn_generated = 0  # and the tokens it has generated so far
 
     @classmethod
     def new(
@@ -71,15 +93,27 @@ class Session:
         prompt_name: str | None = None,
         *,
         truncate: bool = False,
+        sampling: SamplingParams | None = None,
+        max_tokens: int | None = None,
     ) -> Session:
         """Start a stored, empty session; without a title, the first user message names it."""
         record = store.create_session(title=title, system=system, prompt_name=prompt_name, model=engine.model_name)
-        return cls(engine, store, record, truncate=truncate)
+        return cls(engine, store, record, truncate=truncate, sampling=sampling, max_tokens=max_tokens)
 
     @classmethod
-    def load(cls, engine: EngineClient, store: ChatStore, session_id: str, *, truncate: bool = False) -> Session:
+    def load(
+        cls,
+        engine: EngineClient,
+        store: ChatStore,
+        session_id: str,
+        *,
+        truncate: bool = False,
+        sampling: SamplingParams | None = None,
+        max_tokens: int | None = None,
+    ) -> Session:
         """Reopen a stored session; UnknownSessionError if there is none with that id."""
-        return cls(engine, store, store.get_session(session_id), truncate=truncate)
+        record = store.get_session(session_id)
+        return cls(engine, store, record, truncate=truncate, sampling=sampling, max_tokens=max_tokens)
 
     @property
     def history(self) -> list[MessageRecord]:
@@ -97,21 +131,18 @@ class Session:
 
     def stream(self, text: str, params: SamplingParams | None = None) -> Iterator[str]:
         """Send a user message and yield the reply's text as it is generated (blocking)."""
-        params = _params(params)
-        prompt = self._begin_turn(text, params)
+        prompt, params = self._begin_turn(text, params)
         yield from self._reply(prompt, params)
 
     async def astream(self, text: str, params: SamplingParams | None = None) -> AsyncIterator[str]:
         """Send a user message and yield the reply's text as it is generated (in an event loop)."""
-        params = _params(params)
-        prompt = self._begin_turn(text, params)
+        prompt, params = self._begin_turn(text, params)
         async for delta in self._areply(prompt, params):
             yield delta
 
     def regenerate(self, params: SamplingParams | None = None) -> MessageRecord:
         """Replace the last assistant reply with a new one; returns it."""
-        params = _params(params)
-        prompt = self._begin_regenerate(params)
+        prompt, params = self._begin_regenerate(params)
         for _ in self._reply(prompt, params):
             pass
         assert self.last_reply is not None
@@ -119,8 +150,7 @@ class Session:
 
     async def aregenerate(self, params: SamplingParams | None = None) -> AsyncIterator[str]:
         """Replace the last assistant reply, yielding the new one's text as it is generated."""
-        params = _params(params)
-        prompt = self._begin_regenerate(params)
+        prompt, params = self._begin_regenerate(params)
         async for delta in self._areply(prompt, params):
             yield delta
 
@@ -141,7 +171,7 @@ class Session:
 
         Its prompts start with the same tokens, so its KV blocks come from the prefix cache.
         """
-        return Session(self.engine, self.store, self.store.fork_session(self.id, at), truncate=self.truncate)
+        return self._sibling(self.store.fork_session(self.id, at))
 
     def fork_before(self, message_id: int) -> Session:
         """A new session holding the history strictly before `message_id` (to edit and resend it)."""
@@ -158,7 +188,18 @@ class Session:
             model=self.engine.model_name,
             parent_id=self.id,
         )
-        return Session(self.engine, self.store, record, truncate=self.truncate)
+        return self._sibling(record)
+
+    def _sibling(self, record: SessionRecord) -> Session:
+        """A session for ``record`` with this one's engine, store and reply settings."""
+        return Session(
+            self.engine,
+            self.store,
+            record,
+            truncate=self.truncate,
+            sampling=self.sampling,
+            max_tokens=self.max_tokens,
+        )
 
     # ----- housekeeping ----------------------------------------------------------------
 
@@ -166,6 +207,12 @@ class Session:
         """How many tokens the next turn's prompt uses before the new message: template over the history."""
         messages = self._messages(_replayable(self.history))
         return len(self.engine.encode_chat(messages)) if messages else 0
+
+    @property
+    def live_context_tokens(self) -> int | None:
+        """What the model sees for the reply in flight: its whole prompt (system prompt, history, the new
+        message) plus the reply so far, in tokens; None when no reply is in flight."""
+        return self._turn_prompt_tokens + self._turn_generated if self.generating else None
 
     def rename(self, title: str) -> None:
         self.store.rename_session(self.id, title)
@@ -179,28 +226,29 @@ class Session:
 
     # ----- internals -------------------------------------------------------------------
 
-    def _begin_turn(self, text: str, params: SamplingParams) -> list[int]:
-        """Check the turn fits, then store the user message (before any generation); the prompt ids."""
+    def _begin_turn(self, text: str, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        """Check the turn fits, then store the user message (before any generation); the prompt ids and params."""
         self._check_idle()
         if not text.strip():
             raise RequestError("the message is empty; type something to send")
-        prompt = self._fit(_replayable(self.history) + [{"role": "user", "content": text}], params.max_tokens)
+        turns = _replayable(self.history) + [{"role": "user", "content": text}]
+        prompt, params = self._fit(turns, params)
         self.store.add_message(self.id, "user", text)
         if not self.title:
             self.rename(title_from(text))
-        return prompt
+        return prompt, params
 
-    def _begin_regenerate(self, params: SamplingParams) -> list[int]:
-        """Drop everything after the last user message; the prompt ids that answer it again."""
+    def _begin_regenerate(self, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        """Drop everything after the last user message; the prompt ids (and params) that answer it again."""
         self._check_idle()
         history = self.history
         users = [i for i, m in enumerate(history) if m.role == "user"]
         if not users:
             raise RequestError(f"session {self.id} has no user message to answer again; send one first")
         last_user = users[-1]
-        prompt = self._fit(_replayable(history[: last_user + 1]), params.max_tokens)
+        prompt, params = self._fit(_replayable(history[: last_user + 1]), params)
         self.store.delete_messages_after(self.id, history[last_user].id)
-        return prompt
+        return prompt, params
 
     def _check_idle(self) -> None:
         if self.generating:
@@ -210,28 +258,40 @@ class Session:
         system = [{"role": "system", "content": self.system}] if self.system else []
         return system + turns
 
-    def _fit(self, turns: list[dict], max_tokens: int) -> list[int]:
-        """The prompt ids for system + turns, within max_model_len with room for max_tokens.
+    def _fit(self, turns: list[dict], params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        """The prompt ids for system + turns within max_model_len, and the SamplingParams of the reply.
 
-        Too long: a RequestError that says by how much, or with truncate=True, drop the
-        oldest user/assistant exchanges (never the system prompt or the newest message).
+        Room is left for the reply's max_tokens: the params' own if given, else the session's limit;
+        with no limit, only the prompt must fit (and one token of reply), and the reply may use all
+        the context left. Too long: a RequestError that says by how much, or with truncate=True, drop
+        the oldest user/assistant exchanges (never the system prompt or the newest message).
         """
         limit = self.engine.config.max_model_len
+        max_tokens = params.max_tokens if params is not None else self.max_tokens
+        room = max_tokens if max_tokens is not None else 1
         dropped = 0
         while True:
             prompt = self.engine.encode_chat(self._messages(turns))
-            over = len(prompt) + max_tokens - limit
+            over = len(prompt) + room - limit
             if over <= 0:
                 break
             if not self.truncate or len(turns) <= 1:
+                if max_tokens is None:
+                    size = f"the prompt has {len(prompt)} tokens, {over} over the limit of {limit} (with one to reply)."
+                else:
+                    size = (
+                        f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}, "
+                        f"{over} tokens over the limit of {limit}."
+                    )
                 raise RequestError(
-                    f"the conversation is too long for the model's context: the prompt has {len(prompt)} tokens "
-                    f"and max_tokens is {max_tokens}, {over} tokens over the limit of {limit}. "
+                    f"the conversation is too long for the model's context: {size} "
                     + (
-                        "Even the newest message alone does not fit: shorten it or lower max_tokens."
+                        "Even the newest message alone does not fit: shorten it"
+                        + (" or lower max_tokens." if max_tokens is not None else ".")
                         if self.truncate
-                        else "Start a new session, fork an earlier message, lower max_tokens, "
-                        "or open the session with truncate=True to drop the oldest turns."
+                        else "Start a new session, fork an earlier message, "
+                        + ("lower max_tokens, " if max_tokens is not None else "")
+                        + "or open the session with truncate=True to drop the oldest turns."
                     )
                 )
             turns = _drop_oldest_exchange(turns)
@@ -243,24 +303,31 @@ class Session:
                 "exchange(s) were left out of this turn's prompt (they stay stored)"
             )
             log.warning("session %s: %s", self.id, self.warning)
-        return prompt
+        if params is None:
+            params = dataclasses.replace(
+                self.sampling, max_tokens=limit - len(prompt) if max_tokens is None else max_tokens
+            )
+        return prompt, params
 
     def _reply(self, prompt: list[int], params: SamplingParams) -> Iterator[str]:
-        with self._replying() as take, closing(self.engine.iter_stream(prompt, params, self._request_id)) as outputs:
+        with (
+            self._replying(prompt) as take,
+            closing(self.engine.iter_stream(prompt, params, self._request_id)) as outputs,
+        ):
             for output in outputs:
                 if delta := take(output):
                     yield delta
 
     async def _areply(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[str]:
         """The twin of _reply: the same body, driven by ``async for``."""
-        with self._replying() as take:
+        with self._replying(prompt) as take:
             async with aclosing(self.engine.stream(prompt, params, self._request_id)) as outputs:
                 async for output in outputs:
                     if delta := take(output):
                         yield delta
 
     @contextmanager
-    def _replying(self) -> Iterator[Callable[[RequestOutput], str]]:
+    def _replying(self, prompt: list[int]) -> Iterator[Callable[[RequestOutput], str]]:
         """Store the reply as it streams: yields ``take(output) -> delta``; the end stores its status.
 
         An exception (the engine died, a bad request) is stored as ``error`` with its message; leaving
@@ -269,10 +336,12 @@ class Session:
         recorder = _ReplyRecorder(self.store, self.id, self.engine.model_name)
         self.generating = True
         self._request_id = f"{self.id}-{recorder.message.id}"
+        self._turn_prompt_tokens, self._turn_generated = len(prompt), 0
 
         def take(output: RequestOutput) -> str:
             recorder.update(output)
             self.last_metrics = output.metrics
+            self._turn_generated = len(output.token_ids)
             return output.delta
 
         error: BaseException | None = None
@@ -314,6 +383,12 @@ class _ReplyRecorder:
             status = "complete"
         else:
             status = "partial"  # stopped, aborted, or the consumer walked away
+        if error is not None:
+            reason = "error"
+        elif output is not None and output.finished and output.finish_reason in FINISH_REASONS:
+            reason = output.finish_reason
+        else:
+            reason = "abort"
         metrics = {}
         if output is not None:
             m = output.metrics
@@ -329,13 +404,21 @@ class _ReplyRecorder:
             content=output.text if output is not None else "",
             status=status,
             error=(str(error) or type(error).__name__) if error is not None else None,
+            finish_reason=reason,
             **metrics,
         )
         return self.store.get_message(self.message.id)
 
 
-def _params(params: SamplingParams | None) -> SamplingParams:
-    return params if params is not None else SamplingParams()
+def limit_note(message: object) -> str:
+    """'stopped at 40 tokens' for a reply that ended on a token limit (or a full context), else "".
+
+    The one wording of it, for the app's message header, `sessions show` and the Markdown export.
+    """
+    if getattr(message, "finish_reason", None) != "length":
+        return ""
+    tokens = getattr(message, "completion_tokens", None)
+    return f"stopped at {tokens} tokens" if tokens is not None else "stopped at the token limit"
 
 
 def _replayable(history: list[MessageRecord]) -> list[dict]:
@@ -384,5 +467,7 @@ def export_markdown(session: SessionRecord, messages: list[MessageRecord]) -> st
             heading += " (partial)"
         elif m.status == "error":
             heading += f" (error: {m.error})"
+        elif note := limit_note(m):
+            heading += f" ({note})"
         lines += ["", heading, "", _unambiguous(m.content)]
     return "\n".join(lines) + "\n"

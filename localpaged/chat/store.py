@@ -26,10 +26,11 @@ from localpaged.errors import StoreError, UnknownSessionError
 from localpaged.locations import chat_db_path, create_private_file, make_private
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 ROLES = ("system", "user", "assistant")
 STATUSES = ("complete", "partial", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # RequestOutput.finish_reason; "length": a token limit
 METRICS = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "tokens_per_s", "model")
 # Around each matched word in SearchHit.snippet; plain characters, so that neither
 # Rich markup (square brackets) nor Markdown in the message itself is disturbed.
@@ -60,6 +61,7 @@ class MessageRecord:
     content: str
     status: str
     error: str | None
+    finish_reason: str | None  # why the reply ended (FINISH_REASONS); None for user messages and older replies
     prompt_tokens: int | None
     cached_tokens: int | None
     completion_tokens: int | None
@@ -225,6 +227,7 @@ class ChatStore:
         *,
         status: str = "complete",
         error: str | None = None,
+        finish_reason: str | None = None,
         **metrics: Any,
     ) -> MessageRecord:
         """Append a message and mark the session as just updated.
@@ -234,8 +237,11 @@ class ChatStore:
         """
         _check_choice("role", role, ROLES)
         _check_choice("status", status, STATUSES)
+        if finish_reason is not None:
+            _check_choice("finish_reason", finish_reason, FINISH_REASONS)
         _check_metrics(metrics)
         values = {"session_id": session_id, "role": role, "content": content, "status": status, "error": error}
+        values["finish_reason"] = finish_reason
         values.update(metrics)
         now = time.time()
         with self._write():
@@ -254,17 +260,20 @@ class ChatStore:
         content: str | None = None,
         status: str | None = None,
         error: str | None = None,
+        finish_reason: str | None = None,
         **metrics: Any,
     ) -> None:
         """Change the given fields of a message (None leaves a field as it is).
 
         Called repeatedly while a reply streams in, then once with ``status="complete"``
-        (or ``"error"`` and ``error=...``) and the final metrics.
+        (or ``"error"`` and ``error=...``), the engine's ``finish_reason`` and the final metrics.
         """
         if status is not None:
             _check_choice("status", status, STATUSES)
+        if finish_reason is not None:
+            _check_choice("finish_reason", finish_reason, FINISH_REASONS)
         _check_metrics(metrics)
-        changes = {"content": content, "status": status, "error": error, **metrics}
+        changes = {"content": content, "status": status, "error": error, "finish_reason": finish_reason, **metrics}
         changes = {name: value for name, value in changes.items() if value is not None}
         now = time.time()
         assignments = "".join(f"{name} = ?, " for name in changes)

@@ -37,7 +37,7 @@ from localpaged.errors import EngineDeadError, LocalpagedError, RequestError
 from localpaged.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 # What a consumer receives: an output, or the exception that ends its stream.
 Item = RequestOutput | BaseException

@@ -301,6 +301,10 @@ class LLM:
             "blocks_shared": self.pool.num_shared(),
             "block_bytes": self.block_bytes,
             "prefix_hit_rate": self.kv.prefix_hit_rate,
+            # The rate's terms, as running totals (prompt tokens looked up / served from the cache):
+            # the server's /metrics exports counters, from which a monitor computes rates over any window.
+            "prefix_query_tokens": self.kv.prefix_queries,
+            "prefix_hit_tokens": self.kv.prefix_hits,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,

@@ -43,7 +43,7 @@ class EngineClient(Protocol):
         ...
 
     def stats(self) -> dict:
-        """Blocks total/used/cached/shared, prefix hit rate, running, waiting, tokens_per_s."""
+        """Blocks total/used/cached/shared, prefix hits (rate, token totals), queues, preemptions, tok/s."""
         ...
 
     def kv_map(self, token_ids: list[int] | None = None) -> KVMap:

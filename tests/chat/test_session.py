@@ -420,3 +420,87 @@ def test_a_conversation_with_the_default_model(default_llm, store: ChatStore) ->
         assert second.status == "complete" and "Rome" in second.content
         assert second.cached_tokens >= turn_one_prompt // 16 * 16
         assert engine.stats()["blocks_used"] == 0
+
+
+# ----- how long a reply may run --------------------------------------------------------------
+
+
+def test_without_a_limit_a_reply_runs_to_its_end(store: ChatStore) -> None:
+    """No SamplingParams and no session limit: 600 tokens, not SamplingParams' 256."""
+    fake = FakeLLM(reply=lambda ids: "w" * 600)
+    with AsyncLLM(llm=fake) as engine:
+        reply = Session.new(engine, store).send("write a lot")
+    assert reply.completion_tokens == 600 and reply.finish_reason == "stop" and reply.status == "complete"
+
+
+def test_without_a_limit_max_tokens_fills_the_context(store: ChatStore) -> None:
+    """The reply may use all the context the prompt leaves, and it says it stopped on the limit."""
+    fake = FakeLLM(max_model_len=300, reply=lambda ids: "w" * 1000)
+    with AsyncLLM(llm=fake) as engine:
+        session = Session.new(engine, store, system="SYSTEM")
+        reply = session.send("never stop")
+    assert reply.prompt_tokens + reply.completion_tokens == 300
+    assert reply.finish_reason == "length" and reply.status == "complete"
+
+
+def test_without_a_limit_only_the_prompt_must_fit(store: ChatStore) -> None:
+    """Nothing is reserved beyond the prompt: a prompt of all but one token of the context is answered."""
+    fake = FakeLLM(max_model_len=200, reply=lambda ids: "ok")
+    with AsyncLLM(llm=fake) as engine:
+        session = Session.new(engine, store)
+        text = "x" * (199 - len(fake.encode_chat([{"role": "user", "content": ""}])))
+        reply = session.send(text)
+        assert reply.completion_tokens == 1 and reply.finish_reason == "length"
+        with pytest.raises(RequestError, match="1 over the limit of 200") as caught:
+            Session.new(engine, store).send(text + "x")
+        assert "max_tokens" not in str(caught.value)  # no limit was set: nothing to lower
+
+
+def test_a_session_limit_and_its_sampling_apply_to_every_turn(store: ChatStore) -> None:
+    seen: list[SamplingParams] = []
+    fake = FakeLLM(reply=lambda ids: "w" * 600)
+    add_request = fake.add_request
+
+    def spy(prompt, params=None, request_id=None):
+        seen.append(params)
+        return add_request(prompt, params, request_id)
+
+    fake.add_request = spy
+    with AsyncLLM(llm=fake) as engine:
+        session = Session.new(engine, store, sampling=SamplingParams(temperature=0.0, top_k=5, seed=3), max_tokens=40)
+        first = session.send("one")
+        fork = session.fork(first.id)
+        second = fork.send("two")
+    assert [m.completion_tokens for m in (first, second)] == [40, 40]
+    assert all(m.finish_reason == "length" for m in (first, second))
+    assert [(p.max_tokens, p.temperature, p.top_k, p.seed) for p in seen] == [(40, 0.0, 5, 3)] * 2
+    assert store.get_message(first.id).finish_reason == "length"  # stored, not only returned
+
+
+def test_explicit_params_are_used_as_given(store: ChatStore) -> None:
+    fake = FakeLLM(reply=lambda ids: "w" * 600)
+    with AsyncLLM(llm=fake) as engine:
+        reply = Session.new(engine, store, max_tokens=40).send("go", SamplingParams(max_tokens=7))
+    assert reply.completion_tokens == 7
+
+
+def test_a_stopped_reply_is_stored_as_aborted(engine: AsyncLLM, store: ChatStore) -> None:
+    session = Session.new(engine, store)
+    stream = session.stream("stop early", SamplingParams(max_tokens=4000))
+    next(stream)
+    stream.close()
+    (_, reply) = session.history
+    assert (reply.status, reply.finish_reason) == ("partial", "abort")
+
+
+def test_live_context_counts_the_whole_prompt_and_the_reply_so_far(store: ChatStore) -> None:
+    fake = FakeLLM(reply=lambda ids: "w" * 50)
+    with AsyncLLM(llm=fake) as engine:
+        session = Session.new(engine, store, system="S" * 500)
+        assert session.live_context_tokens is None
+        prompt = len(fake.encode_chat([{"role": "system", "content": "S" * 500}, {"role": "user", "content": "hi"}]))
+        seen = []
+        for _ in session.stream("hi"):
+            seen.append(session.live_context_tokens)
+        assert seen[0] >= prompt + 1 and seen[-1] == prompt + 50
+        assert session.live_context_tokens is None

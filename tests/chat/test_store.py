@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from sqlite_utils import Database
 
 from localpaged.chat.migrations import MIGRATIONS
 from localpaged.chat.store import ChatStore
@@ -55,6 +56,29 @@ def test_migrations_recorded_once_and_idempotent_on_reopen(home: Path) -> None:
             rows = list(s.db.query("SELECT name FROM _migrations ORDER BY rowid"))
             assert [r["name"] for r in rows] == names
             assert {"sessions", "messages", "messages_fts"} <= set(s.db.table_names())
+
+
+def test_a_database_from_before_finish_reasons_is_brought_forward(home: Path) -> None:
+    """m004 adds the column to a database made by the first three migrations; its old rows read as None."""
+    path = home / "old.db"
+    home.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path)
+    old = Database(conn)
+    old.execute("CREATE TABLE _migrations (name TEXT PRIMARY KEY, applied_at FLOAT NOT NULL)")
+    for fn in MIGRATIONS[:3]:
+        fn(old)
+        old.execute("INSERT INTO _migrations VALUES (?, 0)", [fn.__name__])
+    old.execute("INSERT INTO sessions VALUES ('s1', 't', NULL, NULL, NULL, NULL, 0, 0)")
+    old.execute("INSERT INTO messages (session_id, role, content, created, updated) VALUES ('s1', 'user', 'hi', 0, 0)")
+    conn.commit()
+    conn.close()
+    with ChatStore(path) as s:
+        (message,) = s.messages("s1")
+        assert message.finish_reason is None
+        reply = s.add_message("s1", "assistant", "cut", finish_reason="length", completion_tokens=40)
+        assert s.get_message(reply.id).finish_reason == "length"
+        with pytest.raises(StoreError, match="finish_reason"):
+            s.update_message(reply.id, finish_reason="tired")
 
 
 def test_session_and_message_round_trip(store: ChatStore) -> None:

@@ -88,6 +88,10 @@ class FakeEngine:
         self._running.add(request_id)
         text = self.last_user_text(prompt)
         words = re.findall(r"\s*\S+", self.replies.get(text, None) or self.default(text))
+        # A word is a token: the reply ends at max_tokens or a full context with "length", as the engine's does.
+        limit = min(getattr(params, "max_tokens", len(words)), self.config.max_model_len - len(prompt))
+        length = len(words) > limit
+        words = words[: max(limit, 0)]
         start, first, out = time.monotonic(), None, ""
         try:
             for i, word in enumerate(words):
@@ -102,7 +106,8 @@ class FakeEngine:
                 first = first or time.monotonic()
                 out += word
                 last = i == len(words) - 1
-                yield self._output(request_id, prompt, out, word, i + 1, start, first, "stop" if last else None)
+                reason = ("length" if length else "stop") if last else None
+                yield self._output(request_id, prompt, out, word, i + 1, start, first, reason)
         finally:
             self._running.discard(request_id)
             self._aborted.discard(request_id)

@@ -327,7 +327,7 @@ async def test_sending_while_the_chat_replies_keeps_the_text(make_app, engine):
 
 
 async def test_a_message_that_was_never_stored_goes_back_in_the_box(make_app, engine, store):
-    engine.config.max_model_len = 200  # less than the reply's 256 tokens: every turn is refused
+    engine.config.max_model_len = 40  # less than the prompt itself: every turn is refused
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await main_screen(pilot)

@@ -20,6 +20,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Label
 
 from localpaged.chat.session import Session
+from localpaged.config_file import Settings
 from localpaged.errors import EngineDeadError, LocalpagedError
 
 REFRESH_S = 0.5  # status line and KV map
@@ -47,8 +48,11 @@ class MainScreen(ChatActions):
         *(Binding(f"alt+{n}", f"open_nth({n - 1})", f"Chat {n}", id=f"chat_{n}", show=False) for n in range(1, 10)),
     ]
 
-    def __init__(self, engine: Any, store: Any, clock: Any, open_id: str | None = None) -> None:
+    def __init__(
+        self, engine: Any, store: Any, clock: Any, open_id: str | None = None, *, settings: Settings | None = None
+    ) -> None:
         super().__init__()
+        self.settings = settings if settings is not None else Settings()
         self.engine = engine
         self.store = store
         self.clock = clock
@@ -113,6 +117,9 @@ class MainScreen(ChatActions):
         return self.chats[session_id]
 
     def adopt(self, session: Session) -> LiveChat:
+        """Take a session into the app: its replies sample and stop as the settings say."""
+        session.sampling = self.settings.sampling.template()
+        session.max_tokens = self.settings.sampling.max_tokens
         self.chats[session.id] = LiveChat(session, self.app, self)
         return self.chats[session.id]
 
@@ -277,12 +284,27 @@ class MainScreen(ChatActions):
         self.engine_lost = False
         self.refresh_figures()
 
+    def new_session(self) -> Session:
+        """A new stored session with the settings' system prompt, if they name one."""
+        name = self.settings.prompt
+        if name is None:
+            return Session.new(self.engine, self.store)
+        from localpaged.chat.prompts import get_prompt
+
+        prompt = get_prompt(name)
+        return Session.new(self.engine, self.store, system=prompt.text, prompt_name=prompt.name)
+
     # ----- events from widgets --------------------------------------------------------
 
     async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
         chat = self.current
         if chat is None:
-            chat = self.adopt(Session.new(self.engine, self.store))
+            try:
+                chat = self.adopt(self.new_session())
+            except LocalpagedError as err:  # the settings' prompt file went missing or broke meanwhile
+                self.notify(str(err), title="New chat", severity="error")
+                self.query_one(ChatInput).text = event.text
+                return
             await self.open(chat.session.id)
         if not await self.start_reply(chat, event.text):
             self.query_one(ChatInput).text = event.text  # keep what was typed for later

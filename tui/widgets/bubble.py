@@ -10,14 +10,20 @@ from textual.message import Message
 from textual.widgets import Label, Markdown
 from textual.widgets.markdown import MarkdownStream
 
+from localpaged.chat.session import limit_note
+
 STATUS_MARKS = {"partial": "stopped — partial reply", "error": "error"}
 
 
 def metrics_note(record: object) -> str:
-    """The stored figures of a reply, e.g. '61.4 tok/s · ttft 0.02 s'; empty when there are none."""
+    """The stored figures of a reply, e.g. '61.4 tok/s · ttft 0.02 s'; empty when there are none.
+
+    A reply that ended on a token limit says so first ('stopped at 256 tokens'): otherwise a cut-off
+    answer looks like a finished one.
+    """
     rate, ttft = getattr(record, "tokens_per_s", None), getattr(record, "ttft_s", None)
     parts = ([f"{rate:.1f} tok/s"] if rate else []) + ([f"ttft {ttft:.2f} s"] if ttft is not None else [])
-    return " · ".join(parts)
+    return " · ".join([note, *parts] if (note := limit_note(record)) else parts)
 
 
 def code_blocks(text: str) -> list[str]:

@@ -1,0 +1,371 @@
+"""The user's settings file, ``config.toml``: defaults for `localpaged run` and `localpaged chat`.
+
+Where it lives is decided by :func:`localpaged.locations.config_file_path` ($LOCALPAGED_HOME/config.toml,
+else ``config.toml`` in the user config folder). Every key is optional; a missing file is simply the
+built-in defaults. A value is taken, highest first, from a command-line flag, from the file, or from
+the built-in default, and :meth:`Settings.entries` says which, for ``localpaged config show``::
+
+    model = "~/models/qwen2.5-1.5b-instruct-q4_k_m.gguf"
+    prompt = "coding"            # system prompt of new chats (`localpaged prompts list`)
+    theme = "nord"               # the app writes this line when you pick a theme
+
+    [sampling]
+    temperature = 0.2
+    top_p = 0.9
+    top_k = 40
+    max_tokens = 1024            # leave it out and a reply runs until the model stops or the context is full
+    seed = 7
+
+    [engine]
+    kv_cache_memory = "2GiB"
+    max_num_seqs = 16
+    max_model_len = 8192
+
+    [keys]                       # Textual keymap: binding id -> key
+    new_chat = "ctrl+t"
+
+The file is checked in full when it is read: a value of the wrong type or out of range, an unknown
+key or table, or a file that is not TOML is one ConfigError naming the file, the key, and the line
+where it can tell; sampling values go through SamplingParams' own checks, engine values through
+EngineConfig's, so a message reads the same whether the value came from a flag, the file or code.
+The user's parsed document is only read, never changed: the settings are frozen copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tomllib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+from localpaged.errors import ConfigError, LocalpagedError
+from localpaged.locations import config_file_path, create_private_file, make_private
+from localpaged.sampling import SamplingParams
+
+Origin = Literal["built-in", "file", "flag"]
+
+_BUILT_IN = SamplingParams()  # the library's defaults, but for max_tokens (see SamplingSettings)
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How a chat reply picks its tokens; ``max_tokens=None`` (the default) means no limit.
+
+    Unlike ``SamplingParams`` (256 tokens by default, for ``LLM.generate``), a chat reply with no
+    limit runs until the model stops or the context is full: Session works out the room left.
+    """
+
+    temperature: float = _BUILT_IN.temperature
+    top_p: float = _BUILT_IN.top_p
+    top_k: int = _BUILT_IN.top_k
+    max_tokens: int | None = None
+    seed: int | None = None
+
+    def template(self) -> SamplingParams:
+        """These values as SamplingParams; its max_tokens is a placeholder that Session replaces."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine's capacity knobs; None leaves each to the engine (see EngineConfig)."""
+
+    kv_cache_memory: int | str | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The ones that are set, as keyword arguments for AsyncLLM / EngineConfig."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The effective settings, and where each came from (``origins``: dotted key -> origin; absent is built-in)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    theme: str | None = None
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    path: Path | None = None  # the file that was read (it may not exist); None: built-in defaults only
+    origins: Mapping[str, Origin] = field(default_factory=lambda: MappingProxyType({}))
+    flags: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # dotted key -> flag name
+
+    def with_flags(self, values: Mapping[str, Any], flags: Mapping[str, str] | None = None) -> Settings:
+        """These settings with command-line ``values`` (dotted key -> value; None is "not given") on top.
+
+        ``flags`` names the flag of each key for `config show` (default: ``--`` and the key's last part).
+        Values are checked as the file's are, so a bad flag reads like a bad line of the file.
+        """
+        given = {key: value for key, value in values.items() if value is not None}
+        if not given:
+            return self
+        top: dict[str, Any] = {}
+        tables: dict[str, dict[str, Any]] = {"sampling": {}, "engine": {}}
+        names = dict(self.flags)
+        for key, value in given.items():
+            table, _, name = key.rpartition(".")
+            flag = (flags or {}).get(key) or "--" + name.replace("_", "-")
+            names[key] = flag
+            checked = _check_value(table, name, value, lambda f=flag: f)
+            (tables[table] if table else top)[name] = checked
+        return dataclasses.replace(
+            self,
+            **top,
+            sampling=dataclasses.replace(self.sampling, **tables["sampling"]),
+            engine=dataclasses.replace(self.engine, **tables["engine"]),
+            origins=MappingProxyType({**self.origins, **dict.fromkeys(given, "flag")}),
+            flags=MappingProxyType(names),
+        )
+
+    def origin(self, key: str) -> str:
+        """Where the value of ``key`` (dotted) came from, in words: ``flag --top-p``, the file's path, or built-in."""
+        origin = self.origins.get(key, "built-in")
+        if origin == "flag":
+            return f"flag {self.flags.get(key, '')}".strip()
+        if origin == "file":
+            return str(self.path)
+        return "built-in"
+
+    def entries(self) -> Iterator[tuple[str, Any, str]]:
+        """(dotted key, value, origin) for every setting, in the file's order; keys.* only where set."""
+        for name in TOP_KEYS:
+            yield name, getattr(self, name), self.origin(name)
+        for table, values in (("sampling", self.sampling), ("engine", self.engine)):
+            for f in dataclasses.fields(values):
+                key = f"{table}.{f.name}"
+                yield key, getattr(values, f.name), self.origin(key)
+        for binding, key in sorted(self.keys.items()):
+            yield f"keys.{binding}", key, self.origin(f"keys.{binding}")
+
+
+TOP_KEYS = ("model", "prompt", "theme")
+TABLE_KEYS = {
+    "sampling": tuple(f.name for f in dataclasses.fields(SamplingSettings)),
+    "engine": tuple(f.name for f in dataclasses.fields(EngineSettings)),
+    "keys": (),  # any binding id
+}
+# What an unset value means, for `config show`.
+UNSET = {
+    "model": "SmolLM2-135M-Instruct",
+    "prompt": "no system prompt",
+    "theme": "textual-dark",
+    "sampling.max_tokens": "no limit: until the model stops or the context is full",
+    "sampling.seed": "random",
+    "engine.kv_cache_memory": "sized from free memory",
+    "engine.max_num_seqs": "64",
+    "engine.max_model_len": "the model's, at most 8192",
+}
+
+
+def load_settings(path: str | os.PathLike | None = None) -> Settings:
+    """The settings in ``path`` (default: :func:`config_file_path`); a missing file gives the built-in defaults."""
+    path = Path(path).expanduser() if path is not None else config_file_path()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return Settings(path=path)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read the settings file {path}: {exc.strerror}; fix its permissions or move it aside")
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}. Fix that line (see https://toml.io)") from exc
+    return _settings(document, path, text)
+
+
+def _settings(document: Mapping[str, Any], path: Path, text: str) -> Settings:
+    """Check every key and value of a parsed file; the Settings they make (the document is not changed)."""
+    unknown = [name for name in document if name not in TOP_KEYS and name not in TABLE_KEYS]
+    if unknown:
+        tables = [name for name in unknown if isinstance(document[name], dict)]
+        keys = [name for name in unknown if name not in tables]
+        what = "; ".join(
+            part
+            for part in (
+                f"unknown table(s) {', '.join(f'[{t}]' for t in tables)}" if tables else "",
+                f"unknown key(s) {', '.join(keys)}" if keys else "",
+            )
+            if part
+        )
+        raise ConfigError(
+            f"{path}: {what}. Valid top-level keys: {', '.join(TOP_KEYS)}; "
+            f"valid tables: {', '.join(f'[{t}]' for t in TABLE_KEYS)}"
+        )
+    top: dict[str, Any] = {}
+    tables: dict[str, dict[str, Any]] = {"sampling": {}, "engine": {}, "keys": {}}
+    origins: dict[str, Origin] = {}
+    for name, value in document.items():
+        if name in TABLE_KEYS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{_where(path, text, '', name)}: must be a table, [{name}], not a value")
+            for key, item in value.items():
+                valid = TABLE_KEYS[name]
+                if valid and key not in valid:
+                    raise ConfigError(
+                        f"{_where(path, text, name, key)}: unknown key {key!r} in [{name}]; "
+                        f"valid keys: {', '.join(valid)}"
+                    )
+                tables[name][key] = _check_value(name, key, item, lambda n=name, k=key: _where(path, text, n, k))
+                origins[f"{name}.{key}"] = "file"
+        else:
+            top[name] = _check_value("", name, value, lambda n=name: _where(path, text, "", n))
+            origins[name] = "file"
+    return Settings(
+        **top,
+        sampling=SamplingSettings(**tables["sampling"]),
+        engine=EngineSettings(**tables["engine"]),
+        keys=MappingProxyType(dict(tables["keys"])),
+        path=path,
+        origins=MappingProxyType(origins),
+    )
+
+
+def _check_value(table: str, key: str, value: Any, where: Any) -> Any:
+    """``value`` checked (and normalised) for ``[table] key``; ConfigError prefixed by ``where()`` if it is bad."""
+    try:
+        if table == "sampling":
+            # One field at a time, so the message is about this key whatever the others hold.
+            params = SamplingParams(**{key: value})
+            return getattr(params, key)
+        if table == "engine":
+            return _engine_value(key, value)
+        if table == "keys":
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f'{key}={value!r}: use a key string, e.g. {key} = "ctrl+t"')
+            return value
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{key}={value!r}: must be a non-empty string")
+        if key == "model":
+            return str(Path(value).expanduser())
+        if key == "prompt":
+            return _prompt_name(value)
+        if key == "theme":
+            return _theme_name(value)
+        return value
+    except ConfigError as exc:
+        raise ConfigError(f"{where()}: {exc}") from exc
+
+
+def _engine_value(key: str, value: Any) -> int | str:
+    from localpaged.config import EngineConfig  # torch-free; its checks make the messages
+
+    if key == "kv_cache_memory":
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f'kv_cache_memory={value!r}: use bytes or a size string such as "2GiB"')
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r}: must be a whole number, not {type(value).__name__}")
+    EngineConfig(**{key: value})
+    return value
+
+
+def _prompt_name(name: str) -> str:
+    from localpaged.chat.prompts import get_prompt
+
+    try:
+        return get_prompt(name).name
+    except LocalpagedError as exc:  # PromptError: unknown name or a malformed file
+        raise ConfigError(str(exc)) from exc
+
+
+def _theme_name(name: str) -> str:
+    from textual.theme import BUILTIN_THEMES  # only when a theme is set: Textual takes a moment to import
+
+    if name not in BUILTIN_THEMES:
+        raise ConfigError(f"{name!r} is not a theme; use one of {', '.join(sorted(BUILTIN_THEMES))}")
+    return name
+
+
+def _where(path: Path, text: str, table: str, key: str) -> str:
+    """``path, line N: [table] key`` ("" table: the top level); without the line if it cannot tell."""
+    line = _line_of(text, table, key)
+    return f"{path}{f', line {line}' if line else ''}: {f'[{table}] ' if table else ''}{key}"
+
+
+_TABLE_HEADER = re.compile(r"^\s*\[\s*([^\]\s]+)\s*\]")
+
+
+def _line_of(text: str, table: str, key: str) -> int | None:
+    """The 1-based line where ``key =`` is set in ``[table]``, by a plain scan (tomllib reports no positions)."""
+    current = ""
+    pattern = re.compile(rf"^\s*(?:{re.escape(key)}|\"{re.escape(key)}\"|'{re.escape(key)}')\s*=")
+    for number, line in enumerate(text.splitlines(), 1):
+        header = _TABLE_HEADER.match(line)
+        if header:
+            current = header.group(1)
+            if not table and current == key:
+                return number
+        elif current == table and pattern.match(line):
+            return number
+    return None
+
+
+# ----- writing the theme -----------------------------------------------------------------------
+
+
+_THEME_LINE = re.compile(r"^\s*theme\s*=")
+
+
+def save_theme(theme: str, path: str | os.PathLike | None = None) -> Path:
+    """Set the top-level ``theme = "..."`` in the settings file, leaving every other line as it is.
+
+    tomlkit is not a dependency, so this is a careful line edit: the top-level ``theme`` line is
+    replaced, or a new one goes first (before any table, where a top-level key must be). A missing
+    file is created 0600. The result is parsed before it replaces the file, so a file this cannot
+    edit safely is left untouched (ConfigError). Returns the file's path.
+    """
+    path = Path(path).expanduser() if path is not None else config_file_path()
+    _theme_name(theme)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        text = ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the settings file {path} to save the theme: {exc}") from exc
+    new_line = f"theme = {json.dumps(theme)}"
+    lines = text.splitlines(keepends=True)
+    for index, line in enumerate(lines):
+        if _TABLE_HEADER.match(line):
+            lines.insert(index, new_line + "\n")  # no top-level theme line: the new one goes before the tables
+            break
+        if _THEME_LINE.match(line):
+            lines[index] = new_line + ("\n" if line.endswith("\n") else "")
+            break
+    else:
+        if lines and not lines[-1].endswith("\n"):
+            lines[-1] += "\n"
+        lines.append(new_line + "\n")
+    updated = "".join(lines)
+    try:
+        if tomllib.loads(updated).get("theme") != theme:
+            raise ConfigError(f"{path}: the theme line could not be placed safely; set theme = {json.dumps(theme)}")
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(
+            f"{path} is not valid TOML ({exc}), so the theme was not saved; fix the file or set theme by hand"
+        ) from exc
+    _write_private(path, updated)
+    return path
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a 0600 temporary file and a rename, so a crash never leaves half a file."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.unlink(missing_ok=True)
+        create_private_file(temporary)
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, path)
+        make_private(path)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write the settings file {path}: {exc.strerror}; make its folder writable") from exc

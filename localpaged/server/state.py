@@ -1,0 +1,224 @@
+"""What the request handlers share (ServerState), and one request's way through the engine (Run)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from starlette.requests import Request
+
+from localpaged.engine.output import RequestOutput
+from localpaged.engine.protocol import EngineClient, Prompt
+from localpaged.errors import EngineDeadError, LocalpagedError, RequestError
+from localpaged.sampling import SamplingParams
+from localpaged.server.errors import APIError, bad_request
+from localpaged.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class ServerState:
+    """What the handlers share: the engine, its resolved limits, the metrics, the requests in flight."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+        self.model_name: str = engine.model_name
+        self.max_model_len: int = engine.config.max_model_len
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(engine.stats)
+        self.runs: dict[str, Run] = {}
+        self.stopping = False
+        # A tokenizer of our own for /tokenize and /detokenize: the engine's may be in use on its core
+        # thread, and a fast tokenizer used from two threads at once fails ("Already borrowed").
+        tokenizer = getattr(engine, "tokenizer", None)
+        self._tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self._tokenizer_lock = threading.Lock()
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist here; this server serves {self.model_name!r} (see /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def start(self, prompt: Prompt, params: SamplingParams, kind: str, param: str) -> Run:
+        """Submit a request and wait for its first output, so that a refusal is an HTTP error of its own."""
+        if self.stopping:
+            raise APIError(503, "the server is shutting down; send the request elsewhere", type="server_error")
+        run = Run(self, prompt, params, f"{kind}-{uuid.uuid4().hex}", param)
+        await run.start()
+        return run
+
+    async def abort_all(self) -> None:
+        """Stop every request in flight (the server is stopping): their blocks go back, their clients are told."""
+        self.stopping = True
+
+        async def abort(request_id: str) -> None:
+            try:
+                await self.engine.abort(request_id)
+            except LocalpagedError:
+                pass  # finished meanwhile, or the engine is gone: nothing left to stop
+
+        await asyncio.gather(*(abort(request_id) for request_id in list(self.runs)))
+
+    def envelope(self, run: Run, kind: str, choice: dict, usage: dict | None) -> dict:
+        body = {"id": run.request_id, "object": kind, "created": run.created, "model": self.model_name}
+        body["choices"] = [choice]
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` as the engine encodes a string prompt (no special tokens added)."""
+        tokenizer = self._need_tokenizer()
+        with self._tokenizer_lock:
+            return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def decode(self, tokens: list[int]) -> str:
+        tokenizer = self._need_tokenizer()
+        vocab = len(tokenizer)
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"tokens must be ids in [0, {vocab}); got {bad[:5]}", "tokens")
+        with self._tokenizer_lock:
+            return tokenizer.decode(tokens, skip_special_tokens=False)
+
+    def _need_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            raise APIError(501, "this engine does not expose its tokenizer", type="server_error")
+        return self._tokenizer
+
+
+class Run:
+    """One request through the engine, as an async iterator of its outputs; records its metrics on the way.
+
+    ``start`` takes the first output before any HTTP answer goes out. ``close`` (always called)
+    leaves the engine's stream, which aborts the request if it has not finished.
+    """
+
+    def __init__(self, state: ServerState, prompt: Prompt, params: SamplingParams, request_id: str, param: str):
+        self.state = state
+        self.request_id = request_id
+        self.param = param  # the field a refused prompt is blamed on: "messages" or "prompt"
+        self.created = int(time.time())
+        self.arrival = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.tokens = 0
+        self.last: RequestOutput | None = None
+        self._pending: RequestOutput | None = None
+        self._counted = False  # in the requests counter, by finish reason
+        self._outputs = state.engine.stream(prompt, params, request_id=request_id)
+        state.runs[request_id] = self
+
+    async def start(self) -> None:
+        try:
+            self._pending = await self._next()
+        except BaseException:
+            await self.close()
+            raise
+
+    def __aiter__(self) -> Run:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            return out
+        if self.last is not None and self.last.finished:
+            raise StopAsyncIteration
+        return await self._next()
+
+    async def _next(self) -> RequestOutput:
+        try:
+            out = await self._outputs.__anext__()
+        except StopAsyncIteration:
+            raise APIError(500, "the engine ended the request without a final output", type="server_error") from None
+        except LocalpagedError as exc:
+            self._ended("error")
+            raise self._error(exc) from None
+        except Exception as exc:  # a bug of ours, not the client's doing: this request fails alone
+            log.exception("request %s failed in the server", self.request_id)
+            self._ended("error")
+            raise APIError(500, f"the server failed ({type(exc).__name__}: {exc})", type="server_error") from None
+        self._observe(out)
+        if out.finish_reason == "abort":
+            raise APIError(503, "the server is shutting down; the reply was cut short", type="server_error")
+        if out.finish_reason == "error":  # an engine that reports a failure as an output rather than raising
+            raise APIError(500, out.error or "the request failed in the engine", type="server_error")
+        return out
+
+    async def final(self, request: Request) -> RequestOutput | None:
+        """Run to the end; None if the client went away first (then the request is aborted)."""
+        drain = asyncio.ensure_future(self._drain())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({drain, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if drain.done():
+                return drain.result()
+            drain.cancel()
+            await asyncio.gather(drain, return_exceptions=True)
+            return None
+        finally:
+            gone.cancel()
+            await self.close()
+
+    async def _drain(self) -> RequestOutput:
+        async for _ in self:
+            pass
+        assert self.last is not None
+        return self.last
+
+    async def close(self) -> None:
+        if self.state.runs.pop(self.request_id, None) is None:
+            return
+        if self.last is None or not self.last.finished:
+            self._ended("abort")
+        await self._outputs.aclose()  # leaving the engine's stream early aborts the request
+
+    def _observe(self, out: RequestOutput) -> None:
+        metrics = self.state.metrics
+        now = time.perf_counter()
+        new = len(out.token_ids) - self.tokens
+        if new > 0:
+            if self.first_token_at is None:
+                self.first_token_at = now
+                metrics.ttft.observe(now - self.arrival)
+            self.tokens += new
+            metrics.generation_tokens.inc(new)
+        self.last = out
+        if out.finished:
+            if self.first_token_at is not None and self.tokens > 1:
+                metrics.tpot.observe((now - self.first_token_at) / (self.tokens - 1))
+            metrics.prompt_tokens.inc(out.metrics.prompt_tokens)
+            self._ended(out.finish_reason or "stop")
+
+    def _ended(self, reason: str) -> None:
+        if not self._counted:
+            self._counted = True
+            self.state.metrics.requests.labels(finish_reason=reason).inc()
+
+    def _error(self, exc: LocalpagedError) -> APIError:
+        """The HTTP error for an engine exception: the request's own fault (400) or the server's (5xx)."""
+        text = str(exc)
+        if isinstance(exc, EngineDeadError):
+            return APIError(503, text, type="server_error", code="engine_dead")
+        if self.state.stopping or "has been shut down" in text:
+            return APIError(503, "the server is shutting down; send the request elsewhere", type="server_error")
+        # Before the first output, a RequestError is the engine refusing the input (prompt too long or
+        # empty, a token id out of range); a failure while generating names the request ("request '...' failed").
+        if isinstance(exc, RequestError) and self.last is None and not text.startswith(f"request {self.request_id!r}"):
+            return bad_request(text, "stop_token_ids" if text.startswith("stop_token_ids") else self.param)
+        return APIError(500, text, type="server_error")
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body is read already, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
