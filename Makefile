@@ -5,8 +5,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.bench-installed
 
-.PHONY: setup chat lint test snapshots bench clean
+.PHONY: setup chat lint test snapshots screenshot bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -31,11 +32,26 @@ test: lint
 snapshots: $(STAMP)
 	$(PY) -m pytest tests/tui --snapshot-update -q
 
-bench: $(STAMP)
+# docs/tui.svg, the README's picture: the real app on the default model, in a throwaway LOCALPAGED_HOME.
+screenshot: $(STAMP)
+	$(PY) tools/screenshot.py
+
+# The benchmarks draw their plots with matplotlib: the `bench` extra, never a runtime dependency.
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/sessions.py
 	$(PY) benchmarks/app_speed.py
+	$(PY) benchmarks/peers.py
 	$(PY) benchmarks/serve_speed.py
+
+# llama.cpp's server and benches, built once into the cache folder (about 10 minutes on two
+# cores); benchmarks/peers.py compares against them. Not part of `make test`.
+bench-peers: $(STAMP)
+	PY=$(PY) bash benchmarks/build_peers.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -305,10 +305,13 @@ def cmd_serve(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: use a port from 1 to 65535 (0 picks a free one)")
     api_key = args.api_key or os.environ.get("LOCALPAGED_API_KEY") or None
-    settings = _engine_settings(args)
-    EngineConfig(model=args.model, **settings)  # a bad setting fails before the port is taken or the model loads
+    # The settings file's model and [engine] table, under serve's own flags (flag > file > built-in).
+    file_settings = _settings(args)
+    model = file_settings.model
+    settings = {**file_settings.engine.as_kwargs(), **_engine_settings(args)}
+    EngineConfig(model=model, **settings)  # a bad setting fails before the port is taken or the model loads
     with closing(listen(args.host, args.port)) as sock:  # a port in use fails before the model loads
-        engine = open_engine(args.model, **settings)
+        engine = open_engine(model, **settings)
         engines.append(engine)
         app = build_app(engine, api_key=api_key)
         host, port = sock.getsockname()[:2]

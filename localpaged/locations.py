@@ -18,6 +18,7 @@ the environment variables or platformdirs for these folders.
 - ``models_cache_dir()``: ``models`` in cache_dir(), GGUF files converted to safetensors
 - ``kernels_cache_dir()``: ``kernels`` in cache_dir(), the compiled CPU kernels
 - ``kv_cache_dir()``: $LOCALPAGED_KV_CACHE, else ``kv`` in cache_dir(), the disk KV tier
+- ``peers_cache_dir()``: ``peers`` in cache_dir(), llama.cpp built by ``make bench-peers``
 
 A folder named by a variable that already exists is the user's own and keeps its mode
 (only what localpaged creates in it is made private); one the variable names but that does
@@ -98,6 +99,11 @@ def kv_cache_dir() -> Path:
     if os.environ.get(KV_CACHE_VAR):
         return _root(KV_CACHE_VAR, None)
     return _sub(cache_dir(), "kv", KV_CACHE_VAR)
+
+
+def peers_cache_dir() -> Path:
+    """The peer engines the benchmarks compare against (llama.cpp), built once by ``make bench-peers``."""
+    return _sub(cache_dir(), "peers", CACHE_VAR)
 
 
 # -- private files --------------------------------------------------------------------------------

@@ -191,6 +191,20 @@ def test_run_takes_its_settings_from_the_file_and_flags(config: Path, home: Path
     assert "[stopped at 40 tokens]" in capsys.readouterr().out
 
 
+def test_serve_takes_the_model_and_engine_settings_from_the_file(config: Path, monkeypatch) -> None:
+    """`serve` reads the file as `run` does; its own flags beat the file's [engine] table."""
+    opened: list[dict] = []
+
+    def open_engine(model: str | None, **engine_config: object) -> AsyncLLM:
+        opened.append({"model": model, **engine_config})
+        raise ConfigError("stop before serving")  # the CLI reports it as one error line, exit 2
+
+    monkeypatch.setattr(cli, "open_engine", open_engine)
+    write(config, 'model = "/m.gguf"\n[engine]\nmax_num_seqs = 4\nkv_cache_memory = "1GiB"\n')
+    assert cli.main(["serve", "--port", "0", "--max-num-seqs", "8"]) == 2
+    assert opened == [{"model": "/m.gguf", "max_num_seqs": 8, "kv_cache_memory": "1GiB"}]
+
+
 def test_save_theme_creates_a_private_file(config: Path) -> None:
     save_theme("nord")
     assert config.read_text() == 'theme = "nord"\n'

@@ -1,0 +1,629 @@
+"""localpaged against llama.cpp on the same GGUF, on the same CPU, in one run.
+
+The program our users would otherwise run is llama.cpp, so every speed figure here is a ratio
+against it, measured minutes apart (these machines drift by +-20% from minute to minute; only
+figures from one run are compared). Both engines get the same GGUF (the default model's), the same
+thread count, the same context per session, the same prompt token ids (ours, sent to llama-server
+as ids so both compute exactly the same tokens), greedy sampling, EOS ignored.
+
+- **Sessions** (1, 4, 16, 64; 128 new tokens each, 64 at 64 sessions): aggregate tok/s from the
+  first request sent to the last reply. Ours in-process (``LLM.generate``); llama-server started
+  here on loopback and driven over its HTTP API, one client thread per session, with its default
+  settings (``-np N``, cold) and tuned for the workload (``-fa on``, and ``-kvu -fa on`` up to 16
+  sessions, slots warm with the system prompt); plus ``llama-batched-bench -pps -kvu -fa on``'s
+  decode-only figure. Ratios are against llama-server's best of those at each point.
+- **One chat**: decode tok/s after the first token, 256 tokens.
+- **Prefill**: cold prefill tok/s of the 2,500-token coding prompt (time to one token on a fresh
+  engine), and TTFT of a new question once that system prompt is cached.
+- **KV memory at 200 sessions**: a 2,000-token shared system prompt and 300 private tokens each,
+  from the block pool's own accounting (the real scheduler and pool, run without a model: they
+  never import torch), against the minimum (the shared part once plus the private parts), paged
+  without sharing, and what llama.cpp allocates for the same sessions (its KV bytes per token read
+  from its own log on a small run; ``-np 200`` without ``-kvu`` reserves each slot's whole context,
+  with ``-kvu`` one buffer sized to the total).
+- **Latency under load**: inter-token latency p50/p99 of 8 streaming chats while a 4,000-token
+  prompt arrives, with chunked prefill (the default 512-token step budget) and without (a budget
+  that takes the whole prompt in one step).
+
+Writes benchmarks/results/peers.json and two plots (peers_throughput.png, peers_kv_memory.png;
+matplotlib, from the ``bench`` extra). Needs the binaries of ``make bench-peers``; without them it
+prints one line saying so and exits 0.
+
+    python benchmarks/peers.py [--sessions 1,4,16,64] [--skip-llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+from throughput import QUESTIONS, SYSTEM  # the 16-session workload of throughput.py
+
+LLAMA_CPP_PYTHON_VERSION = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")
+CTX_PER_SESSION = 1024  # the sessions workload needs under 500 tokens each
+CTX_LONG = 4096  # one chat, the coding prompt
+MEMORY_SESSIONS = 200
+SHARED_TOKENS, PRIVATE_PROMPT_TOKENS, PRIVATE_REPLY_TOKENS = 2000, 44, 256  # 300 private tokens each
+LOAD_PROMPT_TOKENS, LOAD_CHATS = 4000, 8
+# llama-server tuned for many sessions, each run with its slots warm (the system prompt in every
+# slot); its best at each point is the highest of these and its defaults. With -kvu, 64 slots ran
+# at 21.5, 28.8 and 33.5 tok/s here (with --no-cache-idle-slots, --cache-ram 0) against 185 without
+# it, and each such point takes five minutes, so -kvu runs up to 16 sessions.
+LLAMA_TUNED = {"llama_fa": ("-fa", "on"), "llama_kvu_fa": ("-kvu", "-fa", "on")}
+KVU_MAX_SESSIONS = 16
+
+
+# ----- llama.cpp ------------------------------------------------------------------------------
+
+
+def llama_bin_dir() -> Path | None:
+    """Where ``make bench-peers`` put the binaries, or None if it has not been run."""
+    from localpaged import locations
+
+    folder = locations.peers_cache_dir() / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}" / "bin"
+    needed = ("llama-server", "llama-batched-bench")
+    return folder if all(os.access(folder / b, os.X_OK) for b in needed) else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """``llama-server`` on loopback for the length of a ``with`` block; its log kept for reading."""
+
+    def __init__(self, bin_dir: Path, gguf: Path, threads: int, *args: str) -> None:
+        self.port = free_port()
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log")  # noqa: SIM115
+        cmd = [
+            str(bin_dir / "llama-server"),
+            *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port)),
+            *("-t", str(threads), "-tb", str(threads), "--no-webui"),
+            *args,
+        ]
+        self.args = " ".join(args)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"llama-server {self.args} exited with {self.proc.returncode}:\n{self.log_text()[-2000:]}"
+                )
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"llama-server {self.args} did not become ready in 120 s")
+            time.sleep(0.2)
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    def complete(self, prompt: list[int], n_predict: int) -> tuple[float, dict]:
+        """One greedy completion of exactly ``n_predict`` tokens: (wall seconds, the server's reply)."""
+        body = json.dumps(
+            {
+                "prompt": prompt,
+                "n_predict": n_predict,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "cache_prompt": True,
+                "stream": False,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/completion", body, {"Content-Type": "application/json"}
+        )
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as r:
+            reply = json.loads(r.read())
+        return time.perf_counter() - start, reply
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def llama_sessions(server: LlamaServer, prompts: list[list[int]], tokens: int) -> float:
+    """Aggregate tok/s of ``prompts`` sent at once, one client thread each."""
+    produced = [0] * len(prompts)
+
+    def one(i: int) -> None:
+        _, reply = server.complete(prompts[i], tokens)
+        produced[i] = reply["tokens_predicted"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if sum(produced) != len(prompts) * tokens:
+        raise RuntimeError(f"llama-server produced {sum(produced)} tokens, expected {len(prompts) * tokens}")
+    return sum(produced) / elapsed
+
+
+def llama_kv_bytes_per_token(bin_dir: Path, gguf: Path, threads: int) -> tuple[float, str]:
+    """KV bytes per token (cell) from llama.cpp's own log line on a small server, and that line.
+
+    The line is logged at verbosity 4 only, so a server is started just for it: verbose logging
+    never runs while anything is timed.
+    """
+    with LlamaServer(bin_dir, gguf, threads, "-np", "1", "-c", "4096", "-lv", "4") as server:
+        log = server.log_text()
+    m = re.search(r"llama_kv_cache: size\s*=\s*([\d.]+)\s*MiB\s*\(\s*(\d+)\s*cells.*", log)
+    if not m:
+        raise RuntimeError("no 'llama_kv_cache: size = ... MiB (N cells' line in llama-server's log")
+    return float(m.group(1)) * 2**20 / int(m.group(2)), m.group(0).strip()
+
+
+def batched_bench(bin_dir: Path, gguf: Path, threads: int, prompt_len: int, tokens: int, sessions: list[int]) -> dict:
+    """``llama-batched-bench -pps -kvu -fa on``: decode-only tok/s (S_TG) per batch size."""
+    ctx = prompt_len + max(sessions) * tokens + 256
+    cmd = [
+        str(bin_dir / "llama-batched-bench"),
+        *("-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512", "-t", str(threads), "-tb", str(threads)),
+        *("-npp", str(prompt_len), "-ntg", str(tokens), "-npl", ",".join(map(str, sessions)), "-pps", "-kvu"),
+        *("-fa", "on"),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[0].isdigit():
+            batch, s_tg = int(cells[2]), float(cells[7])
+            rows[batch] = s_tg
+    return rows
+
+
+# ----- localpaged ------------------------------------------------------------------------------
+
+
+def greedy(tokens: int):
+    from localpaged import SamplingParams
+
+    return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
+def ours_sessions(llm, prompts: list[list[int]], tokens: int) -> float:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, greedy(tokens))
+    elapsed = time.perf_counter() - start
+    return sum(len(o.token_ids) for o in outs) / elapsed
+
+
+def conversations(n: int, offset: int = 0) -> list[list[dict]]:
+    return [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[(i + offset) % len(QUESTIONS)]}]
+        for i in range(n)
+    ]
+
+
+def sessions_point(llm, bin_dir: Path | None, gguf: Path, threads: int, n: int) -> dict:
+    tokens = 64 if n >= 64 else 128
+    prompts = [llm.encode_chat(c) for c in conversations(n)]
+    warm = [llm.encode_chat(c) for c in conversations(n, offset=len(QUESTIONS) // 2)]
+    row: dict = {"sessions": n, "tokens_each": tokens}
+    llm.generate(warm[:1], greedy(2))  # the system prompt cached, as in llama.cpp's warm slots
+    row["localpaged"] = ours_sessions(llm, prompts, tokens)
+    if bin_dir is not None:
+        ctx = ("-np", str(n), "-c", str(n * CTX_PER_SESSION))
+        with LlamaServer(bin_dir, gguf, threads, *ctx) as server:
+            row["llama_default"] = llama_sessions(server, prompts, tokens)
+        for name, flags in LLAMA_TUNED.items():
+            if name == "llama_kvu_fa" and n > KVU_MAX_SESSIONS:
+                continue
+            with LlamaServer(bin_dir, gguf, threads, *ctx, *flags) as server:
+                llama_sessions(server, warm, 2)  # every slot holds the system prompt
+                row[name] = llama_sessions(server, prompts, tokens)
+        row["llama_best"] = max(row[k] for k in ("llama_default", *LLAMA_TUNED) if k in row)
+    peers = ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k.startswith("llama_"))
+    print(f"  {n:>3} sessions x {tokens}: localpaged {row['localpaged']:.1f} tok/s; {peers}", flush=True)
+    return row
+
+
+def one_chat_and_prefill(bin_dir: Path | None, gguf: Path, threads: int) -> dict:
+    """Single-chat decode tok/s, cold prefill tok/s of the coding prompt, and warm-system-prompt TTFT."""
+    from localpaged import LLM, load_prompt
+
+    coding = load_prompt("coding")
+    cold = [{"role": "system", "content": coding}, {"role": "user", "content": "How do I reverse a list?"}]
+    warm = [{"role": "system", "content": coding}, {"role": "user", "content": "What is a closure?"}]
+    chat = conversations(1)[0]
+    llm = LLM(max_model_len=CTX_LONG)
+    cold_ids, warm_ids, chat_ids = llm.encode_chat(cold), llm.encode_chat(warm), llm.encode_chat(chat)
+    result: dict = {"coding_prompt_tokens": len(cold_ids)}
+
+    ours: dict = {}
+    start = time.perf_counter()
+    llm.generate(cold_ids, greedy(1))
+    ours["cold_prefill_tok_s"] = len(cold_ids) / (time.perf_counter() - start)
+    start = time.perf_counter()
+    llm.generate(warm_ids, greedy(1))
+    ours["warm_ttft_s"] = time.perf_counter() - start
+    out = llm.generate(chat_ids, greedy(256))[0]
+    ours["decode_tok_s"] = out.metrics.decode_tokens_per_s
+    result["localpaged"] = ours
+    del llm
+
+    if bin_dir is not None:
+        for name, flags in (("llama_default", ()), ("llama_kvu_fa", LLAMA_TUNED["llama_kvu_fa"])):
+            peer: dict = {}
+            with LlamaServer(bin_dir, gguf, threads, "-np", "1", "-c", str(CTX_LONG), *flags) as server:
+                wall, _ = server.complete(cold_ids, 1)
+                peer["cold_prefill_tok_s"] = len(cold_ids) / wall
+                peer["warm_ttft_s"], _ = server.complete(warm_ids, 1)
+                _, reply = server.complete(chat_ids, 256)
+                peer["decode_tok_s"] = reply["timings"]["predicted_per_second"]
+            result[name] = peer
+        result["llama_kv_bytes_per_token"], result["llama_kv_log_line"] = llama_kv_bytes_per_token(
+            bin_dir, gguf, threads
+        )
+    return result
+
+
+# ----- KV memory from the pool's accounting ---------------------------------------------------
+
+
+def pool_blocks_for(sessions: int, block_size: int, sharing: bool) -> int:
+    """Blocks the real scheduler and pool hold once ``sessions`` chats have their 300 private tokens.
+
+    Every chat's prompt is the shared 2,000-token prefix plus 44 private tokens, then 256 tokens
+    are "generated" (appended, as the engine appends sampled tokens). No model runs: the
+    scheduler and pool decide which blocks each sequence holds, exactly as in the engine.
+    """
+    from localpaged.engine.block_pool import BlockPool
+    from localpaged.engine.kv_cache_manager import KVCacheManager, cdiv
+    from localpaged.engine.scheduler import Scheduler
+    from localpaged.engine.sequence import Sequence
+
+    per_seq = cdiv(SHARED_TOKENS + PRIVATE_PROMPT_TOKENS + PRIVATE_REPLY_TOKENS, block_size)
+    pool = BlockPool(sessions * per_seq + 16, block_size, enable_prefix_caching=sharing)
+    scheduler = Scheduler(KVCacheManager(pool), max_num_seqs=sessions, max_num_batched_tokens=512)
+    shared = [1000 + (i * 7919) % 40000 for i in range(SHARED_TOKENS)]
+    seqs = []
+    for s in range(sessions):
+        private = [50000 + s * 1000 + i for i in range(PRIVATE_PROMPT_TOKENS)]
+        seq = Sequence(f"s{s}", shared + private, params=None)
+        seqs.append(seq)
+        scheduler.add(seq)
+    peak = 0
+    while scheduler.has_unfinished():
+        batch = scheduler.schedule()
+        scheduler.on_step_done(batch)
+        for seq in batch.seqs:
+            if seq.num_computed_tokens == seq.num_tokens:  # its prompt is done: it samples a token
+                if seq.num_output_tokens == PRIVATE_REPLY_TOKENS:
+                    continue
+                seq.append_token(7)
+        peak = max(peak, pool.num_used_blocks)
+        if all(s.num_output_tokens == PRIVATE_REPLY_TOKENS and s.num_uncomputed_tokens <= 1 for s in seqs):
+            break
+    if scheduler.num_preemptions:
+        raise RuntimeError(f"the pool preempted {scheduler.num_preemptions} sequences; give it more blocks")
+    return peak
+
+
+def kv_memory(sessions_list: list[int], block_size: int, ours_bytes_per_token: float, llama_bpt: float | None) -> list:
+    rows = []
+    total_each = SHARED_TOKENS + PRIVATE_PROMPT_TOKENS + PRIVATE_REPLY_TOKENS
+    for n in sessions_list:
+        held = pool_blocks_for(n, block_size, sharing=True) * block_size
+        unshared = pool_blocks_for(n, block_size, sharing=False) * block_size
+        minimum = SHARED_TOKENS + n * (PRIVATE_PROMPT_TOKENS + PRIVATE_REPLY_TOKENS)
+        row = {
+            "sessions": n,
+            "held_tokens": held,
+            "minimum_tokens": minimum,
+            "unshared_tokens": unshared,
+            "waste": (held - minimum) / held,
+            "held_bytes": held * ours_bytes_per_token,
+            "minimum_bytes": minimum * ours_bytes_per_token,
+            "unshared_bytes": unshared * ours_bytes_per_token,
+        }
+        if llama_bpt is not None:
+            slot = -(-total_each // 256) * 256  # llama.cpp pads each slot's context to 256 cells
+            row["llama_np_tokens"] = n * slot
+            row["llama_np_8192_tokens"] = n * 8192
+            row["llama_kvu_tokens"] = -(-n * total_each // 256) * 256
+            for key in ("llama_np", "llama_np_8192", "llama_kvu"):
+                row[f"{key}_bytes"] = row[f"{key}_tokens"] * llama_bpt
+        rows.append(row)
+    return rows
+
+
+# ----- latency under load ----------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def latency_under_load(chunked: bool) -> dict:
+    """Inter-token latency of 8 streaming chats, alone and while a 4,000-token prompt is prefilled.
+
+    "Under load" covers every gap that overlaps the long prompt's prefill: from its arrival to its
+    first token. Alone: the 8 steps before it arrives.
+    """
+    from localpaged import LLM, load_prompt
+
+    budget = 512 if chunked else LOAD_PROMPT_TOKENS + 64
+    llm = LLM(max_model_len=8192, max_num_batched_tokens=budget)
+    long_ids = llm.encode_chat([{"role": "user", "content": load_prompt("coding")}])
+    while len(long_ids) < LOAD_PROMPT_TOKENS:
+        long_ids = long_ids + long_ids
+    long_ids = long_ids[:LOAD_PROMPT_TOKENS]
+    chats = [llm.add_request(c, greedy(4000)) for c in conversations(LOAD_CHATS)]
+    last: dict[str, float] = {}
+    alone: list[float] = []
+    while len(last) < len(chats) or len(alone) < 8 * len(chats):  # every chat decoding, then 8 steps
+        for out in llm.step():
+            now = time.perf_counter()
+            if out.request_id in last:
+                alone.append(now - last[out.request_id])
+            last[out.request_id] = now
+    arrival = time.perf_counter()
+    long_id = llm.add_request(long_ids, greedy(1))
+    loaded: list[float] = []
+    long_done = None
+    while long_done is None:
+        outputs = llm.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.request_id == long_id:
+                long_done = now
+            else:
+                loaded.append(now - last[out.request_id])
+                last[out.request_id] = now
+    for r in chats:
+        llm.abort(r)
+    return {
+        "step_budget": budget,
+        "alone_itl_p50_ms": 1000 * statistics.median(alone),
+        "itl_p50_ms": 1000 * statistics.median(loaded),
+        "itl_p99_ms": 1000 * percentile(loaded, 0.99),
+        "itl_max_ms": 1000 * max(loaded),
+        "long_prompt_ttft_s": long_done - arrival,
+    }
+
+
+# ----- report ------------------------------------------------------------------------------------
+
+
+def plot(results: dict) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plots: matplotlib is missing (pip install -e '.[bench]')")
+        return []
+    paths = []
+    rows = results["sessions"]
+    x = [r["sessions"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(x, [r["localpaged"] for r in rows], "o-", label="localpaged")
+    if "llama_best" in rows[0]:
+        ax.plot(x, [r["llama_best"] for r in rows], "s-", label="llama-server, best of its settings")
+        ax.plot(x, [r["llama_default"] for r in rows], "^--", label="llama-server, defaults")
+    if results.get("batched_bench"):
+        bb = results["batched_bench"]
+        ax.plot(x, [bb.get(str(n), float("nan")) for n in x], "x:", label="llama-batched-bench, decode only")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [str(n) for n in x])
+    ax.set_xlabel("chat sessions at once")
+    ax.set_ylabel("output tokens/s, all sessions")
+    ax.set_title(f"Same GGUF, same CPU ({results['machine']['cpus']} threads)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(RESULTS / "peers_throughput.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    mem = results["kv_memory"]
+    x = [r["sessions"] for r in mem]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    gib = 2**30
+    ax.plot(x, [r["held_bytes"] / gib for r in mem], "o-", label="localpaged pool, prefix shared")
+    ax.plot(x, [r["unshared_bytes"] / gib for r in mem], "^--", label="localpaged pool, no sharing")
+    if "llama_kvu_bytes" in mem[0]:
+        ax.plot(x, [r["llama_kvu_bytes"] / gib for r in mem], "s-", label="llama.cpp -kvu (f16 KV)")
+        ax.plot(x, [r["llama_np_8192_bytes"] / gib for r in mem], "x:", label="llama.cpp -np N, 8192 per slot")
+    ax.set_xscale("log")
+    ax.set_xticks(x, [str(n) for n in x])
+    ax.set_yscale("log")
+    ax.set_xlabel("chat sessions (2,000 shared + 300 private tokens each)")
+    ax.set_ylabel("KV cache, GiB")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(RESULTS / "peers_kv_memory.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sessions", default="1,4,16,64", help="comma-separated session counts")
+    ap.add_argument("--skip-llama", action="store_true", help="our figures only (no ratios)")
+    args = ap.parse_args()
+    bin_dir = None if args.skip_llama else llama_bin_dir()
+    if bin_dir is None and not args.skip_llama:
+        print("peers.py: skipped, llama.cpp is not built here; run `make bench-peers` once (about 10 minutes)")
+        return
+
+    import torch
+
+    from localpaged import LLM
+    from localpaged.models.loader import default_model_path
+
+    threads = torch.get_num_threads()
+    gguf = default_model_path()
+    points = [int(n) for n in args.sessions.split(",")]
+    results: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": threads},
+        "model": gguf.name,
+        "llama_cpp": f"vendored in llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}" if bin_dir else None,
+    }
+    print(f"{gguf.name}, {threads} threads on {cpu_name()}, greedy, EOS ignored")
+
+    print("sessions (aggregate output tok/s):", flush=True)
+    llm = LLM(max_model_len=CTX_PER_SESSION)
+    block_size, ours_bpt = llm.config.block_size, llm.block_bytes / llm.config.block_size
+    prompt_len = len(llm.encode_chat(conversations(1)[0]))
+    results["sessions"] = [sessions_point(llm, bin_dir, gguf, threads, n) for n in points]
+    del llm
+    if bin_dir is not None:
+        bb = batched_bench(bin_dir, gguf, threads, prompt_len, 128, points)
+        results["batched_bench"] = {str(k): v for k, v in bb.items()}
+
+    print("one chat and prefill:", flush=True)
+    results["one_chat"] = one_chat_and_prefill(bin_dir, gguf, threads)
+    llama_bpt = results["one_chat"].get("llama_kv_bytes_per_token")
+
+    print("latency under load:", flush=True)
+    results["latency"] = {"chunked": latency_under_load(True), "unchunked": latency_under_load(False)}
+
+    results["kv_memory"] = kv_memory([1, 2, 5, 10, 20, 50, 100, MEMORY_SESSIONS], block_size, ours_bpt, llama_bpt)
+    results["ours_kv_bytes_per_token"] = ours_bpt
+
+    report(results)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "peers.json").write_text(json.dumps(results, indent=2) + "\n")
+    for path in plot(results):
+        print(f"plot: {path.relative_to(HERE.parent)}")
+    print(f"results: {(RESULTS / 'peers.json').relative_to(HERE.parent)}")
+
+
+def report(results: dict) -> None:
+    rows = results["sessions"]
+    bb = results.get("batched_bench", {})
+    have_llama = "llama_best" in rows[0]
+    print("\n## Sessions: aggregate output tok/s")
+    if have_llama:
+        print(
+            "| sessions x tokens | localpaged | llama-server defaults | -fa on, warm | -kvu -fa on, warm"
+            " | batched-bench decode only | vs llama-server's best | vs decode only |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            n, decode_only = r["sessions"], bb.get(str(r["sessions"]), float("nan"))
+            kvu = f"{r['llama_kvu_fa']:.1f}" if "llama_kvu_fa" in r else "not run"
+            print(
+                f"| {n} x {r['tokens_each']} | {r['localpaged']:.1f} | {r['llama_default']:.1f} | {r['llama_fa']:.1f}"
+                f" | {kvu} | {decode_only:.1f} | **{r['localpaged'] / r['llama_best']:.2f}x** |"
+                f" {r['localpaged'] / decode_only:.2f}x |"
+            )
+    else:
+        for r in rows:
+            print(f"| {r['sessions']} x {r['tokens_each']} | {r['localpaged']:.1f} |")
+
+    one = results["one_chat"]
+    print(f"\n## One chat, prefill, TTFT (coding prompt: {one['coding_prompt_tokens']} tokens)")
+    names = [k for k in ("localpaged", "llama_default", "llama_kvu_fa") if k in one]
+    labels = {"localpaged": "localpaged", "llama_default": "llama-server defaults", "llama_kvu_fa": "-kvu -fa on"}
+    print("| | " + " | ".join(labels[n] for n in names) + (" | vs llama.cpp's best |" if have_llama else " |"))
+    print("|---" * (len(names) + 1 + have_llama) + "|")
+    for key, label, better_high in (
+        ("decode_tok_s", "one chat, decode tok/s", True),
+        ("cold_prefill_tok_s", "cold prefill tok/s", True),
+        ("warm_ttft_s", "TTFT, system prompt warm (s)", False),
+    ):
+        cells = [f"{one[n][key]:.3f}" if key == "warm_ttft_s" else f"{one[n][key]:.1f}" for n in names]
+        line = f"| {label} | " + " | ".join(cells)
+        if have_llama:
+            ours = one["localpaged"][key]
+            peer = [one["llama_default"][key], one["llama_kvu_fa"][key]]
+            best = max(peer) if better_high else min(peer)
+            line += f" | **{(ours / best) if better_high else (best / ours):.2f}x** |"
+        print(line + ("" if have_llama else " |"))
+    if have_llama:
+        print("(above 1 means localpaged is better; for TTFT, llama.cpp's best time over ours)")
+
+    mem = results["kv_memory"][-1]
+    mib = 2**20
+    print(f"\n## KV memory, {mem['sessions']} sessions: {SHARED_TOKENS} shared + 300 private tokens each")
+    print("| | tokens held | MiB |")
+    print("|---|---|---|")
+    print(
+        f"| minimum (shared once + private), our fp32 KV | {mem['minimum_tokens']} | {mem['minimum_bytes'] / mib:.0f} |"
+    )
+    print(f"| localpaged pool, prefix shared | {mem['held_tokens']} | {mem['held_bytes'] / mib:.0f} |")
+    print(f"| localpaged pool, no sharing | {mem['unshared_tokens']} | {mem['unshared_bytes'] / mib:.0f} |")
+    if "llama_kvu_tokens" in mem:
+        print(
+            f"| llama.cpp -np 200 -kvu (one buffer, f16) | {mem['llama_kvu_tokens']} | {mem['llama_kvu_bytes'] / mib:.0f} |"
+        )
+        print(
+            f"| llama.cpp -np 200, 2304 per slot (f16) | {mem['llama_np_tokens']} | {mem['llama_np_bytes'] / mib:.0f} |"
+        )
+        print(
+            f"| llama.cpp -np 200, 8192 per slot (f16) | {mem['llama_np_8192_tokens']} | {mem['llama_np_8192_bytes'] / mib:.0f} |"
+        )
+        print(f"(llama.cpp's KV bytes per token from its log: {results['one_chat']['llama_kv_log_line']})")
+    print(f"waste = (held - minimum) / held = {100 * mem['waste']:.2f}% (goal under 4%)")
+    print(
+        f"tokens held: localpaged {mem['held_tokens']} vs llama.cpp's best {mem.get('llama_kvu_tokens', 'n/a')}: "
+        + (f"{mem['llama_kvu_tokens'] / mem['held_tokens']:.1f}x fewer" if "llama_kvu_tokens" in mem else "")
+    )
+
+    lat = results["latency"]
+    print(f"\n## Latency under load: {LOAD_CHATS} chats streaming while a {LOAD_PROMPT_TOKENS}-token prompt arrives")
+    print("| | step budget | ITL p50 alone, ms | ITL p50 under load | p99 | max | long prompt TTFT s |")
+    print("|---|---|---|---|---|---|---|")
+    for name in ("chunked", "unchunked"):
+        r = lat[name]
+        print(
+            f"| {name} prefill | {r['step_budget']} | {r['alone_itl_p50_ms']:.0f} | {r['itl_p50_ms']:.0f} | "
+            f"{r['itl_p99_ms']:.0f} | {r['itl_max_ms']:.0f} | {r['long_prompt_ttft_s']:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
