@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, TextIO
 
 from localpaged.chat.prompts import get_prompt, list_prompts, load_prompt
 from localpaged.chat.session import export_markdown, limit_note
-from localpaged.chat.store import ChatStore
-from localpaged.errors import ConfigError, LocalpagedError
+from localpaged.chat.store import MAX_SEARCH_LIMIT, ChatStore
+from localpaged.errors import ConfigError, LocalpagedError, PromptError, RequestError
 
 if TYPE_CHECKING:
     from localpaged.config_file import Settings
@@ -59,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
     try:
+        _check_utf8(args)
         args.func(args, engines)
         return 0
     except LocalpagedError as exc:
@@ -76,6 +77,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine.shutdown()
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _check_utf8(args: argparse.Namespace) -> None:
+    """Reject an argument that is not valid UTF-8 (Python hands its bytes over as lone surrogates).
+
+    Such text cannot be stored, searched, printed or given to the tokenizer; left alone it fails later
+    with a UnicodeEncodeError traceback from wherever it is first written.
+    """
+    for name, value in vars(args).items():
+        values = value if isinstance(value, list) else [value]
+        for item in values:
+            if not isinstance(item, str):
+                continue
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                shown = os.fsencode(item)
+                flag = "--" + name.replace("_", "-") if name not in ("message", "text", "id", "name") else name.upper()
+                raise ConfigError(
+                    f"the {flag} argument is not valid UTF-8 ({shown!r}); pass it as UTF-8 text"
+                ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,6 +278,8 @@ def cmd_run(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
     prompt_name = None if args.system else settings.prompt
     system = load_prompt(prompt_name) if prompt_name else args.system
     reply = {"sampling": settings.sampling.template(), "max_tokens": settings.sampling.max_tokens}
+    if not args.message.strip():  # checked before seconds go into loading the model
+        raise RequestError("the message is empty; pass some text to send")
     with ChatStore(":memory:" if args.no_store else args.db) as store:
         if args.session:
             store.get_session(args.session)  # fail on a wrong id before spending seconds on the model
@@ -265,11 +289,17 @@ def cmd_run(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
             session = Session.load(engine, store, args.session, **reply)
         else:
             session = Session.new(engine, store, system=system, prompt_name=prompt_name, **reply)
-        # closing(): on Ctrl-C the reply is finalised (stored as partial) before the engine stops.
-        with closing(session.stream(args.message)) as deltas:
-            for delta in deltas:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
+        try:
+            # closing(): on Ctrl-C the reply is finalised (stored as partial) before the engine stops.
+            with closing(session.stream(args.message)) as deltas:
+                for delta in deltas:
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+        except BaseException:
+            # A first turn rejected before anything was stored (too long, ...) leaves no empty session behind.
+            if not args.session and not store.messages(session.id):
+                session.delete()
+            raise
     sys.stdout.write("\n")
     sys.stdout.flush()  # before the note on stderr, so a terminal shows them in order
     if session.warning:
@@ -393,6 +423,10 @@ def cmd_sessions_delete(args: argparse.Namespace, engines: list[AsyncLLM]) -> No
 
 
 def cmd_search(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+    if not 1 <= args.limit <= MAX_SEARCH_LIMIT:
+        raise ConfigError(f"--limit {args.limit}: use a number from 1 to {MAX_SEARCH_LIMIT:,}")
+    if "\x00" in args.text:
+        raise ConfigError("the search text contains a NUL character (\\x00), which search cannot match; remove it")
     with ChatStore(args.db) as store:
         hits = store.search(args.text, limit=args.limit)
     for hit in hits:
@@ -432,7 +466,11 @@ def cmd_config_path(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
 
 
 def cmd_prompts_list(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
-    for prompt in list_prompts():
+    problems: list[PromptError] = []
+    prompts = list_prompts(problems)
+    for problem in problems:  # a broken file is named, the rest still listed
+        print(f"warning: {problem}", file=sys.stderr)
+    for prompt in prompts:
         origin = "" if prompt.builtin else " (yours)"
         print(
             f"{prompt.name}\t{_shown(prompt.title, one_line=True)}{origin}\t{_shown(prompt.description, one_line=True)}"

@@ -14,9 +14,13 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 
 def parse_bytes(value: int | str) -> int:
     """``2147483648``, ``"2GiB"``, ``"512 MB"`` -> bytes."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(
+            f"kv_cache_memory={value!r} ({type(value).__name__}): write bytes (an int) or a size such as '2GiB'"
+        )
     if isinstance(value, int):
         return value
-    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", str(value))
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", value)
     if not m or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"kv_cache_memory={value!r} is not a size; write bytes or e.g. '2GiB', '512MiB'")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
@@ -41,6 +45,7 @@ class EngineConfig:
     block_size: int = BLOCK_SIZE
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device={self.device!r}: use 'auto', 'cpu' or 'cuda'")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -62,5 +67,32 @@ class EngineConfig:
         self.attention = self.attention or os.environ.get("LOCALPAGED_ATTENTION") or None
         if self.attention not in (None, "triton", "torch"):
             raise ConfigError(f"attention={self.attention!r}: use 'triton' or 'torch' (or LOCALPAGED_ATTENTION)")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads={self.num_threads}: must be at least 1 (or None for torch's choice)")
         if self.block_size != BLOCK_SIZE:
             raise ConfigError(f"block_size is fixed at {BLOCK_SIZE}")
+
+    def _check_types(self) -> None:
+        """Each field's type, first: settings come from TOML, flags and callers, and a '4' for 4 would
+        otherwise fail later as a TypeError far from the mistake (or, for a bool, pass as 1)."""
+        kinds: dict[str, tuple[tuple[type, ...], bool, str]] = {
+            "model": ((str, os.PathLike), True, "a path (str)"),
+            "device": ((str,), False, "text, e.g. 'cpu'"),
+            "dtype": ((str,), False, "text, e.g. 'float32'"),
+            "weights": ((str,), False, "text, 'auto' or 'float'"),
+            "max_num_seqs": ((int,), False, "a whole number"),
+            "max_num_batched_tokens": ((int,), True, "a whole number"),
+            "max_model_len": ((int,), True, "a whole number"),
+            "enable_prefix_caching": ((bool,), False, "true or false"),
+            "attention": ((str,), True, "text, 'triton' or 'torch'"),
+            "enforce_eager": ((bool,), False, "true or false"),
+            "num_threads": ((int,), True, "a whole number"),
+            "block_size": ((int,), False, "a whole number"),
+        }
+        for name, (types, optional, want) in kinds.items():
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            wrong_bool = isinstance(value, bool) and bool not in types
+            if wrong_bool or not isinstance(value, types):
+                raise ConfigError(f"{name}={value!r} ({type(value).__name__}) must be {want}")

@@ -13,6 +13,10 @@ class ModelNotFoundError(LocalpagedError, FileNotFoundError):
     """The model path does not exist, or the default model package is not installed."""
 
 
+class InvalidModelError(LocalpagedError, ValueError):
+    """The model file is there but is not a readable model (an empty, truncated or damaged .gguf)."""
+
+
 class UnsupportedModelError(LocalpagedError):
     """The checkpoint's architecture is not one the engine implements."""
 

@@ -99,3 +99,12 @@ def default_llm():
     from localpaged import LLM
 
     return LLM(DEFAULT_MODEL, dtype="float32", device=DEVICE, kv_cache_memory="1GiB", max_model_len=2048)
+
+
+@pytest.fixture
+def user_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty user prompts folder in a throwaway LOCALPAGED_HOME."""
+    monkeypatch.setenv("LOCALPAGED_HOME", str(tmp_path))
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    return folder

@@ -257,6 +257,7 @@ def run_app(
 
 def binding_ids() -> set[str]:
     """Every binding id a [keys] table may name: the chat screen's, the messages', the dialogs'."""
+    from localpaged.tui.screens.chat_settings import ChatSettingsDialog
     from localpaged.tui.screens.confirm import ConfirmDialog
     from localpaged.tui.screens.edit import EditDialog
     from localpaged.tui.screens.new_chat import NewChatDialog
@@ -266,7 +267,7 @@ def binding_ids() -> set[str]:
     from localpaged.tui.widgets.chat_input import ChatInput
 
     owners = [MainScreen, MessageBubble, ChatInput, NewChatDialog, SearchDialog, EditDialog, TextDialog]
-    owners += [ConfirmDialog, EngineDeadScreen, ErrorScreen]
+    owners += [ConfirmDialog, ChatSettingsDialog, EngineDeadScreen, ErrorScreen]
     return {b.id for owner in owners for b in owner.BINDINGS if isinstance(b, Binding) and b.id}
 
 

@@ -97,6 +97,14 @@ class LiveChat:
         self.before = shown
         self._run(self.session.aregenerate(), None)
 
+    def continue_reply(self, so_far: str) -> None:
+        """Let the last reply (which says `so_far`) go on where it stopped, in the same message."""
+        shown = [(m.role, m.content) for m in self.visible_history()]
+        if shown and shown[-1][0] == "assistant":
+            shown.pop()
+        self.before = shown
+        self._run(self.session.acontinue_reply(), None, so_far)
+
     async def stop(self) -> None:
         """Stop generating; the partial reply stays in the chat, marked as such."""
         if self.generating:
@@ -125,8 +133,8 @@ class LiveChat:
             return ChatFigures(*self.stored_figures, self.context_tokens, max_len)
         return ChatFigures(metrics.decode_tokens_per_s, metrics.ttft_s, self.context_tokens, max_len)
 
-    def _run(self, deltas: AsyncIterator[str], text: str | None) -> None:
-        self.reply, self.error, self.failure, self.unsent, self.stopped = "", None, None, None, False
+    def _run(self, deltas: AsyncIterator[str], text: str | None, so_far: str = "") -> None:
+        self.reply, self.error, self.failure, self.unsent, self.stopped = so_far, None, None, None, False
         self._started, self._first, self._chunks = time.monotonic(), None, 0
         self._text, self._engine = text, self.session.engine
         self._running = True

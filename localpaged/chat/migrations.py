@@ -39,6 +39,15 @@ def migrate(db: Database) -> None:
             )
 
 
+def pending(db: Database) -> list[str]:
+    """The registered migrations this database has not recorded, found without writing anything
+    (so a read-only database can be checked before it is opened for reading only)."""
+    if not db["_migrations"].exists():
+        return [fn.__name__ for fn in MIGRATIONS]
+    applied = {row["name"] for row in db.query("SELECT name FROM _migrations")}
+    return [fn.__name__ for fn in MIGRATIONS if fn.__name__ not in applied]
+
+
 @migration
 def m001_sessions(db: Database) -> None:
     # No foreign key on parent_id: deleting a session that was forked must not be
@@ -100,3 +109,20 @@ def m004_messages_finish_reason(db: Database) -> None:
     # says so after a restart. Older rows keep NULL: nobody knows why they ended.
     if "finish_reason" not in db["messages"].columns_dict:
         db["messages"].add_column("finish_reason", str)
+
+
+@migration
+def m005_sessions_settings(db: Database) -> None:
+    # A chat's own reply settings (temperature, top_p, top_k, max_tokens, seed) as one JSON object; NULL or a
+    # missing key: the app's default. One JSON column, not five: a new setting needs no migration, a fork
+    # copies them in one go, and they are always read and written together.
+    if "settings" not in db["sessions"].columns_dict:
+        db["sessions"].add_column("settings", str)
+
+
+@migration
+def m006_messages_token_ids(db: Database) -> None:
+    # A reply's own token ids (a JSON list), so "continue" can resume from exactly the tokens the model
+    # generated (re-encoding the text may not give them back) and hit the prefix cache. NULL: not known.
+    if "token_ids" not in db["messages"].columns_dict:
+        db["messages"].add_column("token_ids", str)

@@ -15,7 +15,9 @@ in the user's folder replaces a shipped prompt of the same name.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 _FENCE = "---"
+# A prompt is a page or two of text; anything far bigger is a mistake (a log, a model file), not read into memory.
+MAX_PROMPT_BYTES = 1024 * 1024
 _KEY_VALUE = re.compile(r"([A-Za-z][\w-]*)\s*:\s*(.*)")
 
 
@@ -48,9 +52,20 @@ def user_prompt_dir() -> Path:
     return user_prompts_dir()
 
 
-def list_prompts() -> list[Prompt]:
-    """Every prompt, shipped and the user's, sorted by name; PromptError on a malformed file."""
-    return [_parse(name, file, builtin) for name, (file, builtin) in sorted(_files().items())]
+def list_prompts(problems: list[PromptError] | None = None) -> list[Prompt]:
+    """Every prompt that parses, shipped and the user's, sorted by name.
+
+    One broken file must not hide the others (the shipped ones above all), so a file that cannot be
+    read or parsed is skipped and its PromptError appended to ``problems``, for the caller to show.
+    """
+    prompts = []
+    for name, (file, builtin) in sorted(_files(problems).items()):
+        try:
+            prompts.append(_parse(name, file, builtin))
+        except PromptError as exc:
+            if problems is not None:
+                problems.append(exc)
+    return prompts
 
 
 def get_prompt(name: str) -> Prompt:
@@ -70,24 +85,58 @@ def load_prompt(name: str) -> str:
     return get_prompt(name).text
 
 
-def _files() -> dict[str, tuple[Traversable, bool]]:
-    """Prompt name -> (file, builtin); the user's files are added last so they win."""
+def _files(problems: list[PromptError] | None = None) -> dict[str, tuple[Traversable, bool]]:
+    """Prompt name -> (file, builtin); the user's files are added last so they win.
+
+    An unreadable user folder is reported in ``problems`` (when given) rather than hiding the shipped prompts.
+    """
     found: dict[str, tuple[Traversable, bool]] = {}
     for file in resources.files("localpaged.prompts").iterdir():
         if file.name.endswith(".md"):
             found[file.name[: -len(".md")]] = (file, True)
     folder = user_prompt_dir()
-    if folder.is_dir():
-        for path in folder.glob("*.md"):
-            if not path.name.startswith("."):  # editor lock and backup files
-                found[path.stem] = (path, False)
+    try:
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.md")):
+                if not path.name.startswith("."):  # editor lock and backup files
+                    found[path.stem] = (path, False)
+    except OSError as exc:
+        if problems is not None:
+            problems.append(PromptError(f"{folder}: cannot be listed ({exc.strerror or exc}); check its permissions."))
     return found
+
+
+def _read_user_file(path: Path) -> bytes:
+    """The bytes of a user's prompt file, refusing what would hang or flood: FIFOs, devices, folders, huge files.
+
+    The type is checked with stat before opening (opening a FIFO blocks until a writer comes), the file is
+    opened non-blocking all the same (it could be swapped between the two) and read no further than the limit.
+    """
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise PromptError(f"{path}: not a regular file (a folder, FIFO or device); prompts are plain .md files.")
+        if info.st_size > MAX_PROMPT_BYTES:
+            raise PromptError(
+                f"{path}: {info.st_size:,} bytes, more than the {MAX_PROMPT_BYTES:,} a prompt file may have; "
+                "shorten it or move it out of the prompts folder."
+            )
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise PromptError(f"{path}: not a regular file; prompts are plain .md files.")
+            data = handle.read(MAX_PROMPT_BYTES + 1)
+    except OSError as exc:
+        raise PromptError(f"{path}: cannot be read ({exc.strerror or exc}).") from exc
+    if len(data) > MAX_PROMPT_BYTES:
+        raise PromptError(f"{path}: more than the {MAX_PROMPT_BYTES:,} bytes a prompt file may have; shorten it.")
+    return data
 
 
 def _parse(name: str, file: Traversable, builtin: bool) -> Prompt:
     path = Path(str(file))
     try:
-        data = file.read_bytes()
+        data = file.read_bytes() if builtin else _read_user_file(path)
     except OSError as exc:
         raise PromptError(f"{path}: cannot be read ({exc.strerror or exc}).") from exc
     try:

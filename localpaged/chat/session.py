@@ -14,7 +14,12 @@ uses the session's ``sampling`` (temperature, top_p, top_k, seed) and its ``max_
 with no limit (the default) the reply runs until the model stops or the context is full, and
 nothing beyond what the prompt needs is reserved. This differs on purpose from SamplingParams'
 own default of 256 tokens, which is for ``LLM.generate``: a chat should not cut an answer short
-unless the user asked it to.
+unless the user asked it to. A chat may set its own temperature, top_p, top_k, max_tokens and seed
+(``settings``, stored with the session, copied by a fork); each one it sets overrides the session's
+``sampling``/``max_tokens`` (the app's defaults), and every turn, regenerate and continue use them.
+
+A reply that stopped at a token limit can be continued (``continue_reply``): the same stored message
+grows from the reply's own stored token ids, so the engine's prefix cache serves the whole prompt.
 
 This module imports no torch at import time (the CLI exports sessions without a model).
 """
@@ -30,7 +35,7 @@ from contextlib import aclosing, closing, contextmanager
 from typing import TYPE_CHECKING
 
 from localpaged.chat.store import FINISH_REASONS, ChatStore, MessageRecord, SessionRecord
-from localpaged.errors import RequestError
+from localpaged.errors import ConfigError, RequestError
 from localpaged.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -75,6 +80,8 @@ class Session:
         self.sampling = sampling if sampling is not None else SamplingParams()
         # ...and stop after max_tokens; None: until the model stops or the context is full.
         self.max_tokens = None if max_tokens is None else SamplingParams(max_tokens=max_tokens).max_tokens
+        # This chat's own settings (CHAT_SETTINGS), stored with it; a missing one uses the two above.
+        self.settings = _checked_settings(store.session_settings(record.id), strict=False)
         self.generating = False
         self.last_metrics: RequestMetrics | None = None
         self.last_reply: MessageRecord | None = None  # the assistant message of the latest turn
@@ -97,6 +104,8 @@ class Session:
         max_tokens: int | None = None,
     ) -> Session:
         """Start a stored, empty session; without a title, the first user message names it."""
+        _check_text("system", system, optional=True)
+        _check_text("title", title, optional=True)
         record = store.create_session(title=title, system=system, prompt_name=prompt_name, model=engine.model_name)
         return cls(engine, store, record, truncate=truncate, sampling=sampling, max_tokens=max_tokens)
 
@@ -153,6 +162,49 @@ class Session:
         prompt, params = self._begin_regenerate(params)
         async for delta in self._areply(prompt, params):
             yield delta
+
+    def continue_reply(self, params: SamplingParams | None = None) -> MessageRecord:
+        """Let the last reply, cut off by a token limit, go on where it stopped; returns the same message, grown.
+
+        The prompt is the turn's prompt plus the reply's own token ids, without an end-of-turn token, so
+        the engine's prefix cache serves all of it but the last, partly filled block.
+        """
+        prompt, params, message = self._begin_continue(params)
+        for _ in self._reply(prompt, params, message):
+            pass
+        assert self.last_reply is not None
+        return self.last_reply
+
+    async def acontinue_reply(self, params: SamplingParams | None = None) -> AsyncIterator[str]:
+        """The twin of continue_reply, yielding the new text as it is generated."""
+        prompt, params, message = self._begin_continue(params)
+        async for delta in self._areply(prompt, params, message):
+            yield delta
+
+    def continuable(self) -> MessageRecord | None:
+        """The last reply if it can be continued: it ended on a token limit, the context has room, its
+        token ids are stored, and nothing follows it; else None."""
+        history = self.history
+        if not history or history[-1].role != "assistant":
+            return None
+        reply = history[-1]
+        if reply.status != "complete" or reply.finish_reason != "length":
+            return None
+        used = (reply.prompt_tokens or 0) + (reply.completion_tokens or 0)
+        if used >= self.engine.config.max_model_len or self.store.token_ids(reply.id) is None:
+            return None  # the context is full, or the reply's tokens are unknown (an older reply)
+        return reply
+
+    def reply_sampling(self) -> tuple[SamplingParams, int | None]:
+        """What a turn without its own params uses: the app's sampling and limit, with this chat's settings on top."""
+        own = {k: v for k, v in self.settings.items() if k != "max_tokens"}
+        return dataclasses.replace(self.sampling, **own), self.settings.get("max_tokens", self.max_tokens)
+
+    def set_settings(self, settings: dict) -> None:
+        """Store this chat's own settings (CHAT_SETTINGS; None: the app's default); ConfigError if one is bad."""
+        checked = checked_settings(settings)
+        self.store.set_session_settings(self.id, checked)
+        self.settings = checked
 
     async def stop(self) -> None:
         """Abort the reply in flight, if any; what it said so far stays stored as ``partial``."""
@@ -215,6 +267,7 @@ class Session:
         return self._turn_prompt_tokens + self._turn_generated if self.generating else None
 
     def rename(self, title: str) -> None:
+        _check_text("title", title)
         self.store.rename_session(self.id, title)
         self.title = title
 
@@ -229,6 +282,7 @@ class Session:
     def _begin_turn(self, text: str, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         """Check the turn fits, then store the user message (before any generation); the prompt ids and params."""
         self._check_idle()
+        _check_text("message", text)
         if not text.strip():
             raise RequestError("the message is empty; type something to send")
         turns = _replayable(self.history) + [{"role": "user", "content": text}]
@@ -250,6 +304,20 @@ class Session:
         self.store.delete_messages_after(self.id, history[last_user].id)
         return prompt, params
 
+    def _begin_continue(self, params: SamplingParams | None) -> tuple[list[int], SamplingParams, MessageRecord]:
+        """The prompt ids (the turn's prompt + the reply's token ids), params and message of a continue."""
+        self._check_idle()
+        reply = self.continuable()
+        if reply is None:
+            raise RequestError(
+                f"session {self.id}: only a last reply that stopped at a token limit, with room left in the "
+                "context, can be continued; send a new message or regenerate instead"
+            )
+        history = self.history
+        turns = _replayable(history[:-1])
+        prompt, params = self._fit(turns, params, extra=self.store.token_ids(reply.id) or [])
+        return prompt, params, reply
+
     def _check_idle(self) -> None:
         if self.generating:
             raise RequestError(f"session {self.id} is already generating a reply; wait for it or stop() it first")
@@ -258,20 +326,24 @@ class Session:
         system = [{"role": "system", "content": self.system}] if self.system else []
         return system + turns
 
-    def _fit(self, turns: list[dict], params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+    def _fit(
+        self, turns: list[dict], params: SamplingParams | None, extra: list[int] | None = None
+    ) -> tuple[list[int], SamplingParams]:
         """The prompt ids for system + turns within max_model_len, and the SamplingParams of the reply.
 
         Room is left for the reply's max_tokens: the params' own if given, else the session's limit;
         with no limit, only the prompt must fit (and one token of reply), and the reply may use all
         the context left. Too long: a RequestError that says by how much, or with truncate=True, drop
-        the oldest user/assistant exchanges (never the system prompt or the newest message).
+        the oldest user/assistant exchanges (never the system prompt or the newest message). ``extra``
+        ids follow the template's (a reply being continued).
         """
         limit = self.engine.config.max_model_len
-        max_tokens = params.max_tokens if params is not None else self.max_tokens
+        sampling, default_max = self.reply_sampling()
+        max_tokens = params.max_tokens if params is not None else default_max
         room = max_tokens if max_tokens is not None else 1
         dropped = 0
         while True:
-            prompt = self.engine.encode_chat(self._messages(turns))
+            prompt = self.engine.encode_chat(self._messages(turns)) + list(extra or [])
             over = len(prompt) + room - limit
             if over <= 0:
                 break
@@ -304,44 +376,49 @@ class Session:
             )
             log.warning("session %s: %s", self.id, self.warning)
         if params is None:
-            params = dataclasses.replace(
-                self.sampling, max_tokens=limit - len(prompt) if max_tokens is None else max_tokens
-            )
+            params = dataclasses.replace(sampling, max_tokens=limit - len(prompt) if max_tokens is None else max_tokens)
         return prompt, params
 
-    def _reply(self, prompt: list[int], params: SamplingParams) -> Iterator[str]:
+    def _reply(
+        self, prompt: list[int], params: SamplingParams, continuing: MessageRecord | None = None
+    ) -> Iterator[str]:
         with (
-            self._replying(prompt) as take,
+            self._replying(prompt, continuing) as take,
             closing(self.engine.iter_stream(prompt, params, self._request_id)) as outputs,
         ):
             for output in outputs:
                 if delta := take(output):
                     yield delta
 
-    async def _areply(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[str]:
+    async def _areply(
+        self, prompt: list[int], params: SamplingParams, continuing: MessageRecord | None = None
+    ) -> AsyncIterator[str]:
         """The twin of _reply: the same body, driven by ``async for``."""
-        with self._replying(prompt) as take:
+        with self._replying(prompt, continuing) as take:
             async with aclosing(self.engine.stream(prompt, params, self._request_id)) as outputs:
                 async for output in outputs:
                     if delta := take(output):
                         yield delta
 
     @contextmanager
-    def _replying(self, prompt: list[int]) -> Iterator[Callable[[RequestOutput], str]]:
+    def _replying(
+        self, prompt: list[int], continuing: MessageRecord | None = None
+    ) -> Iterator[Callable[[RequestOutput], str]]:
         """Store the reply as it streams: yields ``take(output) -> delta``; the end stores its status.
 
         An exception (the engine died, a bad request) is stored as ``error`` with its message; leaving
         early (stop, break, close) keeps what was said as ``partial``.
         """
-        recorder = _ReplyRecorder(self.store, self.id, self.engine.model_name)
+        recorder = _ReplyRecorder(self.store, self.id, self.engine.model_name, continuing)
         self.generating = True
-        self._request_id = f"{self.id}-{recorder.message.id}"
-        self._turn_prompt_tokens, self._turn_generated = len(prompt), 0
+        self._request_id = f"{self.id}-{recorder.message.id}" + (f"-c{len(recorder.base_ids)}" if continuing else "")
+        self._turn_prompt_tokens = len(prompt) - len(recorder.base_ids)
+        self._turn_generated = len(recorder.base_ids)
 
         def take(output: RequestOutput) -> str:
             recorder.update(output)
             self.last_metrics = output.metrics
-            self._turn_generated = len(output.token_ids)
+            self._turn_generated = len(output.token_ids) + len(recorder.base_ids)
             return output.delta
 
         error: BaseException | None = None
@@ -361,9 +438,16 @@ class Session:
 class _ReplyRecorder:
     """Keeps the stored assistant message in step with a streaming reply."""
 
-    def __init__(self, store: ChatStore, session_id: str, model: str) -> None:
+    def __init__(self, store: ChatStore, session_id: str, model: str, continuing: MessageRecord | None = None) -> None:
         self.store = store
-        self.message = store.add_message(session_id, "assistant", "", status="partial", model=model)
+        # A continued reply grows the stored message: its text and token ids so far come first.
+        self.base_text = continuing.content if continuing is not None else ""
+        self.base_ids = (store.token_ids(continuing.id) or []) if continuing is not None else []
+        if continuing is None:
+            self.message = store.add_message(session_id, "assistant", "", status="partial", model=model)
+        else:
+            self.message = continuing
+            store.update_message(continuing.id, status="partial")
         self.output: RequestOutput | None = None
         self._saved_at = time.monotonic()
 
@@ -371,7 +455,7 @@ class _ReplyRecorder:
         """Remember the newest output; write its text if the last write is SAVE_EVERY_S old."""
         self.output = output
         if time.monotonic() - self._saved_at >= SAVE_EVERY_S:
-            self.store.update_message(self.message.id, content=output.text)
+            self.store.update_message(self.message.id, content=self.base_text + output.text)
             self._saved_at = time.monotonic()
 
     def finish(self, error: BaseException | None) -> MessageRecord:
@@ -392,22 +476,32 @@ class _ReplyRecorder:
         metrics = {}
         if output is not None:
             m = output.metrics
-            metrics = {
-                "prompt_tokens": m.prompt_tokens,
+            metrics = {  # of the whole reply: a continue's prompt holds the reply's first part
+                "prompt_tokens": m.prompt_tokens - len(self.base_ids) if self.base_ids else m.prompt_tokens,
                 "cached_tokens": m.cached_tokens,
-                "completion_tokens": m.generated_tokens,
+                "completion_tokens": m.generated_tokens + len(self.base_ids),
                 "ttft_s": m.ttft_s,
                 "tokens_per_s": m.decode_tokens_per_s,
             }
         self.store.update_message(
             self.message.id,
-            content=output.text if output is not None else "",
+            content=self.base_text + (output.text if output is not None else ""),
             status=status,
             error=(str(error) or type(error).__name__) if error is not None else None,
             finish_reason=reason,
             **metrics,
         )
+        if output is not None:
+            self.store.set_token_ids(self.message.id, self.base_ids + list(output.token_ids))
         return self.store.get_message(self.message.id)
+
+
+def _check_text(what: str, value: object, *, optional: bool = False) -> None:
+    """The public methods take text only: None or bytes would otherwise fail deep inside (AttributeError)
+    or be stored as a value no reader expects."""
+    if isinstance(value, str) or (optional and value is None):
+        return
+    raise RequestError(f"the {what} must be text (str){' or None' if optional else ''}, not {type(value).__name__}")
 
 
 def limit_note(message: object) -> str:
@@ -419,6 +513,43 @@ def limit_note(message: object) -> str:
         return ""
     tokens = getattr(message, "completion_tokens", None)
     return f"stopped at {tokens} tokens" if tokens is not None else "stopped at the token limit"
+
+
+CHAT_SETTINGS = ("temperature", "top_p", "top_k", "max_tokens", "seed")  # what a chat may set for itself
+
+
+def checked_settings(settings: dict) -> dict:
+    """The non-None CHAT_SETTINGS of ``settings`` as SamplingParams reads them; ConfigError for a bad one."""
+    return _checked_settings(settings, strict=True)
+
+
+def settings_summary(settings: dict) -> str:
+    """A chat's own settings in a few words for its title line ("temp 0.3, max 40 tokens"); "" when it has none."""
+    words = {"temperature": "temp {}", "top_p": "top-p {}", "top_k": "top-k {}", "max_tokens": "max {} tokens"}
+    words["seed"] = "seed {}"
+    return ", ".join(words[name].format(settings[name]) for name in CHAT_SETTINGS if settings.get(name) is not None)
+
+
+def _checked_settings(settings: dict, *, strict: bool) -> dict:
+    """The non-None CHAT_SETTINGS of ``settings``, each checked by SamplingParams.
+
+    strict: a bad value or unknown name raises ConfigError (the user is typing them); else it is
+    dropped, so a hand-edited database never stops a chat from opening.
+    """
+    kept = {}
+    for name, value in settings.items():
+        if value is None:
+            continue
+        if name not in CHAT_SETTINGS:
+            if strict:
+                raise ConfigError(f"{name}: not a chat setting; use any of {', '.join(CHAT_SETTINGS)}")
+            continue
+        try:
+            kept[name] = getattr(SamplingParams(**{name: value}), name)
+        except ConfigError:
+            if strict:
+                raise
+    return kept
 
 
 def _replayable(history: list[MessageRecord]) -> list[dict]:

@@ -8,6 +8,7 @@ chats, so this module never overwrites, truncates or "repairs" it.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import sqlite3
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlite_utils import Database
 
-from localpaged.chat.migrations import migrate
+from localpaged.chat.migrations import migrate, pending
 from localpaged.errors import StoreError, UnknownSessionError
 from localpaged.locations import chat_db_path, create_private_file, make_private
 
@@ -87,6 +88,9 @@ _SESSION_COLUMNS = ", ".join(f.name for f in fields(SessionRecord))
 _MESSAGE_COLUMNS = ", ".join(f.name for f in fields(MessageRecord))
 
 
+MAX_SEARCH_LIMIT = 1_000_000  # far more hits than anyone reads; keeps LIMIT inside SQLite's integers
+
+
 def default_db_path() -> Path:
     """The default database, :func:`localpaged.locations.chat_db_path` (``chats.db`` in $LOCALPAGED_HOME)."""
     return chat_db_path()
@@ -109,12 +113,24 @@ class ChatStore:
         # One connection, shared: the lock serialises statements so that one thread's
         # reads never land inside another thread's open write transaction.
         self._lock = threading.RLock()
-        if self.path is not None:
+        # A database we may not write (its file or folder) is opened for reading only, so listing,
+        # showing and searching still work; writing commands then fail with a read-only StoreError.
+        self.read_only = self.path is not None and _not_writable(self.path)
+        if self.path is not None and not self.read_only:
             self._create_file(default=not path)
         with self._errors():
             # isolation_level=None: each statement outside an explicit BEGIN commits at once.
+            target: str | Path = self.path or ":memory:"
+            if self.read_only:
+                assert self.path is not None
+                target = f"{self.path.resolve().as_uri()}?mode=ro"
+                wal = self.path.with_name(self.path.name + "-wal")
+                if not os.access(self.path.parent, os.W_OK) and not (wal.is_file() and wal.stat().st_size):
+                    # SQLite cannot make the -shm file a WAL reader needs in a folder it may not write;
+                    # with no -wal data pending, the main file alone is the whole database.
+                    target += "&immutable=1"
             self._conn = sqlite3.connect(
-                self.path or ":memory:", timeout=timeout, isolation_level=None, check_same_thread=False
+                target, timeout=timeout, isolation_level=None, check_same_thread=False, uri=self.read_only
             )
         try:
             with self._errors():
@@ -123,11 +139,24 @@ class ChatStore:
                 self._conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
                 self._conn.execute("PRAGMA foreign_keys = ON")
                 self.db = Database(self._conn)
-                self.db.enable_wal()
-                migrate(self.db)
+                if self.read_only:
+                    self._check_current()
+                else:
+                    self.db.enable_wal()
+                    migrate(self.db)
         except BaseException:
             self._conn.close()
             raise
+
+    def _check_current(self) -> None:
+        """A read-only database must already have every migration: it cannot be brought forward."""
+        missing = pending(self.db)
+        if missing:
+            raise StoreError(
+                f"The chat database {self.path} is read-only and was written by an older version of localpaged "
+                f"(it lacks {', '.join(missing)}). Make the file and its folder writable once so it can be "
+                "upgraded, or pass --db with another path."
+            )
 
     def _create_file(self, *, default: bool) -> None:
         """Create the database file 0600 before SQLite opens it (SQLite would use 0644 less the umask)."""
@@ -157,6 +186,8 @@ class ChatStore:
         parent_id: str | None = None,
     ) -> SessionRecord:
         """Start an empty session and return it; its id is a short random hex string."""
+        for field, value in (("title", title), ("system", system), ("prompt_name", prompt_name), ("model", model)):
+            _check_text(f"session {field}", value, optional=True)
         now = time.time()
         with self._write():
             session_id = self._new_session_id()
@@ -180,6 +211,7 @@ class ChatStore:
 
     def rename_session(self, session_id: str, title: str) -> None:
         """Set the title. Leaves ``updated`` alone, so renaming does not reorder the list."""
+        _check_text("session title", title)
         with self._write():
             cursor = self._conn.execute("UPDATE sessions SET title = ? WHERE id = ?", (title, session_id))
             if not cursor.rowcount:
@@ -197,6 +229,7 @@ class ChatStore:
         """A new session (``parent_id`` = this one) holding copies of its messages up to
         and including ``upto_message_id``. The title defaults to the source's plus " (fork)".
         """
+        _check_text("session title", title, optional=True)
         with self._write():
             source = self.get_session(session_id)
             if self.get_message(upto_message_id).session_id != session_id:
@@ -209,13 +242,38 @@ class ChatStore:
                 f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (fork_id, title, source.system, source.prompt_name, source.model, session_id, now, now),
             )
-            copied = _MESSAGE_COLUMNS.removeprefix("id, session_id, ")
+            self._conn.execute(
+                "UPDATE sessions SET settings = (SELECT settings FROM sessions WHERE id = ?) WHERE id = ?",
+                (session_id, fork_id),
+            )
+            copied = _MESSAGE_COLUMNS.removeprefix("id, session_id, ") + ", token_ids"
             self._conn.execute(
                 f"INSERT INTO messages (session_id, {copied}) SELECT ?, {copied} FROM messages"
                 " WHERE session_id = ? AND id <= ? ORDER BY id",
                 (fork_id, session_id, upto_message_id),
             )
         return SessionRecord(fork_id, title, source.system, source.prompt_name, source.model, session_id, now, now)
+
+    def session_settings(self, session_id: str) -> dict[str, Any]:
+        """The chat's own reply settings (a JSON object in ``sessions.settings``); {} when it has none."""
+        rows = self._query("SELECT settings FROM sessions WHERE id = ?", [session_id])
+        if not rows:
+            raise self._unknown(session_id)
+        try:
+            settings = json.loads(rows[0]["settings"] or "{}")
+        except ValueError:
+            return {}  # damaged by hand: the app's defaults, never a chat that cannot open
+        return settings if isinstance(settings, dict) else {}
+
+    def set_session_settings(self, session_id: str, settings: dict[str, Any]) -> None:
+        """Store the chat's own reply settings; keys with None are left out (they mean "the default")."""
+        kept = {name: value for name, value in settings.items() if value is not None}
+        with self._write():
+            cursor = self._conn.execute(
+                "UPDATE sessions SET settings = ? WHERE id = ?", (json.dumps(kept) if kept else None, session_id)
+            )
+            if not cursor.rowcount:
+                raise self._unknown(session_id)
 
     # -- messages ------------------------------------------------------------------
 
@@ -235,6 +293,8 @@ class ChatStore:
         ``metrics`` are any of: prompt_tokens, cached_tokens, completion_tokens, ttft_s,
         tokens_per_s, model. A streaming reply starts as ``status="partial"``.
         """
+        _check_text("message content", content)
+        _check_text("message error", error, optional=True)
         _check_choice("role", role, ROLES)
         _check_choice("status", status, STATUSES)
         if finish_reason is not None:
@@ -268,6 +328,8 @@ class ChatStore:
         Called repeatedly while a reply streams in, then once with ``status="complete"``
         (or ``"error"`` and ``error=...``), the engine's ``finish_reason`` and the final metrics.
         """
+        _check_text("message content", content, optional=True)
+        _check_text("message error", error, optional=True)
         if status is not None:
             _check_choice("status", status, STATUSES)
         if finish_reason is not None:
@@ -288,6 +350,26 @@ class ChatStore:
                 "UPDATE sessions SET updated = ? WHERE id = (SELECT session_id FROM messages WHERE id = ?)",
                 (now, message_id),
             )
+
+    def set_token_ids(self, message_id: int, token_ids: list[int]) -> None:
+        """Store a reply's own token ids (for continue), as a JSON list."""
+        with self._write():
+            cursor = self._conn.execute(
+                "UPDATE messages SET token_ids = ? WHERE id = ?", (json.dumps([int(t) for t in token_ids]), message_id)
+            )
+            if not cursor.rowcount:
+                raise StoreError(f"There is no message with id {message_id} in {self._where()}.")
+
+    def token_ids(self, message_id: int) -> list[int] | None:
+        """A reply's stored token ids; None when they were never stored (older replies, user messages)."""
+        rows = self._query("SELECT token_ids FROM messages WHERE id = ?", [message_id])
+        if not rows:
+            raise StoreError(f"There is no message with id {message_id} in {self._where()}.")
+        try:
+            ids = json.loads(rows[0]["token_ids"]) if rows[0]["token_ids"] else None
+        except ValueError:
+            return None
+        return ids if isinstance(ids, list) and all(isinstance(t, int) for t in ids) else None
 
     def delete_messages_after(self, session_id: str, message_id: int) -> None:
         """Drop the session's messages with an id greater than ``message_id`` (for regenerate)."""
@@ -315,8 +397,15 @@ class ChatStore:
         """Messages containing every word of ``text``, best match first.
 
         Each word is quoted as an FTS phrase, so quotes, ``AND``/``OR``/``NOT``, ``*``
-        and parentheses are searched for as text instead of being parsed as syntax.
+        and parentheses are searched for as text instead of being parsed as syntax. A NUL
+        separates words (FTS5 reads it as the end of the query); ``limit`` is capped at
+        MAX_SEARCH_LIMIT, so a huge one is not an SQLite overflow.
         """
+        _check_text("search text", text)
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise StoreError(f"The search limit must be a whole number (int); got {type(limit).__name__}.")
+        limit = min(max(limit, 0), MAX_SEARCH_LIMIT)
+        text = text.replace("\x00", " ")
         query = " ".join('"' + word.replace('"', '""') + '"' for word in text.split())
         if not query:
             return []
@@ -331,7 +420,7 @@ class ChatStore:
             ORDER BY messages_fts.rank, m.id DESC
             LIMIT ?
             """,
-            [query, max(limit, 0)],
+            [query, limit],
         )
         return [SearchHit(**row) for row in rows]
 
@@ -404,6 +493,12 @@ class ChatStore:
             raise StoreError(_explain(exc, self._where(), self._timeout)) from exc
 
 
+def _not_writable(path: Path) -> bool:
+    """True for an existing database file that this user may not write, or whose folder it may not write
+    (SQLite writes its -wal and -shm files there)."""
+    return path.is_file() and not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK))
+
+
 def _explain(exc: sqlite3.Error, where: str, timeout: float) -> str:
     code = getattr(exc, "sqlite_errorname", "") or ""
     text = str(exc)
@@ -431,8 +526,16 @@ def _explain(exc: sqlite3.Error, where: str, timeout: float) -> str:
     return f"The chat database {where} failed: {text}."
 
 
+def _check_text(field: str, value: object, *, optional: bool = False) -> None:
+    """Text columns take str only: SQLite would store bytes or an int as they are, and every reader
+    (export, search, the app) would then fail far from the mistake."""
+    if isinstance(value, str) or (optional and value is None):
+        return
+    raise StoreError(f"The {field} must be text (str){' or None' if optional else ''}; got {type(value).__name__}.")
+
+
 def _check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         raise StoreError(f"A message {field} must be one of {', '.join(allowed)}; got {value!r}.")
 
 

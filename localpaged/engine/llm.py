@@ -86,11 +86,16 @@ class LLM:
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        if not isinstance(prompt, (list, tuple)):  # bytes would iterate as ints and pass for token ids
+            raise RequestError(
+                f"a prompt must be text (str), token ids (a list of int) or chat messages (a list of dict), "
+                f"not {type(prompt).__name__}" + ("; decode it to str first" if isinstance(prompt, bytes) else "")
+            )
         if prompt and isinstance(prompt[0], dict):
             return self.encode_chat(prompt)  # type: ignore[arg-type]
         ids = list(prompt)  # type: ignore[arg-type]
         vocab = self.runner.model.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
@@ -257,7 +262,7 @@ class LLM:
         If this call is interrupted (KeyboardInterrupt, or any exception out of ``step``), every
         request it queued is aborted on the way out, so no blocks stay held.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+        if isinstance(prompts, (str, bytes, bytearray)) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]  # type: ignore[list-item]
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):

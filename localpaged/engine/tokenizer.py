@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from localpaged.errors import RequestError
+
 # Covers the template's roles, a multi-byte character, a turn boundary and the generation prompt.
 PROBE = [
     {"role": "system", "content": "Be brief."},
@@ -38,9 +40,95 @@ def load_front_end_tokenizer(folder: str | Path) -> Any:
 
 
 def encode_chat(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn."""
+    """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn.
+
+    The roles and contents are checked first (RequestError naming the message), and a content that
+    spells one of the model's control tokens (``<|im_start|>`` ...) keeps it as text: otherwise a pasted
+    message could open a system turn of its own. Conversations without such strings, nearly all of them,
+    go through the template exactly as before, so their ids (and the prefix cache) do not change.
+    """
+    messages = check_messages(messages)
+    specials = _special_strings(tokenizer)
+    if not any(token in m["content"] for m in messages for token in specials):
+        return _apply_template(tokenizer, messages)
+    return _encode_with_literal_content(tokenizer, messages)
+
+
+# Roles the chat templates know; "developer" (the OpenAI API's newer name for "system", which the
+# server also takes) is passed on as "system".
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def check_messages(messages: object) -> list[dict]:
+    """The messages with known roles and text content; RequestError naming the first bad one and why.
+
+    A template given an unknown role or non-text content fails deep inside Jinja, or worse renders it.
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise RequestError(
+            f"chat messages must be a list of {{'role': ..., 'content': ...}}; got {type(messages).__name__}"
+        )
+    checked = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(
+                f"message {index} must be a dict with 'role' and 'content'; got {type(message).__name__}"
+            )
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise RequestError(f"message {index} has an unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(content, str):
+            raise RequestError(f"message {index} content must be text (str), not {type(content).__name__}")
+        checked.append({**message, "role": "system"} if role == "developer" else message)
+    return checked
+
+
+def _apply_template(tokenizer: Any, messages: list[dict]) -> list[int]:
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _special_strings(tokenizer: Any) -> list[str]:
+    """The texts of the tokenizer's special (control) added tokens, e.g. ``<|im_start|>``."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {token.content for token in decoder.values() if getattr(token, "special", False) and token.content}
+    found.update(t for t in getattr(tokenizer, "all_special_tokens", []) if t)
+    return sorted(found)
+
+
+def _encode_with_literal_content(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Render the template around placeholders, then tokenize the template's own text as usual and
+    each content with its special-token strings split into ordinary text tokens."""
+    rendered_all = "".join(m["content"] for m in messages)
+    marker = "\ue000"
+    while marker in rendered_all:
+        marker += "\ue001"
+    placeholders = [f"{marker}{i}{marker}" for i in range(len(messages))]
+    masked = [{**m, "content": placeholder} for m, placeholder in zip(messages, placeholders)]
+    template = tokenizer.apply_chat_template(masked, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    pieces: list[tuple[str, bool]] = []  # (text, is_content)
+    rest = template
+    for placeholder, message in zip(placeholders, messages):
+        before, found, after = rest.partition(placeholder)
+        if not found or placeholder in after:  # a template that drops, repeats or reshapes a message
+            raise RequestError(
+                "a message contains the model's control-token text (e.g. <|im_start|>) and this model's chat "
+                "template cannot keep it as plain text; remove that text from the message"
+            )
+        pieces += [(before, False), (message["content"], True)]
+        rest = after
+    pieces.append((rest, False))
+    if "".join(text for text, _ in pieces) != full:  # the template transforms contents (trims them, ...)
+        raise RequestError(
+            "a message contains the model's control-token text (e.g. <|im_start|>) and this model's chat "
+            "template changes message text, so it cannot be kept as plain text; remove it from the message"
+        )
+    ids: list[int] = []
+    for text, is_content in pieces:
+        if text:
+            ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=is_content)
+    return ids
 
 
 def probe_ids(tokenizer: Any) -> list[int] | None:

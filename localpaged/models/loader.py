@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from localpaged.errors import ModelNotFoundError, UnsupportedModelError
+from localpaged.errors import InvalidModelError, LocalpagedError, ModelNotFoundError, UnsupportedModelError
 from localpaged.locations import make_private_tree, models_cache_dir
 
 Progress = Callable[[str, "float | None"], None]
@@ -103,9 +103,18 @@ def _converted_gguf(path: Path, fingerprint: str, progress: Progress) -> Path:
 
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))  # 0700
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        progress("Dequantising weights", 0.3)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            progress("Dequantising weights", 0.3)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        except (LocalpagedError, MemoryError):
+            raise
+        except Exception as exc:  # the parsers fail in many ways (ValueError, KeyError, IndexError, struct.error ...)
+            check_gguf(path)  # the precise reason, where the file itself is broken
+            raise InvalidModelError(
+                f"{path} could not be converted: it is not a valid GGUF model of a supported kind "
+                f"({type(exc).__name__}: {exc}). Download it again, or pass another --model."
+            ) from exc
         progress("Writing the converted model", 0.8)
         _save_plain(model, tmp)
         tokenizer.save_pretrained(tmp)
@@ -116,6 +125,27 @@ def _converted_gguf(path: Path, fingerprint: str, progress: Progress) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     progress("Converted", 1.0)
     return target
+
+
+def check_gguf(path: Path) -> None:
+    """Parse the GGUF header and tensor table, so an empty, truncated or foreign file is one clear error
+    (InvalidModelError naming the file) instead of a traceback from deep inside the parser."""
+    import gguf
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ValueError("it does not start with the GGUF magic bytes" if magic else "it is empty")
+        reader = gguf.GGUFReader(path)
+        size = path.stat().st_size
+        for tensor in reader.tensors:
+            if tensor.data_offset + tensor.n_bytes > size:
+                raise ValueError(f"tensor {tensor.name} runs past the end of the file (truncated?)")
+    except (OSError, ValueError, IndexError, KeyError, TypeError, OverflowError) as exc:
+        raise InvalidModelError(
+            f"{path} is not a valid GGUF file ({exc}); download it again, or pass another --model"
+        ) from exc
 
 
 def _save_plain(model, folder: Path) -> None:

@@ -17,6 +17,17 @@ from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
 from localpaged.errors import EngineDeadError, RequestError
 
 BLOCK_SIZE = 16
+WORD_IDS = 0x110000  # a reply's "tokens" are its words, numbered from here (beyond every character)
+_WORDS: list[str] = []
+_WORD_IDS: dict[str, int] = {}
+
+
+def word_id(word: str) -> int:
+    """The token id of one reply word (with its leading space), the same for the same word."""
+    if word not in _WORD_IDS:
+        _WORD_IDS[word] = WORD_IDS + len(_WORDS)
+        _WORDS.append(word)
+    return _WORD_IDS[word]
 
 
 @dataclass
@@ -44,6 +55,7 @@ class FakeEngine:
     model_name: str = "fake-135M"
     config: FakeConfig = field(default_factory=FakeConfig)
     prompts: list[list[int]] = field(default_factory=list)
+    params: list[object] = field(default_factory=list)  # the SamplingParams of every stream, in order
     shut_down: bool = False
     cause: str | None = None
     calls_when_dead: int = 0
@@ -73,8 +85,12 @@ class FakeEngine:
         text = "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages) + "<|assistant|>"
         return list(text.encode())
 
+    def decode(self, ids: list[int]) -> str:
+        """Prompt ids back to text: bytes of the template, and word ids (WORD_IDS and up) of a reply being continued."""
+        return "".join(chr(i) if i < WORD_IDS else _WORDS[i - WORD_IDS] for i in ids)
+
     def last_user_text(self, prompt: list[int]) -> str:
-        turns = re.findall(r"<\|user\|>(.*?)<\|end\|>", bytes(prompt).decode(), re.DOTALL)
+        turns = re.findall(r"<\|user\|>(.*?)<\|end\|>", self.decode(prompt), re.DOTALL)
         return turns[-1] if turns else ""
 
     async def stream(
@@ -85,14 +101,17 @@ class FakeEngine:
         if request_id in self._running:
             raise RequestError(f"request id {request_id!r} is already in flight")
         self.prompts.append(list(prompt))
+        self.params.append(params)
         self._running.add(request_id)
         text = self.last_user_text(prompt)
-        words = re.findall(r"\s*\S+", self.replies.get(text, None) or self.default(text))
+        script = self.replies.get(text, None) or self.default(text)
+        said = self.decode(prompt).rsplit("<|assistant|>", 1)[-1]  # a continue's prompt ends with the reply so far
+        words = re.findall(r"\s*\S+", script.removeprefix(said))
         # A word is a token: the reply ends at max_tokens or a full context with "length", as the engine's does.
         limit = min(getattr(params, "max_tokens", len(words)), self.config.max_model_len - len(prompt))
         length = len(words) > limit
         words = words[: max(limit, 0)]
-        start, first, out = time.monotonic(), None, ""
+        start, first, out, ids = time.monotonic(), None, "", []
         try:
             for i, word in enumerate(words):
                 await asyncio.sleep(self.delay)
@@ -101,13 +120,14 @@ class FakeEngine:
                     await asyncio.sleep(0.01)
                 self._check_alive()
                 if request_id in self._aborted:
-                    yield self._output(request_id, prompt, out, "", i, start, first, "abort")
+                    yield self._output(request_id, prompt, out, "", ids, start, first, "abort")
                     return
                 first = first or time.monotonic()
                 out += word
+                ids.append(word_id(word))
                 last = i == len(words) - 1
                 reason = ("length" if length else "stop") if last else None
-                yield self._output(request_id, prompt, out, word, i + 1, start, first, reason)
+                yield self._output(request_id, prompt, out, word, ids, start, first, reason)
         finally:
             self._running.discard(request_id)
             self._aborted.discard(request_id)
@@ -118,11 +138,12 @@ class FakeEngine:
         prompt: list[int],
         text: str,
         delta: str,
-        n: int,
+        ids: list[int],
         start: float,
         first: float | None,
         reason: str | None,
     ) -> RequestOutput:
+        n = len(ids)
         elapsed = time.monotonic() - (first or start)
         metrics = RequestMetrics(
             ttft_s=None if first is None else round(first - start, 3),
@@ -131,7 +152,7 @@ class FakeEngine:
             generated_tokens=n,
             decode_tokens_per_s=n / elapsed if elapsed > 0 else None,
         )
-        return RequestOutput(request_id, list(prompt), list(range(n)), text, delta, reason is not None, reason, metrics)
+        return RequestOutput(request_id, list(prompt), list(ids), text, delta, reason is not None, reason, metrics)
 
     async def abort(self, request_id: str) -> None:
         self._call()

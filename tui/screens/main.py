@@ -6,6 +6,7 @@ from typing import Any
 
 from localpaged.tui.actions import ChatActions
 from localpaged.tui.live import EngineDied, LiveChat, ReplyActivity
+from localpaged.tui.screens.chat_settings import ChatSettingsDialog
 from localpaged.tui.widgets.bubble import MessageBubble, metrics_note
 from localpaged.tui.widgets.chat_input import ChatInput
 from localpaged.tui.widgets.kv_map import KVMapPanel
@@ -19,7 +20,7 @@ from textual.containers import Horizontal, Vertical
 from textual.timer import Timer
 from textual.widgets import Footer, Label
 
-from localpaged.chat.session import Session
+from localpaged.chat.session import CHAT_SETTINGS, Session, settings_summary
 from localpaged.config_file import Settings
 from localpaged.errors import EngineDeadError, LocalpagedError
 
@@ -38,9 +39,12 @@ class MainScreen(ChatActions):
         Binding("ctrl+n", "new_chat", "New chat", id="new_chat"),
         Binding("escape", "stop", "Stop", id="stop"),
         Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
+        # Not ctrl+e: in the input box that moves to the end of the line.
+        Binding("ctrl+t", "continue", "Continue", id="continue"),
         Binding("ctrl+f", "search", "Search", id="search"),
         Binding("ctrl+g", "toggle_kv_map", "KV map", id="kv_map"),
         Binding("ctrl+s", "export", "Export to Markdown", id="export", show=False),
+        Binding("ctrl+o", "chat_settings", "Chat settings", id="chat_settings", show=False),
         Binding("f2", "rename", "Rename chat", id="rename", show=False),
         Binding("f8", "delete", "Delete chat", id="delete", show=False),
         Binding("ctrl+up", "next_chat(-1)", "Previous chat", id="previous_chat", show=False),
@@ -88,13 +92,22 @@ class MainScreen(ChatActions):
         self.refresh_figures()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Stop only while the open chat generates, regenerate only while it does not (else dimmed)."""
+        """Stop only while the open chat generates, regenerate only while it does not (else dimmed);
+        continue only when the open chat's last reply stopped at a token limit (else hidden)."""
         chat = self.current
         if action == "stop":
             return True if chat is not None and chat.generating else None
         if action == "regenerate":
             return True if chat is not None and not chat.generating else None
+        if action == "continue":
+            return chat is not None and not chat.generating and self._continuable(chat)
         return True
+
+    def _continuable(self, chat: LiveChat) -> bool:
+        try:
+            return chat.session.continuable() is not None
+        except LocalpagedError:  # the store is closing (quit) or locked: nothing to continue now
+            return False
 
     # ----- helpers ------------------------------------------------------------------
 
@@ -140,6 +153,8 @@ class MainScreen(ChatActions):
         else:
             prompt = chat.session.prompt_name or ("custom system prompt" if chat.session.system else "no system prompt")
             text = f"{chat.session.title or 'Untitled'}  ·  {prompt}"
+            if own := settings_summary(chat.session.settings):
+                text += f"  ·  {own}"
         self.query_one("#chat-title", Label).update(text)
 
     async def open(self, session_id: str) -> None:
@@ -162,17 +177,23 @@ class MainScreen(ChatActions):
         self.refresh_bindings()
         self.refresh_figures()
 
-    async def start_reply(self, chat: LiveChat, text: str | None) -> bool:
-        """Send `text` (or regenerate when None) and, if the chat is open, show the reply growing."""
+    async def start_reply(self, chat: LiveChat, text: str | None, *, resume: str | None = None) -> bool:
+        """Send `text` (or regenerate when None, or continue the last reply, which says `resume`) and,
+        if the chat is open, show the reply growing."""
         if chat.generating:
             self.notify("This chat is still replying; press escape to stop it first.", severity="warning")
             return False
         if chat.session.id == self.open_id:
             if text is not None:
                 await self.messages.add(MessageBubble("user", text))
-            self.live_bubble = MessageBubble("assistant", "", note="generating…")
+            self.live_bubble = MessageBubble("assistant", resume or "", note="generating…")
             await self.messages.add(self.live_bubble)
-        chat.send(text) if text is not None else chat.regenerate()
+        if resume is not None:
+            chat.continue_reply(resume)
+        elif text is not None:
+            chat.send(text)
+        else:
+            chat.regenerate()
         return True
 
     # ----- reply activity -------------------------------------------------------------
@@ -331,6 +352,40 @@ class MainScreen(ChatActions):
                     break
                 await bubble.remove()
         await self.start_reply(chat, None)
+
+    async def action_continue(self) -> None:
+        """Let the last reply, cut off by a token limit, go on in the same message."""
+        chat = self.current
+        reply = chat.session.continuable() if chat is not None and not chat.generating else None
+        if chat is None or reply is None:
+            self.notify("Only a reply that stopped at a token limit can be continued.", severity="warning")
+            return
+        bubbles = self.messages.bubbles
+        if bubbles and bubbles[-1].role == "assistant":
+            await bubbles[-1].remove()
+        await self.start_reply(chat, None, resume=reply.content)
+
+    def action_chat_settings(self) -> None:
+        """Edit the open chat's own reply settings; they apply from its next reply on."""
+        chat = self.current
+        if chat is None:
+            self.notify("Open or start a chat first.", severity="warning")
+            return
+        defaults = self.settings.sampling
+        shown = {name: getattr(defaults, name) for name in CHAT_SETTINGS}
+
+        def save(values: dict[str, Any] | None) -> None:
+            if values is None:
+                return
+            try:
+                chat.session.set_settings(values)
+            except LocalpagedError as err:
+                self.notify(str(err), title="Chat settings", severity="error")
+                return
+            self.show_title()
+            self.refresh_bindings()
+
+        self.app.push_screen(ChatSettingsDialog(chat.session.settings, shown), save)
 
     def action_toggle_kv_map(self) -> None:
         panel = self.query_one(KVMapPanel)
