@@ -45,7 +45,13 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from localpaged.errors import ConfigError, LocalpagedError
-from localpaged.locations import config_file_path, create_private_file, make_private
+from localpaged.locations import (
+    UnsafeFileError,
+    config_file_path,
+    create_private_file,
+    make_private,
+    read_regular_file,
+)
 from localpaged.sampling import SamplingParams
 
 Origin = Literal["built-in", "file", "flag"]
@@ -166,17 +172,30 @@ UNSET = {
 }
 
 
+MAX_SETTINGS_BYTES = 1024 * 1024  # a settings file is a few hundred bytes; anything near this is a mistake
+
+
+def _read_settings_text(path: Path) -> str:
+    """The file's text; a FIFO, a folder or a huge file there is an OSError that says so, never a hang."""
+    try:
+        return read_regular_file(path, MAX_SETTINGS_BYTES).decode("utf-8")
+    except UnsafeFileError as exc:
+        raise OSError(f"{exc}; the settings file is a small TOML text file") from exc
+
+
 def load_settings(path: str | os.PathLike | None = None) -> Settings:
     """The settings in ``path`` (default: :func:`config_file_path`); a missing file gives the built-in defaults."""
     path = Path(path).expanduser() if path is not None else config_file_path()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read_settings_text(path)
     except FileNotFoundError:
         return Settings(path=path)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from exc
     except OSError as exc:
-        raise ConfigError(f"cannot read the settings file {path}: {exc.strerror}; fix its permissions or move it aside")
+        raise ConfigError(
+            f"cannot read the settings file {path}: {exc.strerror or exc}; fix its permissions or move it aside"
+        ) from exc
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -327,7 +346,7 @@ def save_theme(theme: str, path: str | os.PathLike | None = None) -> Path:
     path = Path(path).expanduser() if path is not None else config_file_path()
     _theme_name(theme)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read_settings_text(path)
     except FileNotFoundError:
         text = ""
     except (OSError, UnicodeDecodeError) as exc:

@@ -106,6 +106,36 @@ def peers_cache_dir() -> Path:
     return _sub(cache_dir(), "peers", CACHE_VAR)
 
 
+# -- reading what the user keeps in these folders --------------------------------------------------
+
+
+class UnsafeFileError(ValueError):
+    """A file in one of the user's folders that is not a regular file, or is too big to read whole."""
+
+
+def read_regular_file(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes; UnsafeFileError (why) for anything else.
+
+    Prompts and the settings file sit in folders users write to, where a FIFO would hang every command
+    that opens it and a huge file would be read whole. The type is checked with stat before opening,
+    the file is opened non-blocking all the same (it could be swapped between the two) and read no
+    further than the limit. A missing or unreadable file raises OSError as open() does.
+    """
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise UnsafeFileError("not a regular file (a folder, FIFO or device)")
+    if info.st_size > limit:
+        raise UnsafeFileError(f"{info.st_size:,} bytes, more than the {limit:,} allowed")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise UnsafeFileError("not a regular file (a folder, FIFO or device)")
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise UnsafeFileError(f"more than the {limit:,} bytes allowed")
+    return data
+
+
 # -- private files --------------------------------------------------------------------------------
 
 

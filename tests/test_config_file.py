@@ -232,3 +232,18 @@ def test_save_theme_leaves_a_broken_file_alone(config: Path) -> None:
 
 def test_built_in_settings_have_no_file() -> None:
     assert Settings().path is None and Settings().origin("model") == "built-in"
+
+
+def test_a_fifo_or_a_huge_settings_file_is_an_error_not_a_hang(config: Path) -> None:
+    """The settings file sits in a folder users write to: anything but a small regular file is refused unread."""
+    import os
+
+    config.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(config)  # opening it would block every command until a writer came
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_settings()
+    config.unlink()
+    with open(config, "wb") as big:
+        big.truncate(2 * 1024 * 1024)  # sparse: 2 MiB of nothing
+    with pytest.raises(ConfigError, match="more than the"):
+        load_settings()

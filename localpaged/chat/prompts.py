@@ -15,16 +15,14 @@ in the user's folder replaces a shipped prompt of the same name.
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from localpaged.errors import PromptError
-from localpaged.locations import user_prompts_dir
+from localpaged.locations import UnsafeFileError, read_regular_file, user_prompts_dir
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -107,30 +105,13 @@ def _files(problems: list[PromptError] | None = None) -> dict[str, tuple[Travers
 
 
 def _read_user_file(path: Path) -> bytes:
-    """The bytes of a user's prompt file, refusing what would hang or flood: FIFOs, devices, folders, huge files.
-
-    The type is checked with stat before opening (opening a FIFO blocks until a writer comes), the file is
-    opened non-blocking all the same (it could be swapped between the two) and read no further than the limit.
-    """
+    """The bytes of a user's prompt file, refusing what would hang or flood: FIFOs, devices, folders, huge files."""
     try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise PromptError(f"{path}: not a regular file (a folder, FIFO or device); prompts are plain .md files.")
-        if info.st_size > MAX_PROMPT_BYTES:
-            raise PromptError(
-                f"{path}: {info.st_size:,} bytes, more than the {MAX_PROMPT_BYTES:,} a prompt file may have; "
-                "shorten it or move it out of the prompts folder."
-            )
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                raise PromptError(f"{path}: not a regular file; prompts are plain .md files.")
-            data = handle.read(MAX_PROMPT_BYTES + 1)
+        return read_regular_file(path, MAX_PROMPT_BYTES)
+    except UnsafeFileError as exc:
+        raise PromptError(f"{path}: {exc}; prompts are plain .md files, shorten it or move it aside.") from exc
     except OSError as exc:
         raise PromptError(f"{path}: cannot be read ({exc.strerror or exc}).") from exc
-    if len(data) > MAX_PROMPT_BYTES:
-        raise PromptError(f"{path}: more than the {MAX_PROMPT_BYTES:,} bytes a prompt file may have; shorten it.")
-    return data
 
 
 def _parse(name: str, file: Traversable, builtin: bool) -> Prompt:
