@@ -48,11 +48,14 @@ class ChatActions(Screen[None]):
         self.app.push_screen(EditDialog(event.bubble.text), resend)
 
     def action_new_chat(self) -> None:
+        problems: list[LocalpagedError] = []  # one bad file in the prompts folder hides only itself
         try:
-            prompts = list_prompts()
+            prompts = list_prompts(problems)
         except LocalpagedError as err:
-            self.notify(str(err), title="Prompt library", severity="error")
+            problems.append(err)
             prompts = []
+        for problem in problems:
+            self.notify(str(problem), title="Prompt library: skipped", severity="warning", timeout=8)
 
         async def create(choice: Choice | None) -> None:
             if choice is not None:

@@ -353,3 +353,18 @@ def test_a_closed_terminal_is_noticed() -> None:
         assert terminal_gone(terminal)
     finally:
         os.close(terminal)
+
+
+async def test_a_bad_prompt_file_is_reported_and_the_rest_are_offered(make_app, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALPAGED_HOME", str(tmp_path))
+    (tmp_path / "prompts" / "broken.md").mkdir(parents=True)  # not a regular file: skipped, and said so
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await main_screen(pilot)
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: isinstance(app.screen, NewChatDialog))
+        messages = [n.message for n in app._notifications]
+        assert any("broken.md" in m and "not a regular file" in m for m in messages)
+        options = app.screen.query_one("OptionList")
+        offered = [str(options.get_option_at_index(i).prompt).lower() for i in range(options.option_count)]
+        assert any("coding" in option for option in offered)  # the shipped prompts are still there

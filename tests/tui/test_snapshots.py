@@ -81,7 +81,7 @@ def test_main_screen(snap_compare, make_app, chats):
 
 
 def test_new_chat_dialog(snap_compare, make_app, chats, monkeypatch):
-    monkeypatch.setattr("localpaged.tui.actions.list_prompts", lambda: PROMPTS)
+    monkeypatch.setattr("localpaged.tui.actions.list_prompts", lambda problems=None: PROMPTS)
     assert snap_compare(make_app(), terminal_size=SIZE, run_before=settle("ctrl+n", "down"))
 
 
