@@ -258,11 +258,14 @@ class MainScreen(ChatActions):
             tokens: list[int] | None = None
             if chat is not None:
                 history = chat.visible_history()
-                messages = [{"role": "system", "content": chat.session.system}] if chat.session.system else []
-                messages += [{"role": m.role, "content": m.content} for m in history if m.content]
-                tokens = engine.encode_chat(messages) if messages else []
-                if not chat.generating:
-                    chat.context_tokens = len(tokens)
+                # While a reply streams the session counts its own context (LiveChat.figures), so the
+                # whole chat is encoded here only for the KV map or for a chat at rest.
+                if kv_visible or not chat.generating:
+                    messages = [{"role": "system", "content": chat.session.system}] if chat.session.system else []
+                    messages += [{"role": m.role, "content": m.content} for m in history if m.content]
+                    tokens = engine.encode_chat(messages) if messages else []
+                    if not chat.generating:
+                        chat.context_tokens = len(tokens)
                 replies = [m for m in history if m.role == "assistant"]
                 if replies:
                     chat.stored_figures = (replies[-1].tokens_per_s, replies[-1].ttft_s)
