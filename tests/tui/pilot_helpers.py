@@ -8,6 +8,7 @@ from collections.abc import Callable
 from localpaged.tui.screens.engine_dead import EngineDeadScreen
 from localpaged.tui.screens.error import ErrorScreen
 from localpaged.tui.screens.main import MainScreen
+from localpaged.tui.screens.new_chat import NewChatDialog
 
 NOW = 1_750_000_000.0  # a fixed "now" for the sidebar's ages
 
@@ -58,3 +59,12 @@ async def send(pilot, text: str) -> None:
     box.focus()
     box.text = text
     await pilot.press("enter")
+
+
+async def new_chat(pilot, screen: MainScreen) -> None:
+    """Open a new chat without a system prompt (the dialog's first choice) and wait until it is on screen."""
+    before = screen.current
+    await pilot.press("ctrl+n")
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, NewChatDialog))
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: screen.current is not before)

@@ -11,7 +11,7 @@ from localpaged.tui.screens.loading import LoadingScreen
 from localpaged.tui.screens.new_chat import NewChatDialog
 from localpaged.tui.screens.search import SearchDialog
 from localpaged.tui.widgets.sidebar import LIVE_MARK
-from pilot_helpers import error_message, main_screen, reply_done, send, wait_for
+from pilot_helpers import error_message, main_screen, new_chat, reply_done, send, wait_for
 
 from localpaged.errors import ModelNotFoundError
 
@@ -32,10 +32,7 @@ async def test_two_chats_stream_at_once_and_switching_back_shows_the_growing_rep
         await send(pilot, "tell A")
         await wait_for(pilot, lambda: screen.current and screen.current.reply)
         a = screen.current
-        await pilot.press("ctrl+n")
-        await wait_for(pilot, lambda: isinstance(app.screen, NewChatDialog))
-        await pilot.press("enter")  # "No system prompt" is first
-        await wait_for(pilot, lambda: screen.current is not a)
+        await new_chat(pilot, screen)
         await send(pilot, "tell B")
         b = screen.current
         await wait_for(pilot, lambda: b.reply)

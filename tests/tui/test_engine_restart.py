@@ -12,8 +12,7 @@ from localpaged.tui.screens.engine_dead import EngineDeadScreen
 from localpaged.tui.screens.error import ErrorScreen
 from localpaged.tui.screens.loading import LoadingScreen
 from localpaged.tui.screens.main import REFRESH_S
-from localpaged.tui.screens.new_chat import NewChatDialog
-from pilot_helpers import NOW, engine_dead_message, error_message, main_screen, reply_done, send, wait_for
+from pilot_helpers import NOW, engine_dead_message, error_message, main_screen, new_chat, reply_done, send, wait_for
 
 from localpaged.errors import EngineDeadError, ModelNotFoundError
 
@@ -46,10 +45,7 @@ async def test_engine_death_mid_reply_then_restart_and_the_chats_go_on(store):
         await send(pilot, "tell A")
         await wait_for(pilot, lambda: screen.current and screen.current.reply)
         a = screen.current
-        await pilot.press("ctrl+n")
-        await wait_for(pilot, lambda: isinstance(app.screen, NewChatDialog))
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.current is not a)
+        await new_chat(pilot, screen)
         await send(pilot, "tell B")
         b = screen.current
         await wait_for(pilot, lambda: b.reply)

@@ -6,9 +6,8 @@ import time
 
 import pytest
 from localpaged.tui.screens.main import REDRAW_S
-from localpaged.tui.screens.new_chat import NewChatDialog
 from localpaged.tui.widgets.bubble import MessageBubble
-from pilot_helpers import main_screen, reply_done, send, wait_for
+from pilot_helpers import main_screen, new_chat, reply_done, send, wait_for
 from textual.widgets import Markdown
 
 pytestmark = pytest.mark.anyio
@@ -60,10 +59,7 @@ async def test_a_chat_off_screen_costs_no_drawing(make_app, engine, store, redra
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await main_screen(pilot)
-        await pilot.press("ctrl+n")
-        await wait_for(pilot, lambda: isinstance(app.screen, NewChatDialog))
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.current is not None)
+        await new_chat(pilot, screen)
         await send(pilot, "go")
         chat = screen.current
         await wait_for(pilot, lambda: chat.reply)
