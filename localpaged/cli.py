@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from localpaged.chat.prompts import get_prompt, list_prompts, load_prompt
-from localpaged.chat.session import export_markdown, limit_note
+from localpaged.chat.session import export_markdown, filled_context, limit_note
 from localpaged.chat.store import MAX_SEARCH_LIMIT, ChatStore
 from localpaged.errors import ConfigError, LocalpagedError, PromptError, RequestError
 
@@ -304,8 +304,12 @@ def cmd_run(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
     sys.stdout.flush()  # before the note on stderr, so a terminal shows them in order
     if session.warning:
         print(f"warning: {session.warning}", file=sys.stderr)
-    if session.last_reply is not None and (note := limit_note(session.last_reply)):
-        print(f"note: the reply {note} (raise --max-tokens or max_tokens in {settings.path})", file=sys.stderr)
+    context, reply = session.engine.config.max_model_len, session.last_reply
+    if reply is not None and (note := limit_note(reply, context)):
+        if filled_context(reply, context):
+            print(f"note: the reply {note}; start a new session to go on", file=sys.stderr)
+        else:
+            print(f"note: the reply {note} (raise --max-tokens or max_tokens in {settings.path})", file=sys.stderr)
     if not args.no_store:
         print(f"session {session.id} (continue with --session {session.id})", file=sys.stderr)
 

@@ -191,6 +191,17 @@ def test_run_takes_its_settings_from_the_file_and_flags(config: Path, home: Path
     assert "[stopped at 40 tokens]" in capsys.readouterr().out
 
 
+def test_run_says_when_a_reply_filled_the_context(config: Path, monkeypatch, capsys) -> None:
+    """A reply that stopped because the context is full is not told to raise --max-tokens."""
+    monkeypatch.setattr(
+        cli, "open_engine", lambda model, **_: AsyncLLM(llm=FakeLLM(reply=lambda ids: "w" * 600, max_model_len=64))
+    )
+    assert cli.main(["run", "hello"]) == 0
+    err = capsys.readouterr().err
+    assert "the reply stopped: the context of 64 tokens is full; start a new session" in err
+    assert "--max-tokens" not in err
+
+
 def test_serve_takes_the_model_and_engine_settings_from_the_file(config: Path, monkeypatch) -> None:
     """`serve` reads the file as `run` does; its own flags beat the file's [engine] table."""
     opened: list[dict] = []

@@ -210,12 +210,14 @@ class LocalpagedApp(App[None]):
         return None
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        """Every chat action is in the command palette too, titled like its footer entry."""
+        """Every chat action the footer offers now is in the command palette too, titled like its footer entry."""
         yield from super().get_system_commands(screen)
         main = next((s for s in self.screen_stack if isinstance(s, MainScreen)), None)
         if main is None or isinstance(screen, (EngineDeadScreen, LoadingScreen, ErrorScreen)):
             return  # no chat actions while there is no engine to run them
         for binding in main.BINDINGS:
+            if main.check_action(binding.action, ()) is False:
+                continue  # hidden from the footer now (continue with nothing cut off): not offered here either
             yield SystemCommand(
                 binding.description,
                 f"{binding.description} ({binding.key})",

@@ -190,8 +190,7 @@ class Session:
         reply = history[-1]
         if reply.status != "complete" or reply.finish_reason != "length":
             return None
-        used = (reply.prompt_tokens or 0) + (reply.completion_tokens or 0)
-        if used >= self.engine.config.max_model_len or self.store.token_ids(reply.id) is None:
+        if filled_context(reply, self.engine.config.max_model_len) or self.store.token_ids(reply.id) is None:
             return None  # the context is full, or the reply's tokens are unknown (an older reply)
         return reply
 
@@ -241,6 +240,23 @@ class Session:
             parent_id=self.id,
         )
         return self._sibling(record)
+
+    def with_system(self, system: str | None) -> Session:
+        """This chat under another system prompt (None or "": none).
+
+        With messages, a fork holding the whole history under the new prompt: every cached block
+        and every reply after the system prompt depend on it, so the original chat stays as it was.
+        A chat with no messages yet is simply changed, and returned.
+        """
+        _check_text("system prompt", system, optional=True)
+        system = system or None
+        self._check_idle()
+        history = self.history
+        if not history:
+            self.store.set_session_system(self.id, system)
+            self.system, self.prompt_name = system, None
+            return self
+        return self._sibling(self.store.fork_session(self.id, history[-1].id, system=system))
 
     def _sibling(self, record: SessionRecord) -> Session:
         """A session for ``record`` with this one's engine, store and reply settings."""
@@ -504,15 +520,25 @@ def _check_text(what: str, value: object, *, optional: bool = False) -> None:
     raise RequestError(f"the {what} must be text (str){' or None' if optional else ''}, not {type(value).__name__}")
 
 
-def limit_note(message: object) -> str:
-    """'stopped at 40 tokens' for a reply that ended on a token limit (or a full context), else "".
+def limit_note(message: object, max_model_len: int | None = None) -> str:
+    """'stopped at 40 tokens' for a reply that ended on a token limit, else "".
 
-    The one wording of it, for the app's message header, `sessions show` and the Markdown export.
+    Given the model's context length, a reply that filled it says so instead ('stopped: the context
+    of 8192 tokens is full'): a longer limit or continue would not help there, a new chat or a fork
+    would. The one wording of it, for the app's message header, `run`, `sessions show` and the export.
     """
     if getattr(message, "finish_reason", None) != "length":
         return ""
+    if max_model_len is not None and filled_context(message, max_model_len):
+        return f"stopped: the context of {max_model_len} tokens is full"
     tokens = getattr(message, "completion_tokens", None)
     return f"stopped at {tokens} tokens" if tokens is not None else "stopped at the token limit"
+
+
+def filled_context(message: object, max_model_len: int) -> bool:
+    """True when a reply's prompt and its tokens took the whole context: nothing can continue it."""
+    prompt, tokens = getattr(message, "prompt_tokens", None), getattr(message, "completion_tokens", None)
+    return prompt is not None and tokens is not None and prompt + tokens >= max_model_len
 
 
 CHAT_SETTINGS = ("temperature", "top_p", "top_k", "max_tokens", "seed")  # what a chat may set for itself

@@ -84,6 +84,7 @@ class SearchHit:
     snippet: str
 
 
+_SAME = object()  # fork_session's default system prompt: the source's
 _SESSION_COLUMNS = ", ".join(f.name for f in fields(SessionRecord))
 _MESSAGE_COLUMNS = ", ".join(f.name for f in fields(MessageRecord))
 
@@ -225,22 +226,32 @@ class ChatStore:
             if not self._conn.execute("DELETE FROM sessions WHERE id = ?", (session_id,)).rowcount:
                 raise self._unknown(session_id)
 
-    def fork_session(self, session_id: str, upto_message_id: int, *, title: str | None = None) -> SessionRecord:
+    def fork_session(
+        self, session_id: str, upto_message_id: int, *, title: str | None = None, system: str | None | object = _SAME
+    ) -> SessionRecord:
         """A new session (``parent_id`` = this one) holding copies of its messages up to
         and including ``upto_message_id``. The title defaults to the source's plus " (fork)".
+        Given ``system``, the fork has that system prompt instead (no prompt name: it is the user's own).
         """
         _check_text("session title", title, optional=True)
+        if system is not _SAME:
+            _check_text("session system", system, optional=True)
         with self._write():
             source = self.get_session(session_id)
             if self.get_message(upto_message_id).session_id != session_id:
                 raise StoreError(f"Message {upto_message_id} is not part of session {session_id}.")
             if title is None and source.title is not None:
                 title = f"{source.title} (fork)"
+            prompt_name = source.prompt_name
+            if system is _SAME:
+                system = source.system
+            elif system != source.system:
+                prompt_name = None
             now = time.time()
             fork_id = self._new_session_id()
             self._conn.execute(
                 f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (fork_id, title, source.system, source.prompt_name, source.model, session_id, now, now),
+                (fork_id, title, system, prompt_name, source.model, session_id, now, now),
             )
             self._conn.execute(
                 "UPDATE sessions SET settings = (SELECT settings FROM sessions WHERE id = ?) WHERE id = ?",
@@ -252,7 +263,25 @@ class ChatStore:
                 " WHERE session_id = ? AND id <= ? ORDER BY id",
                 (fork_id, session_id, upto_message_id),
             )
-        return SessionRecord(fork_id, title, source.system, source.prompt_name, source.model, session_id, now, now)
+        return SessionRecord(fork_id, title, system, prompt_name, source.model, session_id, now, now)
+
+    def set_session_system(self, session_id: str, system: str | None) -> None:
+        """Change the system prompt of a session that has no messages yet (no prompt name: the user's own).
+
+        A session with messages keeps its system prompt, since its replies were written under it:
+        fork it with ``fork_session(..., system=...)`` instead.
+        """
+        _check_text("session system", system, optional=True)
+        with self._write():
+            if self._conn.execute("SELECT 1 FROM messages WHERE session_id = ? LIMIT 1", (session_id,)).fetchone():
+                raise StoreError(
+                    f"Session {session_id} has messages, so its system prompt stays; fork it with the new one."
+                )
+            cursor = self._conn.execute(
+                "UPDATE sessions SET system = ?, prompt_name = NULL WHERE id = ?", (system, session_id)
+            )
+            if not cursor.rowcount:
+                raise self._unknown(session_id)
 
     def session_settings(self, session_id: str) -> dict[str, Any]:
         """The chat's own reply settings (a JSON object in ``sessions.settings``); {} when it has none."""

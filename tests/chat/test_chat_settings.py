@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from localpaged.chat.session import Session
+from localpaged.chat.session import Session, limit_note
 from localpaged.chat.store import ChatStore
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.errors import ConfigError, RequestError
@@ -194,8 +194,34 @@ def test_continue_is_refused_when_the_context_is_full(db) -> None:
             reply = session.send("tell me")  # no limit: runs until the context is full
             assert reply.finish_reason == "length" and reply.prompt_tokens + reply.completion_tokens == 40
             assert session.continuable() is None
+            assert limit_note(reply, 40) == "stopped: the context of 40 tokens is full"
+            assert limit_note(reply) == f"stopped at {reply.completion_tokens} tokens"  # where the context is unknown
     finally:
         engine.shutdown()
+
+
+def test_a_new_system_prompt_forks_a_chat_with_messages(engine: AsyncLLM, fake: RecordingLLM, db) -> None:
+    with ChatStore(db) as store:
+        session = Session.new(engine, store, system="Be formal.", prompt_name="formal")
+        session.send("hello")
+        session.set_settings({"temperature": 0.4})
+        fork = session.with_system("Be brief.")
+        assert fork.id != session.id and fork.parent_id == session.id
+        assert (fork.system, fork.prompt_name, fork.settings) == ("Be brief.", None, {"temperature": 0.4})
+        assert [(m.role, m.content) for m in fork.history] == [(m.role, m.content) for m in session.history]
+        fork.send("again")
+        assert "Be brief." in "".join(chr(i) for i in fake.seen[-1][0])
+        stored = store.get_session(session.id)
+        assert (stored.system, stored.prompt_name, len(store.messages(session.id))) == ("Be formal.", "formal", 2)
+
+
+def test_a_new_system_prompt_changes_an_empty_chat_in_place(engine: AsyncLLM, db) -> None:
+    with ChatStore(db) as store:
+        session = Session.new(engine, store, system="Be formal.", prompt_name="formal")
+        assert session.with_system("") is session and session.system is None
+        assert store.get_session(session.id).system is None and len(store.list_sessions()) == 1
+        with pytest.raises(RequestError, match="system prompt"):
+            session.with_system(b"bytes")
 
 
 def test_a_reply_without_stored_token_ids_cannot_be_continued(engine: AsyncLLM, db) -> None:

@@ -6,7 +6,7 @@ import pytest
 from localpaged.tui.screens.chat_settings import ChatSettingsDialog
 from localpaged.tui.screens.main import MainScreen
 from pilot_helpers import main_screen, reply_done, send, wait_for
-from textual.widgets import Input, Label
+from textual.widgets import Input, Label, TextArea
 
 from localpaged.config_file import SamplingSettings, Settings
 
@@ -112,9 +112,53 @@ async def test_continue_is_off_for_a_whole_reply_and_grows_a_limited_one(make_ap
         assert len(engine.prompts) == engine_calls  # nothing was asked of the engine
 
 
-async def test_continue_is_in_the_command_palette(make_app, engine) -> None:
-    app = make_app()
+async def test_continue_is_in_the_command_palette_only_when_a_reply_can_go_on(make_app, engine) -> None:
+    engine.default, engine.delay = long_reply, 0
+    app = make_app(settings=Settings(sampling=SamplingSettings(max_tokens=30)))
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await main_screen(pilot)
         titles = [command.title for command in app.get_system_commands(screen)]
-        assert "Continue" in titles and "Chat settings" in titles
+        assert "Continue" not in titles and "Chat settings" in titles and "Stop" in titles
+        await send(pilot, "write a lot")
+        await reply_done(pilot, screen, screen.current)
+        assert "Continue" in [command.title for command in app.get_system_commands(screen)]
+
+
+async def test_a_new_system_prompt_forks_the_chat_and_the_original_keeps_the_old_one(make_app, engine, store) -> None:
+    engine.delay = 0
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await main_screen(pilot)
+        await send(pilot, "hello")
+        original = screen.current
+        await reply_done(pilot, screen, original)
+        dialog = await open_settings(pilot)
+        dialog.query_one("#setting-system", TextArea).text = "You answer in French."
+        dialog.query_one("#setting-temperature", Input).value = "0.2"
+        await pilot.click("#settings-save")
+        await wait_for(pilot, lambda: app.screen is screen and screen.current is not original)
+        fork = screen.current.session
+        assert fork.parent_id == original.session.id and fork.system == "You answer in French."
+        assert [m.content for m in fork.history] == [m.content for m in original.session.history]
+        assert fork.settings == {"temperature": 0.2}
+        assert store.get_session(original.session.id).system is None
+        assert "custom system prompt" in title(screen)
+
+        await send(pilot, "and now?")
+        await reply_done(pilot, screen, screen.current)
+        assert "You answer in French." in engine.decode(engine.prompts[-1])
+        assert len(store.messages(original.session.id)) == 2
+
+
+async def test_a_new_system_prompt_on_an_empty_chat_changes_it_in_place(make_app, engine, store) -> None:
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await main_screen(pilot)
+        chat = screen.adopt(screen.new_session())
+        await screen.open(chat.session.id)
+        dialog = await open_settings(pilot)
+        dialog.query_one("#setting-system", TextArea).text = "Be brief."
+        await pilot.click("#settings-save")
+        await wait_for(pilot, lambda: app.screen is screen)
+        assert screen.current is chat and store.get_session(chat.session.id).system == "Be brief."
+        assert len(store.list_sessions()) == 1

@@ -1,18 +1,20 @@
-"""One chat's own reply settings: temperature, top-p, top-k, max reply tokens, seed.
+"""One chat's own settings: temperature, top-p, top-k, max reply tokens, seed, and its system prompt.
 
 An empty box means "the app's default" (the settings file's, shown as the placeholder). Values are
 checked as SamplingParams checks them; a bad one is shown under the boxes and nothing is saved.
+A changed system prompt is handed back for the screen to fork the chat with (see Session.with_system).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label
+from textual.widgets import Button, Input, Label, TextArea
 
 from localpaged.chat.session import CHAT_SETTINGS, checked_settings
 from localpaged.errors import ConfigError
@@ -28,25 +30,37 @@ FIELDS: dict[str, tuple[str, type]] = {
 assert tuple(FIELDS) == CHAT_SETTINGS
 
 
-class ChatSettingsDialog(ModalScreen[dict[str, Any] | None]):
-    """Dismisses with the chat's settings ({name: value}, unset ones left out) on Save, None on Cancel."""
+@dataclass(frozen=True)
+class ChatSettingsChoice:
+    """What Save hands back: the reply settings ({name: value}, unset ones left out) and the system prompt."""
+
+    settings: dict[str, Any]
+    system: str | None
+
+
+class ChatSettingsDialog(ModalScreen[ChatSettingsChoice | None]):
+    """Dismisses with a ChatSettingsChoice on Save, None on Cancel."""
 
     DEFAULT_CSS = """
     ChatSettingsDialog .setting { height: auto; }
     ChatSettingsDialog .setting Label { width: 26; padding: 1 0 0 0; }
     ChatSettingsDialog .setting Input { width: 1fr; }
+    ChatSettingsDialog #setting-system { height: 5; }
     ChatSettingsDialog #settings-error { color: $error; height: auto; }
     """
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="chat_settings_cancel")]
 
-    def __init__(self, current: dict[str, Any], defaults: dict[str, Any]) -> None:
+    def __init__(self, current: dict[str, Any], defaults: dict[str, Any], system: str | None = None) -> None:
         super().__init__(classes="dialog")
         self.current = current
         self.defaults = defaults
+        self.system = system
 
     def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog-box"):
+        box = VerticalScroll(classes="dialog-box")  # scrolls in a short terminal: Save stays reachable
+        box.can_focus = False  # tab goes from box to box, not to the frame around them
+        with box:
             yield Label("Chat settings — empty: the app's default", classes="dialog-title")
             for name, (label, _) in FIELDS.items():
                 value = self.current.get(name)
@@ -59,11 +73,16 @@ class ChatSettingsDialog(ModalScreen[dict[str, Any] | None]):
                         id=f"setting-{name}",
                         select_on_focus=False,
                     )
+            yield Label("System prompt (a change forks the chat)")
+            yield TextArea(self.system or "", id="setting-system", soft_wrap=True)
             yield Label("", id="settings-error", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Cancel", id="settings-cancel")
                 yield Button("Save", id="settings-save", variant="primary")
-            yield Label("enter to save · escape to cancel", classes="dialog-hint")
+            yield Label("enter in a box saves · escape cancels", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self.query_one("#setting-temperature", Input).focus()
 
     def values(self) -> dict[str, Any]:
         """The boxes' values, read and checked; ConfigError naming the first bad one."""
@@ -85,7 +104,8 @@ class ChatSettingsDialog(ModalScreen[dict[str, Any] | None]):
         except ConfigError as err:
             self.query_one("#settings-error", Label).update(str(err))
             return
-        self.dismiss(values)
+        system = self.query_one("#setting-system", TextArea).text.strip() or None
+        self.dismiss(ChatSettingsChoice(values, system))
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()

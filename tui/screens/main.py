@@ -6,7 +6,7 @@ from typing import Any
 
 from localpaged.tui.actions import ChatActions
 from localpaged.tui.live import EngineDied, LiveChat, ReplyActivity
-from localpaged.tui.screens.chat_settings import ChatSettingsDialog
+from localpaged.tui.screens.chat_settings import ChatSettingsChoice, ChatSettingsDialog
 from localpaged.tui.widgets.bubble import MessageBubble, metrics_note
 from localpaged.tui.widgets.chat_input import ChatInput
 from localpaged.tui.widgets.kv_map import KVMapPanel
@@ -171,7 +171,8 @@ class MainScreen(ChatActions):
         else:
             self.live_bubble = None
             bubbles = [
-                MessageBubble(m.role, m.content, m.id, m.status, metrics_note(m)) for m in chat.visible_history()
+                MessageBubble(m.role, m.content, m.id, m.status, metrics_note(m, self.engine.config.max_model_len))
+                for m in chat.visible_history()
             ]
         await self.messages.show(bubbles)
         self.refresh_bindings()
@@ -239,7 +240,9 @@ class MainScreen(ChatActions):
             await self.open(chat.session.id)  # the turn did not go as drawn: redraw from the store
             return
         assert self.live_bubble is not None
-        await self.live_bubble.finish(reply.content, reply.status, reply.id, metrics_note(reply))
+        await self.live_bubble.finish(
+            reply.content, reply.status, reply.id, metrics_note(reply, self.engine.config.max_model_len)
+        )
         self.live_bubble = None
         for bubble, record in zip(bubbles, history):
             bubble.message_id, bubble.status = record.id, record.status
@@ -369,7 +372,8 @@ class MainScreen(ChatActions):
         await self.start_reply(chat, None, resume=reply.content)
 
     def action_chat_settings(self) -> None:
-        """Edit the open chat's own reply settings; they apply from its next reply on."""
+        """Edit the open chat's own settings; they apply from its next reply on. A new system prompt
+        forks the chat (its replies were written under the old one), unless it has no messages yet."""
         chat = self.current
         if chat is None:
             self.notify("Open or start a chat first.", severity="warning")
@@ -377,18 +381,30 @@ class MainScreen(ChatActions):
         defaults = self.settings.sampling
         shown = {name: getattr(defaults, name) for name in CHAT_SETTINGS}
 
-        def save(values: dict[str, Any] | None) -> None:
-            if values is None:
+        async def save(choice: ChatSettingsChoice | None) -> None:
+            if choice is None:
                 return
             try:
-                chat.session.set_settings(values)
+                chat.session.set_settings(choice.settings)
+                target = chat.session
+                if choice.system != chat.session.system:
+                    target = chat.session.with_system(choice.system)
             except LocalpagedError as err:
                 self.notify(str(err), title="Chat settings", severity="error")
                 return
-            self.show_title()
-            self.refresh_bindings()
+            if target is chat.session:
+                self.show_title()
+                self.refresh_bindings()
+                return
+            fork = self.adopt(target)
+            self.refresh_sidebar()
+            await self.open(fork.session.id)
+            self.notify(
+                f"A fork with the new system prompt; “{chat.session.title or 'Untitled'}” keeps the old one.",
+                title="Chat settings",
+            )
 
-        self.app.push_screen(ChatSettingsDialog(chat.session.settings, shown), save)
+        self.app.push_screen(ChatSettingsDialog(chat.session.settings, shown, chat.session.system), save)
 
     def action_toggle_kv_map(self) -> None:
         panel = self.query_one(KVMapPanel)

@@ -15,15 +15,15 @@ from localpaged.chat.session import limit_note
 STATUS_MARKS = {"partial": "stopped — partial reply", "error": "error"}
 
 
-def metrics_note(record: object) -> str:
+def metrics_note(record: object, max_model_len: int | None = None) -> str:
     """The stored figures of a reply, e.g. '61.4 tok/s · ttft 0.02 s'; empty when there are none.
 
-    A reply that ended on a token limit says so first ('stopped at 256 tokens'): otherwise a cut-off
-    answer looks like a finished one.
+    A reply that ended on a token limit says so first ('stopped at 256 tokens', or that the context
+    of ``max_model_len`` tokens is full): otherwise a cut-off answer looks like a finished one.
     """
     rate, ttft = getattr(record, "tokens_per_s", None), getattr(record, "ttft_s", None)
     parts = ([f"{rate:.1f} tok/s"] if rate else []) + ([f"ttft {ttft:.2f} s"] if ttft is not None else [])
-    return " · ".join([note, *parts] if (note := limit_note(record)) else parts)
+    return " · ".join([note, *parts] if (note := limit_note(record, max_model_len)) else parts)
 
 
 def code_blocks(text: str) -> list[str]:
