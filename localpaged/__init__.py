@@ -11,6 +11,7 @@ import importlib
 _PUBLIC = {
     "LLM": "localpaged.engine.llm",
     "AsyncLLM": "localpaged.engine.async_llm",
+    "RemoteEngine": "localpaged.engine.remote",
     "SamplingParams": "localpaged.sampling",
     "RequestOutput": "localpaged.engine.output",
     "Session": "localpaged.chat.session",

@@ -31,6 +31,7 @@ from localpaged.errors import ConfigError, LocalpagedError, PromptError, Request
 if TYPE_CHECKING:
     from localpaged.config_file import Settings
     from localpaged.engine.async_llm import AsyncLLM
+    from localpaged.engine.protocol import EngineClient
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -55,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.bench_args = extra
-    engines: list[AsyncLLM] = []  # shut down on the way out, whatever happens
+    engines: list[EngineClient] = []  # shut down on the way out, whatever happens
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
     try:
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser("chat", help="open the terminal chat app")
     _add_model(chat)
+    _add_backend(chat)
     chat.add_argument("--prompt", metavar="NAME", help="system prompt for new sessions (see `prompts list`)")
     chat.add_argument("--session", metavar="ID", help="open this stored session")
     _add_db(chat)
@@ -122,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--session", metavar="ID", help="continue this stored session")
     _add_sampling(run)
     _add_model(run)
+    _add_backend(run)
     _add_db(run)
     run.add_argument("--no-store", action="store_true", help="keep nothing: use an in-memory store")
     run.set_defaults(func=cmd_run)
@@ -208,6 +211,25 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_backend(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend",
+        metavar="URL",
+        help="chat with the model of this OpenAI-compatible server (localpaged serve, vLLM, SGLang, llama-server) "
+        "instead of loading one here, e.g. http://gpu-box:8000/v1; --model then names one it serves "
+        "(default: $LOCALPAGED_BACKEND)",
+    )
+    parser.add_argument(
+        "--api-key", metavar="KEY", help="the --backend server's API key (default: $LOCALPAGED_API_KEY)"
+    )
+
+
+def _backend(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The remote engine's URL (None: the local engine) and API key, from the flags or the environment."""
+    url = args.backend or os.environ.get("LOCALPAGED_BACKEND") or None
+    return url, args.api_key or os.environ.get("LOCALPAGED_API_KEY") or None
+
+
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
     """The sampling flags; each overrides the settings file's [sampling] value."""
     parser.add_argument(
@@ -259,14 +281,24 @@ def _add_db(parser: argparse.ArgumentParser) -> None:
 # ----- commands ---------------------------------------------------------------------------
 
 
-def cmd_chat(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+def cmd_chat(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     from localpaged.tui.app import run_app  # Textual loads only for the app
 
     settings = _settings(args)
-    run_app(model=settings.model, prompt=args.prompt, session_id=args.session, db=args.db, settings=settings)
+    backend, api_key = _backend(args)
+    model = args.model if backend else settings.model  # the settings file's model is a local path
+    run_app(
+        model=model,
+        prompt=args.prompt,
+        session_id=args.session,
+        db=args.db,
+        settings=settings,
+        backend=backend,
+        api_key=api_key,
+    )
 
 
-def cmd_run(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+def cmd_run(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     from localpaged.chat.session import Session
 
     if args.session and (args.system or args.prompt):
@@ -283,7 +315,13 @@ def cmd_run(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
     with ChatStore(":memory:" if args.no_store else args.db) as store:
         if args.session:
             store.get_session(args.session)  # fail on a wrong id before spending seconds on the model
-        engine = open_engine(settings.model, **settings.engine.as_kwargs())
+        backend, api_key = _backend(args)
+        if backend:
+            from localpaged.engine.remote import RemoteEngine
+
+            engine: EngineClient = RemoteEngine(backend, api_key=api_key, model=args.model)
+        else:
+            engine = open_engine(settings.model, **settings.engine.as_kwargs())
         engines.append(engine)
         if args.session:
             session = Session.load(engine, store, args.session, **reply)
@@ -331,7 +369,7 @@ def open_engine(model: str | None, **engine_config: object) -> AsyncLLM:
     return engine
 
 
-def cmd_serve(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+def cmd_serve(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     from localpaged.config import EngineConfig
     from localpaged.server.app import build_app
     from localpaged.server.runner import listen, serve
@@ -373,13 +411,13 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def cmd_sessions_list(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+def cmd_sessions_list(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     with ChatStore(args.db) as store:
         for s in store.list_sessions():
             print(f"{s.id}\t{_when(s.updated)}\t{_shown(s.title or '(untitled)', one_line=True)}")
 
 
-def cmd_sessions_show(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+def cmd_sessions_show(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     with ChatStore(args.db) as store:
         messages = store.messages(args.id)
     for m in messages:
@@ -390,7 +428,7 @@ def cmd_sessions_show(args: argparse.Namespace, engines: list[AsyncLLM]) -> None
         print(_shown(m.content))
 
 
-def cmd_sessions_export(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+def cmd_sessions_export(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     with ChatStore(args.db) as store:
         text = export_markdown(store.get_session(args.id), store.messages(args.id))
         database = store.path
@@ -420,13 +458,13 @@ def _check_export_target(target: Path, database: Path | None, force: bool) -> No
         raise ConfigError(f"{target} already exists; pass --force to overwrite it, or pick another file")
 
 
-def cmd_sessions_delete(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+def cmd_sessions_delete(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     with ChatStore(args.db) as store:
         store.delete_session(args.id)
     print(f"deleted session {args.id}", file=sys.stderr)
 
 
-def cmd_search(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+def cmd_search(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     if not 1 <= args.limit <= MAX_SEARCH_LIMIT:
         raise ConfigError(f"--limit {args.limit}: use a number from 1 to {MAX_SEARCH_LIMIT:,}")
     if "\x00" in args.text:
@@ -439,7 +477,7 @@ def cmd_search(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
         print(f"{hit.session_id}\t{hit.message_id}\t{hit.role}\t{title}\t{snippet}")
 
 
-def cmd_config_show(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+def cmd_config_show(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     from localpaged.config_file import UNSET
 
     settings = _settings(args)
@@ -463,13 +501,13 @@ def _toml_value(value: object, unset: str | None) -> str:
     return str(value)
 
 
-def cmd_config_path(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+def cmd_config_path(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     from localpaged.locations import config_file_path
 
     print(config_file_path())
 
 
-def cmd_prompts_list(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+def cmd_prompts_list(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     problems: list[PromptError] = []
     prompts = list_prompts(problems)
     for problem in problems:  # a broken file is named, the rest still listed
@@ -481,11 +519,11 @@ def cmd_prompts_list(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
         )
 
 
-def cmd_prompts_show(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+def cmd_prompts_show(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     print(get_prompt(args.name).text)
 
 
-def cmd_bench(args: argparse.Namespace, engines: list[AsyncLLM]) -> None:
+def cmd_bench(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     if not BENCH_SCRIPT.is_file():
         raise ConfigError(
             f"the benchmark script {BENCH_SCRIPT} is not here; it ships with the source checkout, "

@@ -29,6 +29,13 @@ class EngineDeadError(LocalpagedError):
     """The engine core process is gone (killed, crashed, out of memory); start a new engine to go on."""
 
 
+class RemoteEngineError(LocalpagedError):
+    """A remote engine's server cannot be reached, timed out, or failed; the message names its URL.
+
+    Unlike EngineDeadError nothing here died for good: the next request may well get through.
+    """
+
+
 class StoreError(LocalpagedError):
     """The chat database cannot be opened, read or written."""
 

@@ -196,9 +196,35 @@ def test_chat_hands_its_options_to_the_tui(monkeypatch) -> None:
     assert cli.main(["chat", "--model", "m.gguf", "--prompt", "general", "--session", "s1", "--db", "x.db"]) == 0
     (call,) = calls
     settings = call.pop("settings")
-    assert call == {"model": "m.gguf", "prompt": "general", "session_id": "s1", "db": "x.db"}
+    assert call == {
+        "model": "m.gguf",
+        "prompt": "general",
+        "session_id": "s1",
+        "db": "x.db",
+        "backend": None,
+        "api_key": None,
+    }
     assert (settings.model, settings.prompt) == ("m.gguf", "general")
     assert settings.origin("model") == "flag --model"
+
+
+def test_chat_on_a_backend_takes_it_from_the_flag_or_the_environment(monkeypatch, tmp_path) -> None:
+    """--backend/--api-key, else $LOCALPAGED_BACKEND/$LOCALPAGED_API_KEY; --model then names the server's model,
+    and the settings file's model (a local path) is not sent to the server."""
+    import types
+
+    calls = []
+    fake_app = types.ModuleType("localpaged.tui.app")
+    fake_app.run_app = lambda **kwargs: calls.append(kwargs)
+    monkeypatch.setitem(sys.modules, "localpaged.tui.app", fake_app)
+    monkeypatch.setenv("LOCALPAGED_HOME", str(tmp_path))
+    (tmp_path / "config.toml").write_text('model = "~/models/local.gguf"\n')
+    assert cli.main(["chat", "--backend", "http://gpu:8000/v1", "--api-key", "k1", "--model", "served"]) == 0
+    monkeypatch.setenv("LOCALPAGED_BACKEND", "http://env:8000/v1")
+    monkeypatch.setenv("LOCALPAGED_API_KEY", "k2")
+    assert cli.main(["chat"]) == 0
+    got = [(c["backend"], c["api_key"], c["model"]) for c in calls]
+    assert got == [("http://gpu:8000/v1", "k1", "served"), ("http://env:8000/v1", "k2", None)]
 
 
 # ----- what a person sees: subprocesses ------------------------------------------------------

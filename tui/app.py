@@ -44,6 +44,18 @@ def default_engine_factory(model: str | None, **engine_config: Any) -> EngineFac
     return make
 
 
+def remote_engine_factory(url: str, api_key: str | None = None, model: str | None = None) -> EngineFactory:
+    """Connect to an OpenAI-compatible server (and, after a failure, reconnect the same way)."""
+
+    def make(progress: Progress) -> Any:
+        from localpaged.engine.remote import RemoteEngine
+
+        progress(f"Connecting to {url}", None)
+        return RemoteEngine(url, api_key=api_key, model=model)
+
+    return make
+
+
 class LocalpagedApp(App[None]):
     """Many chats streaming at once against one engine.
 
@@ -69,9 +81,13 @@ class LocalpagedApp(App[None]):
         db: str | None = None,
         clock: Callable[[], float] = time.time,
         settings: Settings | None = None,
+        backend: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         super().__init__()
         self.settings = settings if settings is not None else Settings()
+        if engine_factory is None and backend is not None:
+            engine_factory = remote_engine_factory(backend, api_key, model)
         self.engine_factory = engine_factory or default_engine_factory(
             model or self.settings.model, **self.settings.engine.as_kwargs()
         )
@@ -162,7 +178,7 @@ class LocalpagedApp(App[None]):
         if event.engine is not self.engine or self.engine_lost:
             return  # old news: an engine already replaced, or already explained
         self.engine_lost = True
-        self.push_screen(EngineDeadScreen(str(event.error)), self._restart_chosen)
+        self.push_screen(EngineDeadScreen(str(event.error), remote=event.remote), self._restart_chosen)
 
     def _restart_chosen(self, restart: bool | None) -> None:
         if restart:
@@ -243,13 +259,21 @@ def run_app(
     session_id: str | None = None,
     db: str | None = None,
     settings: Settings | None = None,
+    backend: str | None = None,
+    api_key: str | None = None,
 ) -> None:
-    """Entry point of `localpaged chat`; ``settings`` default to the settings file's."""
+    """Entry point of `localpaged chat`; ``settings`` default to the settings file's.
+
+    With ``backend`` (an OpenAI-compatible server's URL) the chats run on that server's model, which
+    ``model`` then names (None: the first it lists).
+    """
     if settings is None:
         from localpaged.config_file import load_settings
 
         settings = load_settings()
-    app = LocalpagedApp(model=model, prompt=prompt, session_id=session_id, db=db, settings=settings)
+    app = LocalpagedApp(
+        model=model, prompt=prompt, session_id=session_id, db=db, settings=settings, backend=backend, api_key=api_key
+    )
     try:
         app.run()
     finally:

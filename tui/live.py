@@ -13,7 +13,7 @@ from textual.message import Message
 from textual.message_pump import MessagePump
 from textual.worker import Worker
 
-from localpaged.errors import EngineDeadError, LocalpagedError
+from localpaged.errors import EngineDeadError, LocalpagedError, RemoteEngineError
 
 Phase = Literal["start", "first", "done"]  # "first": the first text arrived (the chat has its title)
 
@@ -33,16 +33,18 @@ class ReplyActivity(Message):
 
 
 class EngineDied(Message):
-    """`engine` is gone for good (its core process died); the app offers to start a new one.
+    """`engine` is gone for good (its core process died), or its remote server cannot be reached;
+    the app offers to start a new one (for a remote engine: to connect again).
 
-    Posted by a chat whose reply failed with EngineDeadError, and by the figures refresh. It
-    bubbles from the chat screen to the app, which shows one screen for any number of these.
+    Posted by a chat whose reply failed with EngineDeadError or RemoteEngineError, and by the figures
+    refresh. It bubbles from the chat screen to the app, which shows one screen for any number of these.
     """
 
-    def __init__(self, engine: Any, error: EngineDeadError) -> None:
+    def __init__(self, engine: Any, error: EngineDeadError | RemoteEngineError) -> None:
         super().__init__()
         self.engine = engine
         self.error = error
+        self.remote = isinstance(error, RemoteEngineError)
 
 
 class LiveChat:
@@ -121,17 +123,19 @@ class LiveChat:
         whole prompt (system prompt, history, the new message) plus the tokens generated so far; until
         the session has built that prompt, the last count of the stored chat.
         """
-        max_len = self.session.engine.config.max_model_len
+        engine = self.session.engine
+        max_len = engine.config.max_model_len  # None: a remote server that does not say
+        counted = self.context_tokens if engine.capabilities.tokenize else None  # None: nothing counts here
         if self.generating:
             now = time.monotonic()
             ttft = None if self._first is None else self._first - self._started
             rate = None if self._first is None or now <= self._first else self._chunks / (now - self._first)
             live = self.session.live_context_tokens
-            return ChatFigures(rate, ttft, self.context_tokens if live is None else live, max_len)
+            return ChatFigures(rate, ttft, counted if live is None else live, max_len)
         metrics = self.session.last_metrics
         if metrics is None:  # reopened from the store: show what its last reply achieved
-            return ChatFigures(*self.stored_figures, self.context_tokens, max_len)
-        return ChatFigures(metrics.decode_tokens_per_s, metrics.ttft_s, self.context_tokens, max_len)
+            return ChatFigures(*self.stored_figures, counted, max_len)
+        return ChatFigures(metrics.decode_tokens_per_s, metrics.ttft_s, counted, max_len)
 
     def _run(self, deltas: AsyncIterator[str], text: str | None, so_far: str = "") -> None:
         self.reply, self.error, self.failure, self.unsent, self.stopped = so_far, None, None, None, False
@@ -153,7 +157,7 @@ class LiveChat:
                     self.target.post_message(ReplyActivity(self, "first"))
         except Exception as err:  # noqa: BLE001 -- shown to the user; the app must outlive a failed request
             self.error, self.failure = str(err) or type(err).__name__, err
-            if isinstance(err, EngineDeadError):
+            if isinstance(err, (EngineDeadError, RemoteEngineError)):
                 self.target.post_message(EngineDied(self._engine, err))
             with suppress(LocalpagedError):  # failed before the session stored the text: give it back
                 if self._text is not None and len(self.visible_history()) < len(self.before):

@@ -21,6 +21,11 @@ unless the user asked it to. A chat may set its own temperature, top_p, top_k, m
 A reply that stopped at a token limit can be continued (``continue_reply``): the same stored message
 grows from the reply's own stored token ids, so the engine's prefix cache serves the whole prompt.
 
+A local engine gets token ids (the chat template's, as the prefix cache keys them); a remote one
+(``engine.capabilities.token_prompts`` False) gets the messages, counted through the server's
+/tokenize where it has one, else sent as they are for the server to judge. There, continue sends the
+reply so far as a final assistant message, on servers that can go on from one.
+
 This module imports no torch at import time (the CLI exports sessions without a model).
 """
 
@@ -32,15 +37,16 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, closing, contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from localpaged.chat.store import FINISH_REASONS, ChatStore, MessageRecord, SessionRecord
 from localpaged.errors import ConfigError, RequestError
-from localpaged.sampling import SamplingParams
+from localpaged.sampling import MAX_TOKENS_LIMIT, SamplingParams
 
 if TYPE_CHECKING:
     from localpaged.engine.output import RequestMetrics, RequestOutput
-    from localpaged.engine.protocol import EngineClient
+    from localpaged.engine.protocol import EngineClient, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +93,7 @@ class Session:
         self.last_reply: MessageRecord | None = None  # the assistant message of the latest turn
         self.warning: str | None = None  # set when the latest turn's prompt had to drop old turns
         self._request_id: str | None = None
-        self._turn_prompt_tokens = 0  # the prompt of the reply in flight
+        self._turn_prompt_tokens: int | None = 0  # the prompt of the reply in flight (None: its size is unknown)
         self._turn_generated = 0  # and the tokens it has generated so far
 
     @classmethod
@@ -182,16 +188,22 @@ class Session:
             yield delta
 
     def continuable(self) -> MessageRecord | None:
-        """The last reply if it can be continued: it ended on a token limit, the context has room, its
-        token ids are stored, and nothing follows it; else None."""
+        """The last reply if it can be continued: it ended on a token limit, the context has room, the
+        engine can go on from it (a local one needs the reply's stored token ids), and nothing follows
+        it; else None."""
         history = self.history
         if not history or history[-1].role != "assistant":
             return None
         reply = history[-1]
         if reply.status != "complete" or reply.finish_reason != "length":
             return None
-        if filled_context(reply, self.engine.config.max_model_len) or self.store.token_ids(reply.id) is None:
-            return None  # the context is full, or the reply's tokens are unknown (an older reply)
+        if filled_context(reply, self.engine.config.max_model_len):
+            return None  # the context is full
+        capabilities = self.engine.capabilities
+        if not capabilities.continue_reply:
+            return None  # a remote server that cannot go on from a partial reply
+        if capabilities.token_prompts and self.store.token_ids(reply.id) is None:
+            return None  # the reply's tokens are unknown (an older reply, or one from a remote engine)
         return reply
 
     def reply_sampling(self) -> tuple[SamplingParams, int | None]:
@@ -280,7 +292,9 @@ class Session:
     def live_context_tokens(self) -> int | None:
         """What the model sees for the reply in flight: its whole prompt (system prompt, history, the new
         message) plus the reply so far, in tokens; None when no reply is in flight."""
-        return self._turn_prompt_tokens + self._turn_generated if self.generating else None
+        if not self.generating or self._turn_prompt_tokens is None:
+            return None
+        return self._turn_prompt_tokens + self._turn_generated
 
     def rename(self, title: str) -> None:
         _check_text("title", title)
@@ -295,7 +309,7 @@ class Session:
 
     # ----- internals -------------------------------------------------------------------
 
-    def _begin_turn(self, text: str, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+    def _begin_turn(self, text: str, params: SamplingParams | None) -> tuple[_Prompt, SamplingParams]:
         """Check the turn fits, then store the user message (before any generation); the prompt ids and params."""
         self._check_idle()
         _check_text("message", text)
@@ -308,7 +322,7 @@ class Session:
             self.rename(title_from(text))
         return prompt, params
 
-    def _begin_regenerate(self, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+    def _begin_regenerate(self, params: SamplingParams | None) -> tuple[_Prompt, SamplingParams]:
         """Drop everything after the last user message; the prompt ids (and params) that answer it again."""
         self._check_idle()
         history = self.history
@@ -320,8 +334,8 @@ class Session:
         self.store.delete_messages_after(self.id, history[last_user].id)
         return prompt, params
 
-    def _begin_continue(self, params: SamplingParams | None) -> tuple[list[int], SamplingParams, MessageRecord]:
-        """The prompt ids (the turn's prompt + the reply's token ids), params and message of a continue."""
+    def _begin_continue(self, params: SamplingParams | None) -> tuple[_Prompt, SamplingParams, MessageRecord]:
+        """The prompt (the turn's prompt + the reply so far), params and message of a continue."""
         self._check_idle()
         reply = self.continuable()
         if reply is None:
@@ -331,7 +345,7 @@ class Session:
             )
         history = self.history
         turns = _replayable(history[:-1])
-        prompt, params = self._fit(turns, params, extra=self.store.token_ids(reply.id) or [])
+        prompt, params = self._fit(turns, params, reply)
         return prompt, params, reply
 
     def _check_idle(self) -> None:
@@ -343,15 +357,16 @@ class Session:
         return system + turns
 
     def _fit(
-        self, turns: list[dict], params: SamplingParams | None, extra: list[int] | None = None
-    ) -> tuple[list[int], SamplingParams]:
-        """The prompt ids for system + turns within max_model_len, and the SamplingParams of the reply.
+        self, turns: list[dict], params: SamplingParams | None, continuing: MessageRecord | None = None
+    ) -> tuple[_Prompt, SamplingParams]:
+        """The prompt for system + turns within max_model_len, and the SamplingParams of the reply.
 
         Room is left for the reply's max_tokens: the params' own if given, else the session's limit;
         with no limit, only the prompt must fit (and one token of reply), and the reply may use all
         the context left. Too long: a RequestError that says by how much, or with truncate=True, drop
-        the oldest user/assistant exchanges (never the system prompt or the newest message). ``extra``
-        ids follow the template's (a reply being continued).
+        the oldest user/assistant exchanges (never the system prompt or the newest message). A reply
+        being continued follows the turns. A prompt whose size cannot be known here (a remote server
+        without /tokenize) is sent as it is, for the server to judge.
         """
         limit = self.engine.config.max_model_len
         sampling, default_max = self.reply_sampling()
@@ -359,16 +374,18 @@ class Session:
         room = max_tokens if max_tokens is not None else 1
         dropped = 0
         while True:
-            prompt = self.engine.encode_chat(self._messages(turns)) + list(extra or [])
-            over = len(prompt) + room - limit
+            prompt = self._prompt(self._messages(turns), continuing)
+            if prompt.size is None or limit is None:
+                break
+            over = prompt.size + room - limit
             if over <= 0:
                 break
             if not self.truncate or len(turns) <= 1:
                 if max_tokens is None:
-                    size = f"the prompt has {len(prompt)} tokens, {over} over the limit of {limit} (with one to reply)."
+                    size = f"the prompt has {prompt.size} tokens, {over} over the limit of {limit} (with one to reply)."
                 else:
                     size = (
-                        f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}, "
+                        f"the prompt has {prompt.size} tokens and max_tokens is {max_tokens}, "
                         f"{over} tokens over the limit of {limit}."
                     )
                 raise RequestError(
@@ -392,49 +409,68 @@ class Session:
             )
             log.warning("session %s: %s", self.id, self.warning)
         if params is None:
-            params = dataclasses.replace(sampling, max_tokens=limit - len(prompt) if max_tokens is None else max_tokens)
+            if max_tokens is None:  # the context left; where that is unknown, no limit (the server's own)
+                known = limit is not None and prompt.size is not None
+                max_tokens = limit - prompt.size if known else limit or MAX_TOKENS_LIMIT
+            params = dataclasses.replace(sampling, max_tokens=max_tokens)
         return prompt, params
 
-    def _reply(
-        self, prompt: list[int], params: SamplingParams, continuing: MessageRecord | None = None
-    ) -> Iterator[str]:
+    def _prompt(self, messages: list[dict], continuing: MessageRecord | None) -> _Prompt:
+        """What the engine gets for ``messages`` (and a reply being continued), and its size in tokens.
+
+        A local engine takes token ids: the template's, then the continued reply's own stored ids (its
+        text re-encoded might not give them back, and the prefix cache keys the ids). A remote one takes
+        the messages, a continued reply as the final assistant message, counted by the server if it can.
+        """
+        engine = self.engine
+        if engine.capabilities.token_prompts:
+            ids = engine.encode_chat(messages) + ((self.store.token_ids(continuing.id) or []) if continuing else [])
+            return _Prompt(ids, len(ids))
+        size = len(engine.encode_chat(messages)) if engine.capabilities.tokenize else None
+        if continuing is not None:
+            messages = messages + [{"role": "assistant", "content": continuing.content}]
+            size = None if size is None else size + (continuing.completion_tokens or 0)
+        return _Prompt(messages, size)
+
+    def _reply(self, prompt: _Prompt, params: SamplingParams, continuing: MessageRecord | None = None) -> Iterator[str]:
         with (
             self._replying(prompt, continuing) as take,
-            closing(self.engine.iter_stream(prompt, params, self._request_id)) as outputs,
+            closing(self.engine.iter_stream(prompt.value, params, self._request_id)) as outputs,
         ):
             for output in outputs:
                 if delta := take(output):
                     yield delta
 
     async def _areply(
-        self, prompt: list[int], params: SamplingParams, continuing: MessageRecord | None = None
+        self, prompt: _Prompt, params: SamplingParams, continuing: MessageRecord | None = None
     ) -> AsyncIterator[str]:
         """The twin of _reply: the same body, driven by ``async for``."""
         with self._replying(prompt, continuing) as take:
-            async with aclosing(self.engine.stream(prompt, params, self._request_id)) as outputs:
+            async with aclosing(self.engine.stream(prompt.value, params, self._request_id)) as outputs:
                 async for output in outputs:
                     if delta := take(output):
                         yield delta
 
     @contextmanager
     def _replying(
-        self, prompt: list[int], continuing: MessageRecord | None = None
+        self, prompt: _Prompt, continuing: MessageRecord | None = None
     ) -> Iterator[Callable[[RequestOutput], str]]:
         """Store the reply as it streams: yields ``take(output) -> delta``; the end stores its status.
 
         An exception (the engine died, a bad request) is stored as ``error`` with its message; leaving
         early (stop, break, close) keeps what was said as ``partial``.
         """
-        recorder = _ReplyRecorder(self.store, self.id, self.engine.model_name, continuing)
+        keep_ids = self.engine.capabilities.token_prompts
+        recorder = _ReplyRecorder(self.store, self.id, self.engine.model_name, continuing, keep_ids=keep_ids)
         self.generating = True
-        self._request_id = f"{self.id}-{recorder.message.id}" + (f"-c{len(recorder.base_ids)}" if continuing else "")
-        self._turn_prompt_tokens = len(prompt) - len(recorder.base_ids)
-        self._turn_generated = len(recorder.base_ids)
+        self._request_id = f"{self.id}-{recorder.message.id}" + (f"-c{recorder.base_tokens}" if continuing else "")
+        self._turn_prompt_tokens = None if prompt.size is None else prompt.size - recorder.base_tokens
+        self._turn_generated = recorder.base_tokens
 
         def take(output: RequestOutput) -> str:
             recorder.update(output)
             self.last_metrics = output.metrics
-            self._turn_generated = len(output.token_ids) + len(recorder.base_ids)
+            self._turn_generated = output.metrics.generated_tokens + recorder.base_tokens
             return output.delta
 
         error: BaseException | None = None
@@ -451,14 +487,36 @@ class Session:
                 self._request_id = None
 
 
-class _ReplyRecorder:
-    """Keeps the stored assistant message in step with a streaming reply."""
+@dataclass(frozen=True)
+class _Prompt:
+    """A turn's prompt as the engine takes it (token ids or messages), and its size in tokens."""
 
-    def __init__(self, store: ChatStore, session_id: str, model: str, continuing: MessageRecord | None = None) -> None:
+    value: Prompt
+    size: int | None  # None: unknown here (a remote server without /tokenize)
+
+
+class _ReplyRecorder:
+    """Keeps the stored assistant message in step with a streaming reply.
+
+    keep_ids: store the reply's token ids (for a local continue); a remote engine sends none.
+    """
+
+    def __init__(
+        self,
+        store: ChatStore,
+        session_id: str,
+        model: str,
+        continuing: MessageRecord | None = None,
+        *,
+        keep_ids: bool = True,
+    ) -> None:
         self.store = store
+        self.keep_ids = keep_ids
         # A continued reply grows the stored message: its text and token ids so far come first.
         self.base_text = continuing.content if continuing is not None else ""
-        self.base_ids = (store.token_ids(continuing.id) or []) if continuing is not None else []
+        self.base_ids = (store.token_ids(continuing.id) or []) if continuing is not None and keep_ids else []
+        # How many tokens it had: its ids, or (remote) the count the server reported.
+        self.base_tokens = len(self.base_ids) if keep_ids or continuing is None else continuing.completion_tokens or 0
         if continuing is None:
             self.message = store.add_message(session_id, "assistant", "", status="partial", model=model)
         else:
@@ -493,9 +551,9 @@ class _ReplyRecorder:
         if output is not None:
             m = output.metrics
             metrics = {  # of the whole reply: a continue's prompt holds the reply's first part
-                "prompt_tokens": m.prompt_tokens - len(self.base_ids) if self.base_ids else m.prompt_tokens,
+                "prompt_tokens": max(m.prompt_tokens - self.base_tokens, 0),
                 "cached_tokens": m.cached_tokens,
-                "completion_tokens": m.generated_tokens + len(self.base_ids),
+                "completion_tokens": m.generated_tokens + self.base_tokens,
                 "ttft_s": m.ttft_s,
                 "tokens_per_s": m.decode_tokens_per_s,
             }
@@ -507,7 +565,7 @@ class _ReplyRecorder:
             finish_reason=reason,
             **metrics,
         )
-        if output is not None:
+        if output is not None and self.keep_ids:
             self.store.set_token_ids(self.message.id, self.base_ids + list(output.token_ids))
         return self.store.get_message(self.message.id)
 
@@ -529,16 +587,17 @@ def limit_note(message: object, max_model_len: int | None = None) -> str:
     """
     if getattr(message, "finish_reason", None) != "length":
         return ""
-    if max_model_len is not None and filled_context(message, max_model_len):
+    if filled_context(message, max_model_len):
         return f"stopped: the context of {max_model_len} tokens is full"
     tokens = getattr(message, "completion_tokens", None)
     return f"stopped at {tokens} tokens" if tokens is not None else "stopped at the token limit"
 
 
-def filled_context(message: object, max_model_len: int) -> bool:
-    """True when a reply's prompt and its tokens took the whole context: nothing can continue it."""
+def filled_context(message: object, max_model_len: int | None) -> bool:
+    """True when a reply's prompt and its tokens took the whole context: nothing can continue it.
+    False where the context length is unknown (a remote server that does not say)."""
     prompt, tokens = getattr(message, "prompt_tokens", None), getattr(message, "completion_tokens", None)
-    return prompt is not None and tokens is not None and prompt + tokens >= max_model_len
+    return None not in (max_model_len, prompt, tokens) and prompt + tokens >= max_model_len
 
 
 CHAT_SETTINGS = ("temperature", "top_p", "top_k", "max_tokens", "seed")  # what a chat may set for itself

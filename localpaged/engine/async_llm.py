@@ -32,7 +32,7 @@ from localpaged.config import EngineConfig
 from localpaged.engine import messages as m
 from localpaged.engine.core_client import CoreProcess, CoreThread
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
-from localpaged.engine.protocol import Prompt
+from localpaged.engine.protocol import LOCAL, Prompt
 from localpaged.errors import EngineDeadError, LocalpagedError, RequestError
 from localpaged.sampling import SamplingParams
 
@@ -109,6 +109,8 @@ class _Consumer:
 
 class AsyncLLM:
     """Serves many concurrent streams from one engine core; an EngineClient."""
+
+    capabilities = LOCAL  # token-id prompts, its own tokenizer, continue, the KV pool in view
 
     def __init__(
         self,

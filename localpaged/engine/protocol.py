@@ -1,13 +1,20 @@
 """EngineClient: what Session, the TUI, the CLI and the server need from an engine, and nothing more.
 
 One declared interface (as vLLM's EngineClient is) that AsyncLLM (core in its own process or on a
-thread), a remote OpenAI-compatible engine and the test fakes all implement, so each front end is
-written once against it. The synchronous LLM is not one: it steps on its caller's thread.
+thread), RemoteEngine (any OpenAI-compatible server) and the test fakes all implement, so each front
+end is written once against it. The synchronous LLM is not one: it steps on its caller's thread.
+tests/test_engine_protocol.py checks at run time that every implementation has every member here
+with the same signature.
+
+Engines differ in what they can do, and front ends ask ``capabilities`` rather than the engine's
+type: a remote server takes messages rather than token ids, may have no tokenizer to count with,
+may not continue a cut-off reply, and never shows its KV pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -17,10 +24,25 @@ if TYPE_CHECKING:
 Prompt = str | list[int] | list[dict]
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do beyond streaming a chat, so front ends offer only what works."""
+
+    token_prompts: bool  # takes token ids as a prompt (Session sends ids; else it sends messages)
+    tokenize: bool  # encode_chat works (a tokenizer here, or the server's /tokenize)
+    continue_reply: bool  # a chat ending in an assistant message goes on from it (continue)
+    kv_pool: bool  # stats() has the block figures and kv_map() draws the pool
+    note: str = ""  # why some of the above are missing, in words for the user
+
+
+LOCAL = EngineCapabilities(token_prompts=True, tokenize=True, continue_reply=True, kv_pool=True)
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     model_name: str
-    config: Any  # an EngineConfig as resolved by the engine: max_model_len, device, ... are known
+    config: Any  # max_model_len (None: a remote server did not say) and device are known
+    capabilities: EngineCapabilities
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation under the model's chat template, ending with the assistant's turn."""

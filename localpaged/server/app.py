@@ -92,7 +92,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         params = body.sampling_params(state.max_model_len)
-        run = await state.start(body.conversation(), params, "chatcmpl", "messages")
+        run = await state.start(await state.chat_prompt(body), params, "chatcmpl", "messages")
         if body.stream:
             return EventStream(chat_chunks(state, run, body.include_usage))
         final = await run.final(request)

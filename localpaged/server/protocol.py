@@ -132,6 +132,10 @@ class _Generation(_Strict):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are sent
+    # vLLM's fields for continuing a reply: the final (assistant) message goes on where it stops, its
+    # turn left open, instead of a new assistant turn starting after it. RemoteEngine's continue uses them.
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
     tools: Any = None
     response_format: Any = None
 
@@ -153,6 +157,17 @@ class ChatCompletionRequest(_Generation):
             raise bad_request("tools are not supported by this server; leave tools out", "tools")
         if self.response_format not in (None, {"type": "text"}):
             raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message goes on with the final message, so add_generation_prompt must be false",
+                "add_generation_prompt",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs an assistant message last, the reply to go on", "messages")
+        if not self.add_generation_prompt and not self.continue_final_message:
+            raise bad_request(
+                "add_generation_prompt false is served only with continue_final_message true", "add_generation_prompt"
+            )
 
     def conversation(self) -> list[dict]:
         return conversation(self.messages)

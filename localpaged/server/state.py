@@ -18,6 +18,7 @@ from localpaged.errors import EngineDeadError, LocalpagedError, RequestError
 from localpaged.sampling import SamplingParams
 from localpaged.server.errors import APIError, bad_request
 from localpaged.server.metrics import ServerMetrics
+from localpaged.server.protocol import ChatCompletionRequest
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +76,29 @@ class ServerState:
             body["usage"] = usage
         return body
 
-    def encode(self, text: str) -> list[int]:
-        """``text`` as the engine encodes a string prompt (no special tokens added)."""
+    async def chat_prompt(self, body: ChatCompletionRequest) -> Prompt:
+        """What the engine gets for a chat request: the conversation, or with continue_final_message
+        token ids: the chat template up to the final message's turn, then that message's text with its
+        turn left open (as vLLM renders it), so the reply goes on where the message stops."""
+        conversation = body.conversation()
+        if not body.continue_final_message:
+            return conversation
+        try:
+            head = await asyncio.to_thread(self.engine.encode_chat, conversation[:-1])
+        except RequestError as exc:
+            raise bad_request(str(exc), "messages") from None
+        return head + await asyncio.to_thread(self.encode, conversation[-1]["content"], literal=True)
+
+    def encode(self, text: str, *, literal: bool = False) -> list[int]:
+        """``text`` as the engine encodes a string prompt (no special tokens added).
+
+        literal: control-token strings in ``text`` (``<|im_end|>``) are ordinary text, as in a message.
+        """
         tokenizer = self._need_tokenizer()
         with self._tokenizer_lock:
-            return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+            if not text:
+                return []
+            return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=literal))
 
     def decode(self, tokens: list[int]) -> str:
         tokenizer = self._need_tokenizer()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
+from localpaged.engine.protocol import Prompt
 from localpaged.errors import RequestError
 from localpaged.sampling import SamplingParams
 
@@ -83,12 +84,7 @@ class FakeLLM:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
         return self.tokenizer.encode(text)
 
-    def add_request(
-        self,
-        prompt: str | list[int] | list[dict],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         if not prompt:
             raise RequestError("the prompt is empty")
         if isinstance(prompt, str):

@@ -504,3 +504,27 @@ def test_live_context_counts_the_whole_prompt_and_the_reply_so_far(store: ChatSt
             seen.append(session.live_context_tokens)
         assert seen[0] >= prompt + 1 and seen[-1] == prompt + 50
         assert session.live_context_tokens is None
+
+
+def test_sync_and_async_paths_store_the_same_rows(engine: AsyncLLM, store: ChatStore) -> None:
+    """stream/continue_reply and astream/acontinue_reply share one recorder (Session._replying): for the
+    same scripted engine they must leave the same rows, token ids included."""
+    cut = SamplingParams(max_tokens=5, temperature=0)
+    blocking, looped = Session.new(engine, store), Session.new(engine, store)
+    blocking.send("the same question", cut)
+    blocking.continue_reply(GREEDY)
+
+    async def main() -> None:
+        async for _ in looped.astream("the same question", cut):
+            pass
+        async for _ in looped.acontinue_reply(GREEDY):
+            pass
+
+    asyncio.run(main())
+
+    def rows(session: Session) -> list[tuple]:
+        fields = ("role", "content", "status", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens")
+        return [(*(getattr(m, f) for f in fields), store.token_ids(m.id)) for m in store.messages(session.id)]
+
+    assert rows(blocking) == rows(looped)
+    assert rows(blocking)[-1][3] == "stop" and len(rows(blocking)) == 2  # continued in the same message

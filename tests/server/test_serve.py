@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,9 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from localpaged.engine.async_llm import AsyncLLM
-from localpaged.server.app import build_app
-from localpaged.server.runner import Server, listen
 from tests.chat.test_async_llm import wait_until
+from tests.server.running import running_server
 
 REPO = Path(__file__).resolve().parent.parent.parent
 TINY = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "64MiB", "max_model_len": 1024}
@@ -53,15 +51,8 @@ def llm(tiny_model_path: Path):
 
 @pytest.fixture(scope="module")
 def base_url(engine: AsyncLLM):
-    sock = listen("127.0.0.1", 0)
-    server = Server(build_app(engine, api_key=KEY))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, timeout=30)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.stop()
-    thread.join(timeout=10)
-    sock.close()
+    with running_server(engine, api_key=KEY) as url:
+        yield url
 
 
 @pytest.fixture
@@ -208,6 +199,24 @@ def test_an_unknown_model_is_404(client: openai.OpenAI) -> None:
     assert caught.value.body["param"] == "model"
 
 
+def test_continue_final_message_goes_on_from_the_reply(client: openai.OpenAI, engine: AsyncLLM, llm) -> None:
+    """vLLM's fields: the prompt is the template up to the assistant's turn, then the partial reply, left open."""
+    from localpaged import SamplingParams
+
+    partial = "A paged KV cache"
+    prompt = engine.encode_chat(MESSAGES) + engine.tokenizer.encode(partial, add_special_tokens=False)
+    expected = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0]
+    reply = client.chat.completions.create(
+        model=engine.model_name,
+        messages=[*MESSAGES, {"role": "assistant", "content": partial}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.choices[0].message.content == expected.text
+
+
 GOOD = {"messages": MESSAGES, "max_tokens": 2, "temperature": 0}
 TOO_LONG = [{"role": "user", "content": "paging " * 1500}]
 
@@ -234,6 +243,9 @@ TOO_LONG = [{"role": "user", "content": "paging " * 1500}]
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": TOO_LONG}, "messages"),
         ({"messages": TOO_LONG, "stream": True}, "messages"),
+        ({"continue_final_message": True}, "add_generation_prompt"),  # both on: vLLM refuses it too
+        ({"continue_final_message": True, "add_generation_prompt": False}, "messages"),  # the last is the user's
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
     ],
 )
 def test_a_bad_field_is_a_400_naming_it(base_url: str, change: dict, param: str) -> None:

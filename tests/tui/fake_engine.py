@@ -10,11 +10,17 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
+from localpaged.engine.protocol import LOCAL, EngineCapabilities
 from localpaged.errors import EngineDeadError, RequestError
+
+if TYPE_CHECKING:
+    from localpaged.engine.protocol import Prompt
+    from localpaged.sampling import SamplingParams
 
 BLOCK_SIZE = 16
 WORD_IDS = 0x110000  # a reply's "tokens" are its words, numbered from here (beyond every character)
@@ -54,6 +60,7 @@ class FakeEngine:
     blocks_total: int = 96
     model_name: str = "fake-135M"
     config: FakeConfig = field(default_factory=FakeConfig)
+    capabilities: EngineCapabilities = LOCAL
     prompts: list[list[int]] = field(default_factory=list)
     params: list[object] = field(default_factory=list)  # the SamplingParams of every stream, in order
     shut_down: bool = False
@@ -94,7 +101,7 @@ class FakeEngine:
         return turns[-1] if turns else ""
 
     async def stream(
-        self, prompt: list[int], params: object = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         request_id = request_id or f"req-{len(self.prompts)}"
         self._call()
@@ -131,6 +138,22 @@ class FakeEngine:
         finally:
             self._running.discard(request_id)
             self._aborted.discard(request_id)
+
+    def iter_stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Iterator[RequestOutput]:
+        """The blocking twin of stream: the same script, on an event loop of its own."""
+        loop = asyncio.new_event_loop()
+        outputs = self.stream(prompt, params, request_id)
+        try:
+            while True:
+                try:
+                    yield loop.run_until_complete(anext(outputs))
+                except StopAsyncIteration:
+                    return
+        finally:
+            loop.run_until_complete(outputs.aclose())
+            loop.close()
 
     def _output(
         self,

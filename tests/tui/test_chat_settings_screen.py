@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from localpaged.tui.screens.chat_settings import ChatSettingsDialog
 from localpaged.tui.screens.main import MainScreen
@@ -9,6 +11,7 @@ from pilot_helpers import main_screen, reply_done, send, wait_for
 from textual.widgets import Input, Label, TextArea
 
 from localpaged.config_file import SamplingSettings, Settings
+from localpaged.engine.protocol import LOCAL
 
 pytestmark = pytest.mark.anyio
 WORDS = 100
@@ -162,3 +165,22 @@ async def test_a_new_system_prompt_on_an_empty_chat_changes_it_in_place(make_app
         await wait_for(pilot, lambda: app.screen is screen)
         assert screen.current is chat and store.get_session(chat.session.id).system == "Be brief."
         assert len(store.list_sessions()) == 1
+
+
+async def test_continue_is_dimmed_with_a_note_where_the_engine_cannot(make_app, engine) -> None:
+    """A remote server that cannot go on from a partial reply: continue shows, dimmed, and says why."""
+    engine.default, engine.delay = long_reply, 0
+    engine.capabilities = dataclasses.replace(LOCAL, continue_reply=False, note="this server cannot")
+    app = make_app(settings=Settings(sampling=SamplingSettings(max_tokens=30)))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await main_screen(pilot)
+        await send(pilot, "write a lot")
+        chat = screen.current
+        await reply_done(pilot, screen, chat)
+        assert chat.session.last_reply.finish_reason == "length"
+        assert screen.check_action("continue", ()) is None  # in the footer, dimmed
+        calls = len(engine.prompts)
+        await screen.action_continue()  # as the palette would run it
+        await pilot.pause()
+        assert [n.message for n in app._notifications] == ["Continue is off on this engine: this server cannot."]
+        assert len(engine.prompts) == calls

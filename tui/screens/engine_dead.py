@@ -14,7 +14,8 @@ class EngineDeadScreen(Screen[bool]):
 
     Dismissed with True when the user asks for a restart; the app then builds a new engine
     behind the loading screen and hands it to every open chat. Quit leaves as ever: the chats
-    and their cut-short replies are already stored.
+    and their cut-short replies are already stored. For a remote engine (``remote``) the message
+    is a RemoteEngineError's, which names the server's URL, and a restart connects again.
     """
 
     BINDINGS = [
@@ -22,20 +23,22 @@ class EngineDeadScreen(Screen[bool]):
         Binding("q", "app.quit", "Quit", id="engine_dead_quit"),
     ]
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, remote: bool = False) -> None:
         super().__init__()
         self.message = message
+        self.remote = remote
 
     def compose(self) -> ComposeResult:
         with Middle(), Center():
-            yield Label("The engine stopped", id="engine-dead-title")
+            title = "The remote engine cannot be reached" if self.remote else "The engine stopped"
+            yield Label(title, id="engine-dead-title")
             yield Static(self.message, id="engine-dead-message", markup=False)
             yield Label(
                 "Your chats are saved; a reply that was cut short is kept and marked as an error.",
                 id="engine-dead-hint",
             )
             with Horizontal(id="engine-dead-buttons"):
-                yield Button("Restart engine", id="restart", variant="primary")
+                yield Button("Connect again" if self.remote else "Restart engine", id="restart", variant="primary")
                 yield Button("Quit", id="quit")
         yield Footer()
 

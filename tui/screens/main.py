@@ -22,7 +22,7 @@ from textual.widgets import Footer, Label
 
 from localpaged.chat.session import CHAT_SETTINGS, Session, settings_summary
 from localpaged.config_file import Settings
-from localpaged.errors import EngineDeadError, LocalpagedError
+from localpaged.errors import EngineDeadError, LocalpagedError, RemoteEngineError
 
 REFRESH_S = 0.5  # status line and KV map
 # The open chat's growing reply is drawn at most this often, however fast tokens come. Every redraw
@@ -67,6 +67,7 @@ class MainScreen(ChatActions):
         self._first_open = open_id
         self._redraw: Timer  # made on mount; ticks every REDRAW_S while the open chat's reply grows
         self._redraw_due = False
+        self._last_encoded: tuple[object, list[int]] = (None, [])  # the latest chat counted, and its ids
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="body"):
@@ -100,8 +101,17 @@ class MainScreen(ChatActions):
         if action == "regenerate":
             return True if chat is not None and not chat.generating else None
         if action == "continue":
-            return chat is not None and not chat.generating and self._continuable(chat)
+            if chat is None or chat.generating:
+                return False
+            if self._continuable(chat):
+                return True
+            # A reply cut off on an engine that cannot continue: shown, dimmed; the action says why.
+            return None if not self.engine.capabilities.continue_reply and self._cut_off(chat) else False
         return True
+
+    def _cut_off(self, chat: LiveChat) -> bool:
+        history = chat.visible_history()
+        return bool(history) and history[-1].role == "assistant" and history[-1].finish_reason == "length"
 
     def _continuable(self, chat: LiveChat) -> bool:
         try:
@@ -206,7 +216,7 @@ class MainScreen(ChatActions):
             await self.live_bubble.grow(chat.reply)  # the first words at once, the rest every REDRAW_S
             self._redraw.resume()
         elif event.phase == "done":
-            if chat.error and not isinstance(chat.failure, EngineDeadError):  # that one gets its own screen
+            if chat.error and not isinstance(chat.failure, (EngineDeadError, RemoteEngineError)):  # their own screen
                 self.notify(chat.error, title="Reply failed", severity="error", timeout=8)
             if shown:
                 await self.finish_shown(chat)
@@ -255,7 +265,8 @@ class MainScreen(ChatActions):
         if self.engine_lost:
             return
         chat = self.current
-        kv_visible = self.query_one(KVMapPanel).display
+        capabilities = engine.capabilities
+        kv_visible = self.query_one(KVMapPanel).display and capabilities.kv_pool  # a remote pool is not in view
         try:
             stats = engine.stats()
             tokens: list[int] | None = None
@@ -263,10 +274,10 @@ class MainScreen(ChatActions):
                 history = chat.visible_history()
                 # While a reply streams the session counts its own context (LiveChat.figures), so the
                 # whole chat is encoded here only for the KV map or for a chat at rest.
-                if kv_visible or not chat.generating:
+                if capabilities.tokenize and (kv_visible or not chat.generating):
                     messages = [{"role": "system", "content": chat.session.system}] if chat.session.system else []
                     messages += [{"role": m.role, "content": m.content} for m in history if m.content]
-                    tokens = engine.encode_chat(messages) if messages else []
+                    tokens = self._encoded(engine, messages)
                     if not chat.generating:
                         chat.context_tokens = len(tokens)
                 replies = [m for m in history if m.role == "assistant"]
@@ -280,6 +291,14 @@ class MainScreen(ChatActions):
             return  # the engine was shut down meanwhile (quit): nothing left to show
         self.app.call_from_thread(self.show_figures, stats, kv_map)
 
+    def _encoded(self, engine: Any, messages: list[dict]) -> list[int]:
+        """The chat's token ids, encoded again only when it changed: at rest a chat is the same every refresh,
+        and a remote engine counts over HTTP."""
+        key = (id(engine), repr(messages))
+        if self._last_encoded[0] != key:
+            self._last_encoded = (key, engine.encode_chat(messages) if messages else [])
+        return self._last_encoded[1]
+
     def stop_refreshing(self) -> None:
         """No more figures: the engine is about to shut down (quit)."""
         self._refresh.stop()
@@ -287,9 +306,12 @@ class MainScreen(ChatActions):
     def show_figures(self, stats: dict, kv_map: Any) -> None:
         chat = self.current
         figures = chat.figures() if chat else None
-        self.query_one(StatusLine).show(self.engine.model_name, self.engine.config.device, stats, figures)
+        pool = self.engine.capabilities.kv_pool
+        self.query_one(StatusLine).show(self.engine.model_name, self.engine.config.device, stats, figures, pool=pool)
         if kv_map is not None:
             self.query_one(KVMapPanel).show(kv_map, stats)
+        elif not pool:
+            self.query_one(KVMapPanel).show_remote(self.engine.config.device)
         if chat is not None and chat.generating and self.live_bubble is not None and figures:
             rate = "–" if figures.tokens_per_s is None else f"{figures.tokens_per_s:.1f}"
             self.live_bubble.set_note(f"generating… {rate} tok/s")
@@ -364,7 +386,11 @@ class MainScreen(ChatActions):
         chat = self.current
         reply = chat.session.continuable() if chat is not None and not chat.generating else None
         if chat is None or reply is None:
-            self.notify("Only a reply that stopped at a token limit can be continued.", severity="warning")
+            capabilities = self.engine.capabilities
+            if not capabilities.continue_reply:
+                self.notify(f"Continue is off on this engine: {capabilities.note}.", severity="warning", timeout=8)
+            else:
+                self.notify("Only a reply that stopped at a token limit can be continued.", severity="warning")
             return
         bubbles = self.messages.bubbles
         if bubbles and bubbles[-1].role == "assistant":

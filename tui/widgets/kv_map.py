@@ -55,6 +55,14 @@ class KVMapPanel(VerticalScroll):
         yield Static(id="kv-legend")
         yield Static(id="kv-figures")
 
+    def show_remote(self, where: str) -> None:
+        """No grid: a remote engine's pool is on its server, which does not show it."""
+        self.query_one("#kv-grid", Static).update(
+            Content(f"{where}: the KV pool is on the server and not visible from here.")
+        )
+        self.query_one("#kv-legend", Static).update("")
+        self.query_one("#kv-figures", Static).update("")
+
     def show(self, kv_map: Any, stats: dict) -> None:
         """Redraw from an engine `KVMap` and `stats()`."""
         width = max(self.content_size.width, 8)

@@ -16,8 +16,8 @@ class ChatFigures:
 
     tokens_per_s: float | None
     ttft_s: float | None
-    context_tokens: int
-    max_context: int
+    context_tokens: int | None  # None: unknown (a remote server that cannot count tokens)
+    max_context: int | None  # None: a remote server that does not say
 
 
 def bar(fraction: float, width: int = BAR_WIDTH) -> str:
@@ -32,24 +32,39 @@ def _num(value: float | None, fmt: str, unit: str) -> str:
     return "–" if value is None else f"{value:{fmt}}{unit}"
 
 
+def context(chat: ChatFigures) -> str:
+    """'context 41 of 8192 tokens', as much of it as is known."""
+    used = "–" if chat.context_tokens is None else str(chat.context_tokens)
+    return f"context {used} tokens" if chat.max_context is None else f"context {used} of {chat.max_context} tokens"
+
+
 class StatusLine(Static):
     """Model, device, queue, throughput, context and KV pool use, redrawn on a timer."""
 
-    def show(self, model: str, device: str, stats: dict, chat: ChatFigures | None) -> None:
-        """First row: the engine and its block pool; second row: the open chat and the prefix cache."""
+    def show(self, model: str, device: str, stats: dict, chat: ChatFigures | None, *, pool: bool = True) -> None:
+        """First row: the engine and its block pool; second row: the open chat and the prefix cache.
+
+        ``pool`` False (a remote engine): the pool and the prefix cache are on the server, out of view,
+        and the line says so rather than showing zeros.
+        """
         total = max(int(stats.get("blocks_total", 0)), 1)
         used = int(stats.get("blocks_used", 0))
+        kv = (
+            Content.from_markup(
+                "KV [$accent on $panel-lighten-1]$bar[/] $pct% of $total blocks",
+                bar=bar(used / total),
+                pct=f"{100 * used / total:.0f}",
+                total=str(total),
+            )
+            if pool
+            else Content("KV pool on the server")
+        )
         engine = Content(" │ ").join(
             [
                 Content.from_markup("[b]$model[/b] on $device", model=model, device=device),
                 Content(f"running {stats.get('running', 0)} · waiting {stats.get('waiting', 0)}"),
                 Content(f"all chats {_num(stats.get('tokens_per_s'), '.1f', ' tok/s')}"),
-                Content.from_markup(
-                    "KV [$accent on $panel-lighten-1]$bar[/] $pct% of $total blocks",
-                    bar=bar(used / total),
-                    pct=f"{100 * used / total:.0f}",
-                    total=str(total),
-                ),
+                kv,
             ]
         )
         this = (
@@ -57,11 +72,15 @@ class StatusLine(Static):
             if chat is None
             else Content(
                 f"this chat {_num(chat.tokens_per_s, '.1f', ' tok/s')} · first token {_num(chat.ttft_s, '.2f', ' s')}"
-                f" · context {chat.context_tokens} of {chat.max_context} tokens"
+                f" · {context(chat)}"
             )
         )
-        cache = Content(
-            f"prefix cache hits {100 * float(stats.get('prefix_hit_rate', 0.0)):.0f}%"
-            f" · {stats.get('blocks_shared', 0)} shared blocks"
+        cache = (
+            Content(
+                f"prefix cache hits {100 * float(stats.get('prefix_hit_rate', 0.0)):.0f}%"
+                f" · {stats.get('blocks_shared', 0)} shared blocks"
+            )
+            if pool
+            else Content("prefix cache on the server")
         )
         self.update(Content("\n").join([engine, Content(" │ ").join([this, cache])]))

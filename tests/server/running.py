@@ -1,0 +1,28 @@
+"""Our server on a free loopback port, on a thread of the test process: for the tests that talk to one."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from localpaged.engine.protocol import EngineClient
+from localpaged.server.app import build_app
+from localpaged.server.runner import Server, listen
+from tests.chat.test_async_llm import wait_until
+
+
+@contextmanager
+def running_server(engine: EngineClient, api_key: str | None = None) -> Iterator[str]:
+    """``http://127.0.0.1:PORT`` of a server over ``engine`` for the length of the ``with`` block."""
+    sock = listen("127.0.0.1", 0)
+    server = Server(build_app(engine, api_key=api_key))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, timeout=30)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+        sock.close()
