@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -128,7 +129,6 @@ def main() -> None:
     results[name], peak = run_ours(ours32, prompts, args.tokens)
     weight_mib[name] = weight_bytes(ours32) / 2**20
     block_bytes, max_len, bs = ours32.block_bytes, ours32.config.max_model_len, ours32.config.block_size
-    folder = ours32.model_folder
     del ours32
     if blocks:
         ours_float = LLM(args.model, device=args.device, dtype="float32", weights="float")
@@ -143,7 +143,15 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
+    from localpaged.models.loader import default_model_path
+
+    source = Path(args.model) if args.model else default_model_path()  # a GGUF is read by transformers itself
+    where = (
+        {"pretrained_model_name_or_path": source.parent, "gguf_file": source.name}
+        if source.is_file()
+        else {"pretrained_model_name_or_path": source}
+    )
+    hf = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).to(args.device).eval()
     if not args.skip_hf_sequential:
         results["HF generate, one after another (fp32)"] = run_hf_sequential(hf, prompts, args.tokens, args.device)
     results[f"HF generate, padded batch of {args.sessions} (fp32)"] = run_hf_batch(

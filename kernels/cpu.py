@@ -29,7 +29,7 @@ from localpaged.locations import EXECUTABLE_MODE, kernels_cache_dir, make_privat
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 TILE = 16  # weight rows per packed tile
-QBLOCK = 32  # weights per scale/min run along a row
+GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
 
 
 @functools.cache
@@ -59,8 +59,10 @@ def library() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(target))
     p, n = ctypes.c_void_p, ctypes.c_long
-    lib.lp_qgemm.argtypes = [p, n, n, p, p, p, n, ctypes.c_int, p]
+    lib.lp_qgemm.argtypes = [p, n, n, p, p, p, n, ctypes.c_int, ctypes.c_int, ctypes.c_int, p]
     lib.lp_qgemm.restype = None
+    lib.lp_pack_q.argtypes = [p, n, n, ctypes.c_int, ctypes.c_int, p]
+    lib.lp_pack_q.restype = None
     lib.lp_paged_decode.argtypes = [p, p, p, p, p, n, n, n, n, n, ctypes.c_float, p]
     lib.lp_paged_decode.restype = None
     lib.lp_add_rms_norm.argtypes = [p, p, p, n, n, ctypes.c_float, p, p]
@@ -91,34 +93,43 @@ def _build(compiler: str, target: Path) -> None:
 
 @dataclass
 class PackedBlocks:
-    """A weight in the tile layout of cpu_kernels.c: ``q`` int8 (or two 0..15 values a byte), fp32 scale and min."""
+    """A weight in the tile layout of cpu_kernels.c: ``q`` in 8, 4 or 5 bits a value, fp32 scale and min per group."""
 
-    q: torch.Tensor
+    q: torch.Tensor  # uint8/int8 [tiles, bytes per tile]
     scale: torch.Tensor
-    minimum: torch.Tensor
+    minimum: torch.Tensor | None  # None where every min is 0 (Q4_0, Q5_0, Q8_0, Q6_K): nothing to read or add
     rows: int  # the weight's rows before padding to whole tiles
-    nibbles: bool
+    bits: int  # 8 (int8 as is), 4 or 5 (unsigned, stored as q + offset)
+    offset: int
+    group: int  # weights per scale/min run: one of GROUPS
 
 
 def pack_blocks(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> PackedBlocks:
-    """Reorder ``q`` [N, K] int8 and ``scale``/``minimum`` [N, K/32] into tiles of 16 rows (padded with zeros).
+    """Reorder ``q`` [N, K] int8 and ``scale``/``minimum`` [N, K/G] (G in GROUPS) into tiles of 16 rows (padded with zeros).
 
-    Where every q is in 0..15 (Q4_1), two share a byte: row j's in the low half, row j+8's in the high.
+    q is stored in as few bits as its range needs (shifted to start at 0): 4 for Q4_*'s 16 values (two
+    rows share a byte: row j's in the low half, row j+8's in the high), 5 for Q5_*'s 32 (the same
+    nibbles and a plane of high bits), else 8. A Q5_0 weight then costs 0.75 bytes with its scale
+    instead of 1.25 as int8 with a scale and a zero min: decode reads every weight once per step.
     """
-    n = q.shape[0]
-    nibbles = bool(q.min() >= 0 and q.max() <= 15)
-    pad = -n % TILE
-    if pad:
-        q, scale, minimum = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (q, scale, minimum))
-    tiles = (n + pad) // TILE
+    n, k = q.shape
+    group = k // scale.shape[1]
+    assert group in GROUPS and k == group * scale.shape[1], (q.shape, scale.shape)
+    low, high = (int(v) for v in torch.aminmax(q))
+    offset = -min(low, 0)
+    bits = 4 if high + offset <= 15 else 5 if high + offset <= 31 else 8
+    offset = offset if bits < 8 else 0
+    tiles = -(-n // TILE)
+    q = q.contiguous()
+    packed = torch.empty(tiles, k * 2 * bits, dtype=torch.uint8)
+    library().lp_pack_q(q.data_ptr(), n, k, bits, offset, packed.data_ptr())
 
-    def tiled(t: torch.Tensor) -> torch.Tensor:
+    def tiled(t: torch.Tensor) -> torch.Tensor:  # [N, K/G] -> [tiles, K/G, 16], padded with zeros
+        t = torch.cat([t.float(), t.new_zeros(tiles * TILE - n, t.shape[1], dtype=torch.float32)])
         return t.reshape(tiles, TILE, t.shape[1]).transpose(1, 2).contiguous()
 
-    qt = tiled(q)  # [tiles, K, 16]
-    if nibbles:
-        qt = (qt[..., :8] | (qt[..., 8:] << 4)).contiguous()  # [tiles, K, 8]
-    return PackedBlocks(qt, tiled(scale.float()), tiled(minimum.float()), n, nibbles)
+    minimum = tiled(minimum) if bool(minimum.any()) else None
+    return PackedBlocks(packed, tiled(scale), minimum, n, bits, offset, group)
 
 
 def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
@@ -126,7 +137,7 @@ def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
     x = x.contiguous()
     m, k = x.shape
     padded = w.q.shape[0] * TILE
-    assert w.q.shape[1] == k and k % QBLOCK == 0 and x.dtype == torch.float32, (x.shape, x.dtype, w.q.shape)
+    assert w.q.shape[1] == k * 2 * w.bits and k % w.group == 0 and x.dtype == torch.float32, (x.shape, x.dtype, w)
     out = torch.empty(m, padded)
     library().lp_qgemm(
         x.data_ptr(),
@@ -134,9 +145,11 @@ def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
         k,
         w.q.data_ptr(),
         w.scale.data_ptr(),
-        w.minimum.data_ptr(),
+        w.minimum.data_ptr() if w.minimum is not None else None,
         padded,
-        int(w.nibbles),
+        w.bits,
+        w.offset,
+        w.group,
         out.data_ptr(),
     )
     return out if padded == w.rows else out[:, : w.rows]

@@ -1,20 +1,23 @@
 /* Native CPU kernels for decode-sized batches (AVX2 + FMA, OpenMP), loaded by kernels/cpu.py.
  *
- * qgemm: Y[M, N] = X[M, K] @ W[N, K]^T where W is kept as a GGUF file stores it, in runs of 32
- * along each row: w = scale * q + min, q a small integer. Torch's fp32 GEMM reads 4 bytes per
- * weight and reaches ~40 % of this CPU's peak on 16-row batches; here a weight costs 0.75 bytes
- * (q of 0..15, two to a byte: Q4_1) or 1.25 (an int8 q: Q8_0, Q4_0). For 5 or more rows of X each
- * tile of 16 weight rows is expanded once into an fp32 panel in L1/L2, then swept by a 6x16
- * register kernel over all rows; for 1-4 rows each column is expanded in registers instead. The
- * expansion multiplies then adds in separate roundings (this file is built with -ffp-contract=off),
- * so the weights used are exactly the fp32 values of gguf-py's dequantisation: only the order of
- * the dot products' additions differs from a float32 run.
+ * qgemm: Y[M, N] = X[M, K] @ W[N, K]^T where W is kept as a GGUF file stores it, in runs ("groups")
+ * of 32 weights along each row (16 for Q6_K, whose sub-blocks are that short): w = scale * q + min,
+ * q a small integer. Torch's fp32 GEMM reads 4 bytes per weight and reaches ~40 % of this CPU's
+ * peak on 16-row batches; here q takes 4 bits (Q4_0, Q4_1, Q4_K), 5 (Q5_0, Q5_1, Q5_K) or 8 (Q8_0,
+ * Q6_K), plus 8 bytes of scale and min per group. For 5 or more rows of X each tile of 16 weight
+ * rows is expanded once into an fp32 panel in L1/L2, then swept by a 6x16 register kernel over all
+ * rows; for 1-4 rows each column is expanded in registers instead. The expansion multiplies then
+ * adds in separate roundings (this file is built with -ffp-contract=off), so the weights used are
+ * exactly the fp32 values of gguf-py's dequantisation: only the order of the dot products'
+ * additions differs from a float32 run.
  *
  * Packed layout (see kernels/cpu.py pack_blocks): for tile t of 16 rows, j = row within the tile,
- * k = column:
- *   q[t][k][j]        int8, or with nibbles: q[t][k][j] for j < 8 is a byte holding row j in its
- *                     low four bits and row j + 8 in its high four
- *   scale[t][k/32][j] fp32,  min[t][k/32][j] fp32
+ * k = column, q = stored value - offset (one integer per weight; Q4_0's -8..7 are stored as 0..15):
+ *   8 bits: q[t][k][j] int8
+ *   4 bits: q[t][k][j] for j < 8, a byte holding row j in its low four bits and row j + 8 in its high four
+ *   5 bits: those K * 8 bytes, then K 16-bit words: bit j of word k is bit 4 of row j's value
+ *   scale[t][k/G][j] fp32,  min[t][k/G][j] fp32     (G: the group, 32 or 16; min NULL where every min is 0:
+ *                                                    Q4_0, Q5_0, Q8_0, Q6_K, whose weights are scale * q alone)
  */
 #include <immintrin.h>
 #include <math.h>
@@ -22,34 +25,47 @@
 #include <stdlib.h>
 
 #define TILE 16
-#define QBLOCK 32
 
 static __thread float *panel = NULL; /* one per OpenMP thread, grown to the widest K seen */
 static __thread long panel_floats = 0;
 
-/* Column k of a tile: its 16 q values as two vectors of 8 floats (rows 0-7 and 8-15). */
-static inline __attribute__((always_inline)) void load_column(const int NIBBLES, const int8_t *q, long k, __m256 *lo, __m256 *hi) {
-    if (NIBBLES) {
-        const __m128i b = _mm_loadl_epi64((const __m128i *)(q + k * TILE / 2)), low4 = _mm_set1_epi8(0x0F);
-        *lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, low4)));
-        *hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)));
+/* Column k of a tile: its 16 q values as two vectors of 8 floats (rows 0-7 and 8-15). The 16 values are first
+ * put together as bytes (nibbles side by side, the fifth bits spread by a byte shuffle, the offset taken off),
+ * then widened the same way for every width: a 5-bit column costs 5 more byte operations than a 4-bit one. */
+static inline __attribute__((always_inline)) void load_column(
+    const int BITS, const int8_t *q, long K, long k, __m128i offset, __m256 *lo, __m256 *hi) {
+    __m128i v;
+    if (BITS == 8) {
+        v = _mm_loadu_si128((const __m128i *)(q + k * TILE));
     } else {
-        const __m128i b = _mm_loadu_si128((const __m128i *)(q + k * TILE));
-        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+        const __m128i b = _mm_loadl_epi64((const __m128i *)(q + k * TILE / 2)), low4 = _mm_set1_epi8(0x0F);
+        v = _mm_unpacklo_epi64(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4)); /* rows 0-15 */
+        if (BITS == 5) {
+            const __m128i word = _mm_set1_epi16(((const int16_t *)(q + K * TILE / 2))[k]);
+            const __m128i spread = _mm_shuffle_epi8(word, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+            const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+            v = _mm_or_si128(v, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(16)));
+        }
+        v = _mm_sub_epi8(v, offset);
     }
+    *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
 }
 
 static inline __attribute__((always_inline)) void expand_panel(
-    const int NIBBLES, const int8_t *q, const float *scale, const float *min, long K, float *P) {
-    for (long kb = 0; kb < K / QBLOCK; kb++) {
+    const int BITS, const int GROUP, const int HAS_MIN, const int8_t *q, __m128i offset, const float *scale,
+    const float *min, long K, float *P) {
+    for (long kb = 0; kb < K / GROUP; kb++) {
         __m256 s0 = _mm256_loadu_ps(scale + kb * TILE), s1 = _mm256_loadu_ps(scale + kb * TILE + 8);
-        __m256 m0 = _mm256_loadu_ps(min + kb * TILE), m1 = _mm256_loadu_ps(min + kb * TILE + 8);
-        for (long k = kb * QBLOCK; k < (kb + 1) * QBLOCK; k++) {
+        __m256 m0 = _mm256_setzero_ps(), m1 = m0;
+        if (HAS_MIN) m0 = _mm256_loadu_ps(min + kb * TILE), m1 = _mm256_loadu_ps(min + kb * TILE + 8);
+        for (long k = kb * GROUP; k < (kb + 1) * GROUP; k++) {
             __m256 q0, q1;
-            load_column(NIBBLES, q, k, &q0, &q1);
-            _mm256_store_ps(P + k * TILE, _mm256_add_ps(_mm256_mul_ps(s0, q0), m0));
-            _mm256_store_ps(P + k * TILE + 8, _mm256_add_ps(_mm256_mul_ps(s1, q1), m1));
+            load_column(BITS, q, K, k, offset, &q0, &q1);
+            __m256 w0 = _mm256_mul_ps(s0, q0), w1 = _mm256_mul_ps(s1, q1);
+            if (HAS_MIN) w0 = _mm256_add_ps(w0, m0), w1 = _mm256_add_ps(w1, m1);
+            _mm256_store_ps(P + k * TILE, w0);
+            _mm256_store_ps(P + k * TILE + 8, w1);
         }
     }
 }
@@ -76,17 +92,19 @@ static inline __attribute__((always_inline)) void rows_times_panel(
 /* R rows of X (R <= 4, a constant after inlining) times one tile, expanding each column of 16 weights in
  * registers as it goes: with so few rows, writing and rereading a panel costs more than the FMAs. */
 static inline __attribute__((always_inline)) void rows_times_tile(
-    const int NIBBLES, const int R, const float *X, long K, const int8_t *q, const float *scale, const float *min,
-    float *Y, long ldy) {
+    const int BITS, const int GROUP, const int HAS_MIN, const int R, const float *X, long K, const int8_t *q,
+    __m128i offset, const float *scale, const float *min, float *Y, long ldy) {
     __m256 a0[4], a1[4];
     for (int i = 0; i < R; i++) a0[i] = a1[i] = _mm256_setzero_ps();
-    for (long kb = 0; kb < K / QBLOCK; kb++) {
+    for (long kb = 0; kb < K / GROUP; kb++) {
         const __m256 s0 = _mm256_loadu_ps(scale + kb * TILE), s1 = _mm256_loadu_ps(scale + kb * TILE + 8);
-        const __m256 m0 = _mm256_loadu_ps(min + kb * TILE), m1 = _mm256_loadu_ps(min + kb * TILE + 8);
-        for (long k = kb * QBLOCK; k < (kb + 1) * QBLOCK; k++) {
+        __m256 m0 = _mm256_setzero_ps(), m1 = m0;
+        if (HAS_MIN) m0 = _mm256_loadu_ps(min + kb * TILE), m1 = _mm256_loadu_ps(min + kb * TILE + 8);
+        for (long k = kb * GROUP; k < (kb + 1) * GROUP; k++) {
             __m256 q0, q1;
-            load_column(NIBBLES, q, k, &q0, &q1);
-            const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(s0, q0), m0), w1 = _mm256_add_ps(_mm256_mul_ps(s1, q1), m1);
+            load_column(BITS, q, K, k, offset, &q0, &q1);
+            __m256 w0 = _mm256_mul_ps(s0, q0), w1 = _mm256_mul_ps(s1, q1);
+            if (HAS_MIN) w0 = _mm256_add_ps(w0, m0), w1 = _mm256_add_ps(w1, m1);
             for (int i = 0; i < R; i++) {
                 const __m256 x = _mm256_broadcast_ss(X + i * K + k);
                 a0[i] = _mm256_fmadd_ps(x, w0, a0[i]);
@@ -101,20 +119,21 @@ static inline __attribute__((always_inline)) void rows_times_tile(
 }
 
 static inline __attribute__((always_inline)) void qgemm(
-    const int NIBBLES, const float *X, long M, long K, const int8_t *q, const float *scale, const float *min,
-    long N_padded, float *Y) {
-    const long tiles = N_padded / TILE, groups = K / QBLOCK, tile_bytes = NIBBLES ? K * TILE / 2 : K * TILE;
+    const int BITS, const int GROUP, const int HAS_MIN, const float *X, long M, long K, const int8_t *q, int q_offset,
+    const float *scale, const float *min, long N_padded, float *Y) {
+    const long tiles = N_padded / TILE, groups = K / GROUP, tile_bytes = K * 2 * BITS; /* 16 rows: 2 bytes a bit */
+    const __m128i offset = _mm_set1_epi8((char)q_offset);
 #pragma omp parallel for schedule(static)
     for (long t = 0; t < tiles; t++) {
         const int8_t *qt = q + t * tile_bytes;
-        const float *st = scale + t * groups * TILE, *mt = min + t * groups * TILE;
+        const float *st = scale + t * groups * TILE, *mt = HAS_MIN ? min + t * groups * TILE : NULL;
         float *y = Y + t * TILE;
         if (M <= 4) {
             switch (M) {
-                case 4: rows_times_tile(NIBBLES, 4, X, K, qt, st, mt, y, N_padded); break;
-                case 3: rows_times_tile(NIBBLES, 3, X, K, qt, st, mt, y, N_padded); break;
-                case 2: rows_times_tile(NIBBLES, 2, X, K, qt, st, mt, y, N_padded); break;
-                case 1: rows_times_tile(NIBBLES, 1, X, K, qt, st, mt, y, N_padded); break;
+                case 4: rows_times_tile(BITS, GROUP, HAS_MIN, 4, X, K, qt, offset, st, mt, y, N_padded); break;
+                case 3: rows_times_tile(BITS, GROUP, HAS_MIN, 3, X, K, qt, offset, st, mt, y, N_padded); break;
+                case 2: rows_times_tile(BITS, GROUP, HAS_MIN, 2, X, K, qt, offset, st, mt, y, N_padded); break;
+                case 1: rows_times_tile(BITS, GROUP, HAS_MIN, 1, X, K, qt, offset, st, mt, y, N_padded); break;
             }
             continue;
         }
@@ -123,7 +142,7 @@ static inline __attribute__((always_inline)) void qgemm(
             panel = aligned_alloc(64, K * TILE * sizeof(float));
             panel_floats = K * TILE;
         }
-        expand_panel(NIBBLES, qt, st, mt, K, panel);
+        expand_panel(BITS, GROUP, HAS_MIN, qt, offset, st, mt, K, panel);
         long r = 0;
         for (; r + 6 <= M; r += 6) rows_times_panel(6, X + r * K, K, panel, y + r * N_padded, N_padded);
         const float *x = X + r * K;
@@ -138,13 +157,47 @@ static inline __attribute__((always_inline)) void qgemm(
     }
 }
 
-/* X: [M, K] contiguous; N_padded a multiple of 16; Y: [M, N_padded] contiguous; nibbles: see the layout above. */
+/* X: [M, K] contiguous; N_padded a multiple of 16; Y: [M, N_padded] contiguous; bits (8, 4 or 5), offset, group
+ * (32 or 16, dividing K) and min (or NULL): see the layout above. Each (bits, group, min or not) is its own
+ * instance, so the inner loops keep constant bounds and no dead work. */
+#define QGEMM_INSTANCE(BITS, GROUP) \
+    (min ? qgemm(BITS, GROUP, 1, X, M, K, q, offset, scale, min, N_padded, Y) \
+         : qgemm(BITS, GROUP, 0, X, M, K, q, offset, scale, min, N_padded, Y))
+#define QGEMM_GROUPS(BITS) (group == 16 ? QGEMM_INSTANCE(BITS, 16) : QGEMM_INSTANCE(BITS, 32))
 void lp_qgemm(const float *X, long M, long K, const int8_t *q, const float *scale, const float *min, long N_padded,
-              int nibbles, float *Y) {
-    if (nibbles)
-        qgemm(1, X, M, K, q, scale, min, N_padded, Y);
+              int bits, int offset, int group, float *Y) {
+    if (bits == 4)
+        QGEMM_GROUPS(4);
+    else if (bits == 5)
+        QGEMM_GROUPS(5);
     else
-        qgemm(0, X, M, K, q, scale, min, N_padded, Y);
+        QGEMM_GROUPS(8);
+}
+
+/* q [N, K] int8, row-major (a GGUF tensor's rows, unpacked) -> out: the tiles of the layout above, 2 * bits bytes per
+ * tile column; rows past N (padding up to a whole tile) hold 0. One pass, in place of a dozen torch ops over the
+ * whole weight (measured on a busy 2-core machine, a Q4_K_M file's 121 projections: 3.6 s -> 0.5 s). */
+void lp_pack_q(const int8_t *q, long N, long K, int bits, int offset, uint8_t *out) {
+    const long tiles = (N + TILE - 1) / TILE;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < tiles; t++) {
+        uint8_t *o = out + t * K * 2 * bits;
+        for (long k = 0; k < K; k++) {
+            int v[TILE];
+            for (int j = 0; j < TILE; j++) v[j] = (t * TILE + j < N ? q[(t * TILE + j) * K + k] : 0) + offset;
+            if (bits == 8) {
+                for (int j = 0; j < TILE; j++) o[k * TILE + j] = (uint8_t)v[j];
+                continue;
+            }
+            for (int j = 0; j < TILE / 2; j++) o[k * TILE / 2 + j] = (uint8_t)((v[j] & 15) | ((v[j + 8] & 15) << 4));
+            if (bits == 5) {
+                unsigned word = 0;
+                for (int j = 0; j < TILE; j++) word |= (unsigned)((v[j] >> 4) & 1) << j;
+                o[K * TILE / 2 + 2 * k] = (uint8_t)word;
+                o[K * TILE / 2 + 2 * k + 1] = (uint8_t)(word >> 8);
+            }
+        }
+    }
 }
 
 /* exp for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial), ~1-2 ulp.

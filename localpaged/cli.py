@@ -190,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompt_show.add_argument("name")
     prompt_show.set_defaults(func=cmd_prompts_show)
 
+    models = commands.add_parser(
+        "models", help="list the model files already on this machine (Ollama, LM Studio, llama.cpp, Hugging Face)"
+    )
+    models.set_defaults(func=cmd_models)
+
     bench = commands.add_parser(
         "bench", help="run the throughput benchmark (benchmarks/throughput.py); other options are passed on to it"
     )
@@ -207,7 +212,10 @@ def package_version() -> str:
 
 def _add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", metavar="PATH", help="local HF folder or .gguf file (default: SmolLM2-135M-Instruct)"
+        "--model",
+        metavar="PATH|NAME",
+        help="local HF folder or .gguf file, or a name `localpaged models` lists, e.g. qwen2.5:1.5b "
+        "(default: SmolLM2-135M-Instruct)",
     )
 
 
@@ -521,6 +529,26 @@ def cmd_prompts_list(args: argparse.Namespace, engines: list[EngineClient]) -> N
 
 def cmd_prompts_show(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     print(get_prompt(args.name).text)
+
+
+def cmd_models(args: argparse.Namespace, engines: list[EngineClient]) -> None:
+    from localpaged.locations import model_store_dirs
+    from localpaged.models.catalog import find_models
+    from localpaged.models.loader import SUPPORTED_ARCHITECTURES
+
+    found = find_models()
+    if not found:
+        folders = ", ".join(str(f) for fs in model_store_dirs().values() for f in fs)
+        print(f"no model files found in {folders}; pass --model a .gguf file or a Hugging Face folder", file=sys.stderr)
+        return
+    rows = [("NAME", "SIZE", "QUANT", "ARCH", "SOURCE")]
+    for m in found:
+        supported = m.architecture in (*SUPPORTED_ARCHITECTURES, "?")  # "?": the file could not be read
+        arch = m.architecture if supported else f"{m.architecture} (not supported)"
+        rows.append((_shown(m.name, one_line=True), f"{m.size / 2**30:.2f} GiB", m.quantization, arch, m.source))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
 
 
 def cmd_bench(args: argparse.Namespace, engines: list[EngineClient]) -> None:

@@ -15,10 +15,12 @@ the environment variables or platformdirs for these folders.
 - ``config_file_path()``: $LOCALPAGED_HOME/config.toml, else ``config.toml`` in the user config folder
   (``~/.config/localpaged/config.toml``), the settings file
 - ``cache_dir()``: $LOCALPAGED_CACHE, else platformdirs' user cache folder (``~/.cache/localpaged``)
-- ``models_cache_dir()``: ``models`` in cache_dir(), GGUF files converted to safetensors
+- ``models_cache_dir()``: ``models`` in cache_dir(), each GGUF file's config and tokenizer (its metadata)
 - ``kernels_cache_dir()``: ``kernels`` in cache_dir(), the compiled CPU kernels
 - ``kv_cache_dir()``: $LOCALPAGED_KV_CACHE, else ``kv`` in cache_dir(), the disk KV tier
 - ``peers_cache_dir()``: ``peers`` in cache_dir(), llama.cpp built by ``make bench-peers``
+- ``model_store_dirs()``: where other tools keep the models a user already has (Ollama, LM Studio,
+  llama.cpp, the Hugging Face hub): only read, never created
 
 A folder named by a variable that already exists is the user's own and keeps its mode
 (only what localpaged creates in it is made private); one the variable names but that does
@@ -85,7 +87,7 @@ def cache_dir() -> Path:
 
 
 def models_cache_dir() -> Path:
-    """GGUF files converted to safetensors, one folder per source file hash."""
+    """Each GGUF file's config and tokenizer, read from its metadata: one folder per source file hash."""
     return _sub(cache_dir(), "models", CACHE_VAR)
 
 
@@ -104,6 +106,30 @@ def kv_cache_dir() -> Path:
 def peers_cache_dir() -> Path:
     """The peer engines the benchmarks compare against (llama.cpp), built once by ``make bench-peers``."""
     return _sub(cache_dir(), "peers", CACHE_VAR)
+
+
+def model_store_dirs() -> dict[str, list[Path]]:
+    """Where other tools keep model files, by tool, in the places (and under the variables) those tools use.
+
+    Ollama: $OLLAMA_MODELS, else ``~/.ollama/models`` and the Linux service's ``/usr/share/ollama/.ollama/models``.
+    LM Studio: ``~/.lmstudio/models`` (0.3 on), ``~/.cache/lm-studio/models`` (before). llama.cpp's ``-hf``
+    downloads: $LLAMA_CACHE, else its user cache folder. Hugging Face: $HF_HUB_CACHE, else $HF_HOME/hub,
+    else ``~/.cache/huggingface/hub``. These folders are the other tools': nothing here creates or changes them.
+    """
+    home = Path.home()
+    env = os.environ.get
+    hf_home = Path(env("HF_HOME") or Path(env("XDG_CACHE_HOME") or home / ".cache") / "huggingface")
+    return {
+        "ollama": [Path(env("OLLAMA_MODELS"))]
+        if env("OLLAMA_MODELS")
+        else [
+            home / ".ollama" / "models",
+            Path("/usr/share/ollama/.ollama/models"),
+        ],
+        "lmstudio": [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"],
+        "llama.cpp": [Path(env("LLAMA_CACHE") or platformdirs.user_cache_dir("llama.cpp", appauthor=False))],
+        "huggingface": [Path(env("HF_HUB_CACHE") or hf_home / "hub")],
+    }
 
 
 # -- reading what the user keeps in these folders --------------------------------------------------

@@ -40,7 +40,7 @@ TINY_COMMON = {
 
 @pytest.fixture(scope="session")
 def default_model_folder() -> Path:
-    """The default model converted to a Hugging Face folder (converted once, then cached).
+    """The default model's config and tokenizer files (its GGUF metadata, written to the cache once).
 
     ``LOCALPAGED_TEST_MODEL_FOLDER`` stands in another folder: the GPU machine cannot receive the
     98 MB GGUF, so gpu_check.sh gives it a random-weight model of the same shape and tokenizer.
@@ -50,6 +50,14 @@ def default_model_folder() -> Path:
     if DEFAULT_MODEL:
         return Path(DEFAULT_MODEL)
     return resolve_model(None).folder
+
+
+@pytest.fixture(scope="session")
+def default_model_source() -> Path:
+    """Where the default model's weights are: its GGUF file, or the stand-in folder (see above)."""
+    from localpaged.models.loader import default_model_path
+
+    return Path(DEFAULT_MODEL) if DEFAULT_MODEL else default_model_path()
 
 
 def _write_tiny(folder: Path, tokenizer_src: Path, arch: str) -> Path:
@@ -76,6 +84,15 @@ def tiny_model_path(tmp_path_factory, default_model_folder) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_path(tmp_path_factory, default_model_folder) -> Path:
     return _write_tiny(tmp_path_factory.mktemp("tiny-qwen2"), default_model_folder, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizer() -> list:
+    """The default model's tokenizer metadata, for the tiny GGUF files tests write (tests/gguf_models.py)."""
+    from localpaged.models.loader import default_model_path
+    from tests.gguf_models import tokenizer_fields
+
+    return tokenizer_fields(default_model_path())
 
 
 @pytest.fixture

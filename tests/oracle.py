@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 TIE = 1e-3  # a divergence is forgiven only where HF's two best logits are closer than this
 
 
-def load_hf(folder):
+def load_hf(path: Path):
+    """A Hugging Face folder, or a GGUF file read by transformers itself (gguf-py dequantises it to float32)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    path = Path(path)
+    if path.is_file():
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @torch.inference_mode()

@@ -265,11 +265,11 @@ def gguf_files(tmp_path: Path) -> dict[str, Path]:
 
 def test_broken_gguf_is_an_invalid_model_error(gguf_files: dict[str, Path]) -> None:
     from localpaged.errors import InvalidModelError
-    from localpaged.models.loader import check_gguf
+    from localpaged.models.gguf_file import GGUFFile
 
     for path in gguf_files.values():
         with pytest.raises(InvalidModelError, match="is not a valid GGUF file") as info:
-            check_gguf(path)
+            GGUFFile(path)
         assert str(path) in str(info.value)
 
 

@@ -246,11 +246,13 @@ def test_private_file_helpers(tmp_path: Path) -> None:
     assert mode(tree / "config.json") == mode(tree / "sub" / "weights") == 0o600
 
 
-def test_a_converted_model_is_private(env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The conversion's writers are stand-ins: what matters is the modes of what lands in the cache."""
+def test_a_gguf_metadata_folder_is_private(
+    env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The metadata's readers and writers are stand-ins: what matters is the modes of what lands in the cache."""
     import transformers
 
-    from localpaged.models import loader
+    from localpaged.models import gguf_file, loader
 
     class Fake:
         @classmethod
@@ -260,20 +262,20 @@ def test_a_converted_model_is_private(env: dict[str, Path], tmp_path: Path, monk
         def save_pretrained(self, folder: Path) -> None:
             (Path(folder) / "tokenizer.json").write_text("{}")
 
-    def save_plain(model, folder: Path) -> None:
-        (folder / "model.safetensors").write_bytes(b"")
-        (folder / "config.json").write_text("{}")
+    class FakeConfig:
+        def save_pretrained(self, folder: Path) -> None:
+            (Path(folder) / "config.json").write_text("{}")
 
-    monkeypatch.setattr(transformers, "AutoTokenizer", Fake)
-    monkeypatch.setattr(transformers, "AutoModelForCausalLM", Fake)
-    monkeypatch.setattr(loader, "_save_plain", save_plain)
+    monkeypatch.setattr(transformers, "PreTrainedTokenizerFast", Fake)
+    monkeypatch.setattr(gguf_file, "GGUFFile", lambda path: None)
+    monkeypatch.setattr(loader, "hf_config_of", lambda file: FakeConfig())
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    target = loader._converted_gguf(gguf, "ab" * 32, loader._quiet)
+    target = loader._gguf_metadata(gguf, "ab" * 32, loader._quiet)
     assert target.parent == env["LOCALPAGED_CACHE"] / "models"
     assert mode(target.parent) == mode(target) == 0o700
     names = sorted(p.name for p in target.iterdir())
-    assert names == ["config.json", "localpaged-source.json", "model.safetensors", "tokenizer.json"]
+    assert names == ["config.json", loader.METADATA_MARKER, "tokenizer.json"]
     assert all(mode(p) == 0o600 for p in target.iterdir())
 
 

@@ -179,7 +179,7 @@ def serve(fd: int) -> int:
     from localpaged.models.loader import resolve_model
 
     try:
-        files = resolve_model(first[0].config.get("model"), progress)  # converts a GGUF on its first use
+        files = resolve_model(first[0].config.get("model"), progress)  # reads a GGUF's metadata on its first use
         channel.send(m.encode(m.Resolved(str(files.folder))))
         llm = LLM(progress=progress, model_files=files, **first[0].config)
     except errors.LocalpagedError as exc:

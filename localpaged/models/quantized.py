@@ -1,7 +1,7 @@
-"""Projections and embeddings whose weights stay in a GGUF's 32-weight blocks, for the CPU.
+"""Projections and embeddings whose weights stay in a GGUF's blocks (runs of 32 or 16 weights), for the CPU.
 
 ``swap_in_blocks`` replaces each projection of a loaded model whose weights the file stored as
-blocks with a ``BlockLinear`` (native kernel, 0.75-1.25 bytes a weight instead of 4) and the token
+blocks with a ``BlockLinear`` (native kernel, 0.75-1.5 bytes a weight instead of 4) and the token
 embedding with a ``BlockEmbedding``; everything else loads as floats. The values used are exactly
 the fp32 ones a float32 load would hold, so greedy output still matches Hugging Face's float32 run.
 """
@@ -13,8 +13,7 @@ from torch import nn
 
 from localpaged.kernels import cpu
 from localpaged.models.gguf_weights import BLOCK_FIELDS, BlockQuantized
-
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+from localpaged.models.llama import FUSED
 
 
 class BlockLinear(nn.Module):
@@ -46,7 +45,11 @@ class BlockEmbedding(nn.Module):
 
 
 def swap_in_blocks(model: nn.Module, tensors: dict) -> dict[str, torch.Tensor]:
-    """Put block modules in ``model`` where every shard of a weight is blocks; return the float tensors to load."""
+    """Put block modules in ``model`` where every shard of a weight is blocks; return the float tensors to load.
+
+    Shards are taken out of ``tensors`` as they are packed, so the unpacked copy of each weight is freed
+    once it is packed (the tied embedding's once the head has it too) rather than when loading ends.
+    """
     tied = model.config.tie_word_embeddings or "lm_head.weight" not in tensors
     consumed: set[str] = set()
     for name, module in list(model.named_modules()):
@@ -60,11 +63,15 @@ def swap_in_blocks(model: nn.Module, tensors: dict) -> dict[str, torch.Tensor]:
         else:
             continue
         shards = [tensors.get(n) for n in hf]
-        if not all(isinstance(s, BlockQuantized) and s.q.shape[1] % cpu.QBLOCK == 0 for s in shards):
+        if not all(isinstance(s, BlockQuantized) for s in shards):
             continue
         weight = BlockQuantized.cat(shards)
         new = BlockEmbedding(weight) if leaf == "embed_tokens" else BlockLinear(weight, module.bias)
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
         consumed.update(hf)
+        del weight, shards
+        for n in hf:
+            if n != "model.embed_tokens.weight" or not tied or leaf == "lm_head":
+                tensors.pop(n)
     # A block shard nobody took (its projection's other shards are floats) loads as floats.
     return {n: v.dequantize() if isinstance(v, BlockQuantized) else v for n, v in tensors.items() if n not in consumed}

@@ -1,40 +1,129 @@
-"""GGUF tensors kept as blocks: the values are exactly those transformers' float32 conversion holds."""
+"""GGUF files run as they are: blocks unpacked to exactly gguf-py's values, tiny GGUF models on parity with
+transformers reading the same file, no float32 copy in the cache, and one clear error per broken file."""
 
 from __future__ import annotations
+
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, dequantize, quantize
+from gguf import GGMLQuantizationType, dequantize
 
-from localpaged.models.gguf_weights import BlockQuantized, _unpack, read_gguf
-from localpaged.models.loader import default_model_path
+from localpaged.errors import InvalidModelError, UnsupportedModelError
+from localpaged.models.gguf_file import GGUFFile
+from localpaged.models.gguf_weights import NATIVE_TYPES, BlockQuantized, read_gguf, unpack
+from tests.gguf_models import MIXED_TYPES, quantize_any, tiny_hf_model, write_gguf
+from tests.oracle import assert_same_greedy, hf_greedy, load_hf
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", NATIVE_TYPES)
 def test_unpacked_blocks_dequantise_to_gguf_py_values_bit_for_bit(kind):
-    data = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32)
-    raw = quantize(data, GGMLQuantizationType[kind])
-    ours = _unpack(raw, kind).dequantize()
-    assert torch.equal(ours, torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32)))
+    data = np.random.default_rng(0).standard_normal((24, 512)).astype(np.float32)
+    data[3] = 0.0  # an all-zero row: zero scales
+    raw = quantize_any(data, kind)
+    blocks = unpack(raw, kind)
+    assert blocks.group == (16 if kind == "Q6_K" else 32)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32))
+    assert torch.equal(blocks.dequantize(), want)
+    assert (blocks.dequantize() - torch.from_numpy(data)).abs().max() < 0.5  # the test quantiser is a real one
+
+
+def test_projections_of_different_group_sizes_fuse_without_changing_a_value():
+    rng = np.random.default_rng(1)
+    q, v = (unpack(quantize_any(rng.standard_normal((16, 256)).astype(np.float32), k), k) for k in ("Q4_K", "Q6_K"))
+    fused = BlockQuantized.cat([q, v])
+    assert fused.group == 16
+    assert torch.equal(fused.dequantize(), torch.cat([q.dequantize(), v.dequantize()]))
+
+
+@pytest.fixture(scope="module")
+def mixed_llama(tmp_path_factory, gguf_tokenizer) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-mixed-llama.gguf"
+    return write_gguf(path, tiny_hf_model("llama"), "llama", MIXED_TYPES, gguf_tokenizer)
+
+
+def _llm(path: Path, **config):
+    from localpaged import LLM
+
+    return LLM(str(path), dtype="float32", device="cpu", kv_cache_memory="64MiB", max_model_len=512, **config)
+
+
+@pytest.fixture(scope="module")
+def mixed_llama_hf(mixed_llama):
+    return load_hf(mixed_llama)
+
+
+def _check_parity(llm, hf, label: str) -> None:
+    tok = llm.tokenizer
+    chat = list(
+        tok.apply_chat_template([{"role": "user", "content": "Hi there"}], add_generation_prompt=True)["input_ids"]
+    )
+    prompts = [[1], chat, list(range(100, 150))]
+    from localpaged import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    for i, (out, prompt) in enumerate(zip(outs, prompts)):
+        want, gaps = hf_greedy(hf, prompt, 16)
+        assert_same_greedy(out.token_ids, want, gaps, f"{label} prompt {i}")
+
+
+def test_tiny_mixed_quant_llama_runs_its_blocks_and_matches_transformers_on_the_same_file(mixed_llama, mixed_llama_hf):
+    from localpaged.kernels import cpu
+
+    from localpaged.models.quantized import BlockEmbedding, BlockLinear
+
+    with pytest.warns(UserWarning, match=r"Q2_K tensors have no native kernel"):
+        llm = _llm(mixed_llama)
+    model = llm.runner.model
+    if cpu.library() is not None:
+        assert isinstance(model.embed_tokens, BlockEmbedding) and isinstance(model.lm_head, BlockLinear)
+        assert model.layers[0].self_attn.qkv_proj.packed.group == 16  # Q4_K, Q5_K and Q6_K rows in one weight
+        assert not isinstance(model.layers[1].self_attn.o_proj, BlockLinear)  # Q2_K: floats
+        assert not isinstance(model.layers[1].mlp.down_proj, BlockLinear)  # F16: floats
+    _check_parity(llm, mixed_llama_hf, "mixed llama")
+    cached = [p for p in Path(llm.model_folder).rglob("*") if p.is_file()]
+    assert not [p for p in cached if p.suffix == ".safetensors"]
+    assert sum(p.stat().st_size for p in cached) < 8 << 20  # config and tokenizer only: no float32 copy
+
+
+def test_float_weights_of_a_gguf_match_transformers_too(mixed_llama, mixed_llama_hf):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = _llm(mixed_llama, weights="float")
+    assert llm.config.weights == "float"
+    _check_parity(llm, mixed_llama_hf, "mixed llama, float weights")
+
+
+def test_tiny_tied_qwen2_gguf_matches_transformers(tmp_path, gguf_tokenizer):
+    types = {"token_embd.weight": "Q4_K", "blk.0.ffn_down.weight": "Q6_K", "blk.1.attn_q.weight": "Q5_K"}
+    path = write_gguf(tmp_path / "tiny-qwen2.gguf", tiny_hf_model("qwen2", tie=True), "qwen2", types, gguf_tokenizer)
+    llm = _llm(path)
+    assert llm.runner.model.config.tie_word_embeddings
+    _check_parity(llm, load_hf(path), "tied qwen2")
+
+
+def test_tiny_qwen3_gguf_with_q_and_k_norms_matches_transformers(tmp_path, gguf_tokenizer):
+    types = {"blk.0.attn_q.weight": "Q4_K", "blk.1.attn_k.weight": "Q6_K"}
+    path = write_gguf(tmp_path / "tiny-qwen3.gguf", tiny_hf_model("qwen3"), "qwen3", types, gguf_tokenizer)
+    llm = _llm(path)
+    assert llm.runner.model.layers[0].self_attn.q_norm is not None
+    _check_parity(llm, load_hf(path), "qwen3")
 
 
 @pytest.mark.model
-def test_default_model_blocks_equal_the_converted_float32_weights(default_model_folder):
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    with safe_open(default_model_folder / "model.safetensors", "pt") as converted:
-        names = list(converted.keys())
-        ours = read_gguf(default_model_path(), names, AutoConfig.from_pretrained(default_model_folder))
-        assert sorted(ours) == sorted(names)
-        assert (
-            sum(isinstance(v, BlockQuantized) for v in ours.values()) == 211
-        )  # 7 projections x 30 layers + embeddings
-        for name in names:
-            value = ours[name]
-            value = value.dequantize() if isinstance(value, BlockQuantized) else value
-            assert torch.equal(value, converted.get_tensor(name)), name
+def test_default_model_blocks_equal_transformers_weights_from_the_same_file(default_llm, default_model_source):
+    """Every weight name maps, Q and K rows are un-permuted as transformers does it, the values are its values."""
+    if default_model_source.is_dir():
+        pytest.skip("a stand-in folder has no GGUF")
+    hf_state = load_hf(default_model_source).state_dict()
+    ours = read_gguf(GGUFFile(default_model_source), list(hf_state), default_llm.runner.model.config)
+    assert sorted(ours) == sorted(n for n in hf_state if n != "lm_head.weight")  # the head is tied: no copy in the file
+    assert sum(isinstance(v, BlockQuantized) for v in ours.values()) == 211  # 7 projections x 30 layers + embeddings
+    for name, value in ours.items():
+        value = value.dequantize() if isinstance(value, BlockQuantized) else value
+        assert torch.equal(value, hf_state[name]), name
 
 
 @pytest.mark.model
@@ -52,3 +141,36 @@ def test_default_model_on_the_cpu_runs_on_its_blocks(default_llm):
         isinstance(m, BlockLinear)
         for m in (model.lm_head, model.layers[0].self_attn.qkv_proj, model.layers[-1].mlp.down_proj)
     )
+
+
+# ----- files that cannot run: one error naming the file, what it holds and what is supported -----
+
+
+def test_an_unknown_architecture_is_named(tmp_path, gguf_tokenizer):
+    from localpaged.models.loader import resolve_model
+
+    path = write_gguf(tmp_path / "gemma.gguf", tiny_hf_model("llama"), "gemma2", {}, gguf_tokenizer)
+    with pytest.raises(
+        UnsupportedModelError, match=r"architecture 'gemma2' is not supported; supported: llama"
+    ) as info:
+        resolve_model(path)
+    assert str(path) in str(info.value)
+
+
+def test_a_gguf_without_a_tokenizer_is_named(tmp_path):
+    from localpaged.models.loader import resolve_model
+
+    path = write_gguf(tmp_path / "bare.gguf", tiny_hf_model("llama"), "llama", {}, None)
+    with pytest.raises(InvalidModelError, match="no tokenizer in its metadata") as info:
+        resolve_model(path)
+    assert str(path) in str(info.value)
+
+
+def test_a_truncated_tensor_is_named(mixed_llama, tmp_path):
+    from localpaged.models.loader import resolve_model
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(mixed_llama.read_bytes()[:-1000])
+    with pytest.raises(InvalidModelError, match=r"tensor \S+ runs past the end of the file .* truncated") as info:
+        resolve_model(cut)
+    assert str(cut) in str(info.value)

@@ -2,7 +2,7 @@
 
 qgemm over row counts that take each path (1-4 rows expand weights in registers, more go through a
 panel: every tail of its 6-row register kernel), padded weight tiles and
-Q4_1-like (0..15 plus a min) or Q8_0-like (signed, no min) blocks; paged decode over ragged
+Q4_1-like (0..15 plus a min) or Q8_0-like (signed, no min) blocks, in runs of 32 or (Q6_K) 16; paged decode over ragged
 lengths, shuffled block tables, GQA ratios and NaN wherever the kernel must not read.
 """
 
@@ -19,24 +19,43 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def random_blocks(rows: int, cols: int, signed: bool, gen: torch.Generator) -> BlockQuantized:
-    if signed:
-        q = torch.randint(-128, 128, (rows, cols), generator=gen, dtype=torch.int8)
-        minimum = torch.zeros(rows, cols // 32)
-    else:
-        q = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.int8)
-        minimum = -torch.rand(rows, cols // 32, generator=gen) * 0.1
-    return BlockQuantized(q, torch.rand(rows, cols // 32, generator=gen) * 0.02, minimum)
+def random_blocks(
+    rows: int, cols: int, q_range: tuple[int, int], gen: torch.Generator, group: int = 32
+) -> BlockQuantized:
+    """q uniform in ``q_range`` (end excluded); a min per group where q is unsigned, as in Q4_1/Q5_1/Q4_K/Q5_K."""
+    q = torch.randint(*q_range, (rows, cols), generator=gen, dtype=torch.int8)
+    minimum = (
+        -torch.rand(rows, cols // group, generator=gen) * 0.1 if q_range[0] == 0 else torch.zeros(rows, cols // group)
+    )
+    return BlockQuantized(q, torch.rand(rows, cols // group, generator=gen) * 0.02, minimum)
+
+
+Q4_1, Q4_0, Q5_1, Q5_0, Q8_0 = (0, 16), (-8, 8), (0, 32), (-16, 16), (-128, 128)
+BITS = {Q4_1: 4, Q4_0: 4, Q5_1: 5, Q5_0: 5, Q8_0: 8}
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 5, 6, 7, 16, 33])
-@pytest.mark.parametrize("n,k,signed", [(16, 32, False), (40, 64, True), (96, 576, False), (24, 1536, True)])
-def test_qgemm_matches_dequantised_matmul(m, n, k, signed):
+@pytest.mark.parametrize(
+    "n,k,q_range,group",
+    [
+        (16, 32, Q4_1, 32),
+        (40, 64, Q8_0, 32),
+        (96, 576, Q4_1, 32),
+        (24, 1536, Q8_0, 32),
+        (40, 256, Q8_0, 16),
+        (24, 512, Q4_1, 16),
+        (40, 96, Q4_0, 32),
+        (24, 576, Q5_0, 32),
+        (56, 64, Q5_1, 32),
+        (16, 256, Q5_1, 16),
+    ],
+)
+def test_qgemm_matches_dequantised_matmul(m, n, k, q_range, group):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    weight = random_blocks(n, k, signed, gen)
+    weight = random_blocks(n, k, q_range, gen, group)
     x = torch.randn(m, k, generator=gen)
     packed = cpu.pack_blocks(weight.q, weight.scale, weight.minimum)
-    assert packed.nibbles == (not signed)
+    assert packed.bits == BITS[q_range] and packed.group == group
     out = cpu.qgemm(x, packed)
     ref = x.double() @ weight.dequantize().double().T
     assert out.shape == (m, n)
@@ -45,7 +64,7 @@ def test_qgemm_matches_dequantised_matmul(m, n, k, signed):
 
 def test_qgemm_reads_a_strided_input():
     gen = torch.Generator().manual_seed(1)
-    weight = random_blocks(32, 64, False, gen)
+    weight = random_blocks(32, 64, Q4_1, gen)
     x = torch.randn(64, 8, generator=gen).T  # not contiguous
     out = cpu.qgemm(x, cpu.pack_blocks(weight.q, weight.scale, weight.minimum))
     torch.testing.assert_close(out, x @ weight.dequantize().T, rtol=1e-5, atol=1e-5)
