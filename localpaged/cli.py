@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser("chat", help="open the terminal chat app")
     _add_model(chat)
+    _add_kv_disk(chat)
     chat.add_argument("--prompt", metavar="NAME", help="system prompt for new sessions (see `prompts list`)")
     chat.add_argument("--session", metavar="ID", help="open this stored session")
     _add_db(chat)
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--session", metavar="ID", help="continue this stored session")
     _add_sampling(run)
     _add_model(run)
+    _add_kv_disk(run)
     _add_db(run)
     run.add_argument("--no-store", action="store_true", help="keep nothing: use an in-memory store")
     run.set_defaults(func=cmd_run)
@@ -134,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--port", type=int, default=8000, metavar="N", help="port to listen on (default: 8000; 0 picks a free one)"
     )
     _add_model(serve)
+    _add_kv_disk(serve)
     serve.add_argument(
         "--api-key",
         metavar="KEY",
@@ -208,6 +211,14 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kv_disk(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-kv-disk",
+        action="store_true",
+        help="keep KV blocks in memory only: nothing written to the disk tier, nothing read from it",
+    )
+
+
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
     """The sampling flags; each overrides the settings file's [sampling] value."""
     parser.add_argument(
@@ -226,7 +237,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     flags = {"model": getattr(args, "model", None), "prompt": getattr(args, "prompt", None)}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
         flags[f"sampling.{name}"] = getattr(args, name, None)
-    return load_settings().with_flags(flags)
+    flags["engine.kv_disk"] = False if getattr(args, "no_kv_disk", False) else None
+    return load_settings().with_flags(flags, {"engine.kv_disk": "--no-kv-disk"})
 
 
 def _add_engine(parser: argparse.ArgumentParser) -> None:

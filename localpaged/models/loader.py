@@ -22,6 +22,7 @@ import torch
 
 from localpaged.errors import InvalidModelError, LocalpagedError, ModelNotFoundError, UnsupportedModelError
 from localpaged.locations import make_private_tree, models_cache_dir
+from localpaged.models.weights_digest import file_sha256
 
 Progress = Callable[[str, "float | None"], None]
 
@@ -69,21 +70,13 @@ def resolve_model(model: str | os.PathLike | None, progress: Progress = _quiet) 
             )
         return ModelFiles(path.name, path, _folder_fingerprint(path))
     if path.is_file() and path.suffix == ".gguf":
-        fingerprint = _file_sha256(path)
+        fingerprint = file_sha256(path)  # remembered per file: no 100 MB rehash at every start
         return ModelFiles(path.name, _converted_gguf(path, fingerprint, progress), fingerprint, path)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a model folder nor a .gguf file")
     raise ModelNotFoundError(
         f"no model at {path}; pass a Hugging Face folder or a .gguf file, or omit --model for the default"
     )
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _folder_fingerprint(folder: Path) -> str:
