@@ -44,6 +44,7 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/sessions.py
+	$(PY) benchmarks/kv_disk.py
 	$(PY) benchmarks/app_speed.py
 	$(PY) benchmarks/peers.py
 	$(PY) benchmarks/serve_speed.py

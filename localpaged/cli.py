@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="open the terminal chat app")
     _add_model(chat)
     _add_backend(chat)
+    _add_kv_disk(chat)
     chat.add_argument("--prompt", metavar="NAME", help="system prompt for new sessions (see `prompts list`)")
     chat.add_argument("--session", metavar="ID", help="open this stored session")
     _add_db(chat)
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(run)
     _add_model(run)
     _add_backend(run)
+    _add_kv_disk(run)
     _add_db(run)
     run.add_argument("--no-store", action="store_true", help="keep nothing: use an in-memory store")
     run.set_defaults(func=cmd_run)
@@ -137,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--port", type=int, default=8000, metavar="N", help="port to listen on (default: 8000; 0 picks a free one)"
     )
     _add_model(serve)
+    _add_kv_disk(serve)
     serve.add_argument(
         "--api-key",
         metavar="KEY",
@@ -238,6 +241,14 @@ def _backend(args: argparse.Namespace) -> tuple[str | None, str | None]:
     return url, args.api_key or os.environ.get("LOCALPAGED_API_KEY") or None
 
 
+def _add_kv_disk(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-kv-disk",
+        action="store_true",
+        help="keep KV blocks in memory only: nothing written to the disk tier, nothing read from it",
+    )
+
+
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
     """The sampling flags; each overrides the settings file's [sampling] value."""
     parser.add_argument(
@@ -256,7 +267,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     flags = {"model": getattr(args, "model", None), "prompt": getattr(args, "prompt", None)}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
         flags[f"sampling.{name}"] = getattr(args, name, None)
-    return load_settings().with_flags(flags)
+    flags["engine.kv_disk"] = False if getattr(args, "no_kv_disk", False) else None
+    return load_settings().with_flags(flags, {"engine.kv_disk": "--no-kv-disk"})
 
 
 def _add_engine(parser: argparse.ArgumentParser) -> None:

@@ -12,17 +12,15 @@ BLOCK_SIZE = 16
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def parse_bytes(value: int | str) -> int:
-    """``2147483648``, ``"2GiB"``, ``"512 MB"`` -> bytes."""
+def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
+    """``2147483648``, ``"2GiB"``, ``"512 MB"`` -> bytes; ``name`` is the setting, for the error."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(
-            f"kv_cache_memory={value!r} ({type(value).__name__}): write bytes (an int) or a size such as '2GiB'"
-        )
+        raise ConfigError(f"{name}={value!r} ({type(value).__name__}): write bytes (an int) or a size such as '2GiB'")
     if isinstance(value, int):
         return value
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", value)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"kv_cache_memory={value!r} is not a size; write bytes or e.g. '2GiB', '512MiB'")
+        raise ConfigError(f"{name}={value!r} is not a size; write bytes or e.g. '2GiB', '512MiB'")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -43,6 +41,8 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA only: skip CUDA-graph capture of decode steps
     num_threads: int | None = None  # CPU only: torch threads; None leaves torch's choice
     block_size: int = BLOCK_SIZE
+    kv_disk: bool = True  # the disk tier below the block pool (see localpaged.engine.kv_disk)
+    kv_disk_bytes: int | str = 2 * 2**30  # the disk tier's size limit; least recently used blocks go first
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -69,6 +69,11 @@ class EngineConfig:
             raise ConfigError(f"attention={self.attention!r}: use 'triton' or 'torch' (or LOCALPAGED_ATTENTION)")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads={self.num_threads}: must be at least 1 (or None for torch's choice)")
+        self.kv_disk_bytes = parse_bytes(self.kv_disk_bytes, "kv_disk_bytes")
+        if self.kv_disk_bytes <= 0:
+            raise ConfigError(
+                f"kv_disk_bytes={self.kv_disk_bytes}: must be positive (turn the tier off with kv_disk=False)"
+            )
         if self.block_size != BLOCK_SIZE:
             raise ConfigError(f"block_size is fixed at {BLOCK_SIZE}")
 
@@ -88,6 +93,7 @@ class EngineConfig:
             "enforce_eager": ((bool,), False, "true or false"),
             "num_threads": ((int,), True, "a whole number"),
             "block_size": ((int,), False, "a whole number"),
+            "kv_disk": ((bool,), False, "true or false"),
         }
         for name, (types, optional, want) in kinds.items():
             value = getattr(self, name)

@@ -20,6 +20,8 @@ the built-in default, and :meth:`Settings.entries` says which, for ``localpaged 
     kv_cache_memory = "2GiB"
     max_num_seqs = 16
     max_model_len = 8192
+    kv_disk = true               # keep KV blocks on disk, so chats resume warm after a restart
+    kv_disk_bytes = "2GiB"
 
     [keys]                       # Textual keymap: binding id -> key
     new_chat = "ctrl+t"
@@ -85,6 +87,8 @@ class EngineSettings:
     kv_cache_memory: int | str | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    kv_disk: bool | None = None
+    kv_disk_bytes: int | str | None = None
 
     def as_kwargs(self) -> dict[str, Any]:
         """The ones that are set, as keyword arguments for AsyncLLM / EngineConfig."""
@@ -169,6 +173,8 @@ UNSET = {
     "engine.kv_cache_memory": "sized from free memory",
     "engine.max_num_seqs": "64",
     "engine.max_model_len": "the model's, at most 8192",
+    "engine.kv_disk": "true: KV blocks are kept on disk across restarts",
+    "engine.kv_disk_bytes": "2GiB",
 }
 
 
@@ -276,12 +282,15 @@ def _check_value(table: str, key: str, value: Any, where: Any) -> Any:
         raise ConfigError(f"{where()}: {exc}") from exc
 
 
-def _engine_value(key: str, value: Any) -> int | str:
+def _engine_value(key: str, value: Any) -> int | str | bool:
     from localpaged.config import EngineConfig  # torch-free; its checks make the messages
 
-    if key == "kv_cache_memory":
+    if key in ("kv_cache_memory", "kv_disk_bytes"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f'kv_cache_memory={value!r}: use bytes or a size string such as "2GiB"')
+            raise ConfigError(f'{key}={value!r}: use bytes or a size string such as "2GiB"')
+    elif key == "kv_disk":
+        if not isinstance(value, bool):
+            raise ConfigError(f"kv_disk={value!r}: must be true or false")
     elif isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{key}={value!r}: must be a whole number, not {type(value).__name__}")
     EngineConfig(**{key: value})

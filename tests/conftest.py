@@ -38,6 +38,29 @@ TINY_COMMON = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_kv_disk(tmp_path_factory) -> Path:
+    """A disk KV tier of the test session's own, for the engines shared by many tests (``default_llm``):
+    session fixtures are made before any test's, so the per-test folder below comes too late for them."""
+    folder = tmp_path_factory.mktemp("kv-session")
+    before = os.environ.get("LOCALPAGED_KV_CACHE")
+    os.environ["LOCALPAGED_KV_CACHE"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("LOCALPAGED_KV_CACHE", None)
+    else:
+        os.environ["LOCALPAGED_KV_CACHE"] = before
+
+
+@pytest.fixture(autouse=True)
+def kv_disk(tmp_path_factory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh, empty disk KV tier for each test: runs never share state, and a prompt's first
+    ``cached_tokens`` are 0 as they would be without the tier (the user's own tier is never touched)."""
+    folder = tmp_path_factory.mktemp("kv")
+    monkeypatch.setenv("LOCALPAGED_KV_CACHE", str(folder))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def default_model_folder() -> Path:
     """The default model's config and tokenizer files (its GGUF metadata, written to the cache once).

@@ -216,6 +216,29 @@ def test_serve_takes_the_model_and_engine_settings_from_the_file(config: Path, m
     assert opened == [{"model": "/m.gguf", "max_num_seqs": 8, "kv_cache_memory": "1GiB"}]
 
 
+def test_no_kv_disk_beats_the_files_kv_disk_for_serve_run_and_chat(config: Path, monkeypatch) -> None:
+    opened: list[dict] = []
+
+    def open_engine(model: str | None, **engine_config: object) -> AsyncLLM:
+        opened.append(engine_config)
+        raise ConfigError("stop before serving")
+
+    monkeypatch.setattr(cli, "open_engine", open_engine)
+    write(config, '[engine]\nkv_disk = true\nkv_disk_bytes = "1GiB"\n')
+    assert cli.main(["serve", "--port", "0", "--no-kv-disk"]) == 2
+    assert cli.main(["run", "--no-store", "--no-kv-disk", "hi"]) == 2
+    assert cli.main(["run", "--no-store", "hi"]) == 2
+    assert opened == [{"kv_disk": False, "kv_disk_bytes": "1GiB"}] * 2 + [{"kv_disk": True, "kv_disk_bytes": "1GiB"}]
+    settings = cli._settings(cli.build_parser().parse_args(["chat", "--no-kv-disk"]))
+    assert settings.engine.kv_disk is False and settings.origin("engine.kv_disk") == "flag --no-kv-disk"
+
+
+def test_a_bad_kv_disk_setting_names_the_key(config: Path) -> None:
+    write(config, '[engine]\nkv_disk = "yes"\n')
+    with pytest.raises(ConfigError, match="kv_disk"):
+        load_settings()
+
+
 def test_save_theme_creates_a_private_file(config: Path) -> None:
     save_theme("nord")
     assert config.read_text() == 'theme = "nord"\n'

@@ -47,6 +47,7 @@ def test_the_protocol_declares_what_front_ends_use() -> None:
         "abort",
         "stats",
         "kv_map",
+        "prefetch",
         "shutdown",
     }
     assert set(EngineClient.__annotations__) == {"model_name", "config", "capabilities"}

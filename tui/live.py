@@ -86,6 +86,11 @@ class LiveChat:
         """The stored messages a user sees (the system prompt is shown in the title bar)."""
         return [m for m in self.session.history if m.role != "system"]
 
+    def engine_messages(self) -> list[dict]:
+        """The stored chat as the model reads it: the system prompt and every message with content."""
+        system = [{"role": "system", "content": self.session.system}] if self.session.system else []
+        return system + [{"role": m.role, "content": m.content} for m in self.visible_history() if m.content]
+
     def send(self, text: str) -> None:
         """Store `text` as the user's message and stream the reply."""
         self.before = [(m.role, m.content) for m in self.visible_history()] + [("user", text)]
@@ -135,7 +140,7 @@ class LiveChat:
         metrics = self.session.last_metrics
         if metrics is None:  # reopened from the store: show what its last reply achieved
             return ChatFigures(*self.stored_figures, counted, max_len)
-        return ChatFigures(metrics.decode_tokens_per_s, metrics.ttft_s, counted, max_len)
+        return ChatFigures(metrics.decode_tokens_per_s, metrics.ttft_s, counted, max_len, metrics.disk_tokens > 0)
 
     def _run(self, deltas: AsyncIterator[str], text: str | None, so_far: str = "") -> None:
         self.reply, self.error, self.failure, self.unsent, self.stopped = so_far, None, None, None, False

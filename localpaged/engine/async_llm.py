@@ -196,6 +196,10 @@ class AsyncLLM:
     def kv_map(self, token_ids: list[int] | None = None) -> KVMap:
         return msgspec.convert(self._call("kv_map", token_ids), KVMap)
 
+    def prefetch(self, prompt: Prompt) -> int:
+        """Have the engine read ``prompt``'s prefix blocks from its disk tier now; the number of tokens read."""
+        return self._call("prefetch", prompt)
+
     # ----- streaming -------------------------------------------------------------------
 
     async def stream(

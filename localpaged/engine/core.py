@@ -40,8 +40,8 @@ from localpaged.engine.tokenizer import probe_ids
 log = logging.getLogger(__name__)
 
 # Every request-independent call the front end may make, and nothing else (encode_chat: on a core
-# thread, whose tokenizer the front end shares).
-CALLS = ("stats", "kv_map", "encode_chat")
+# thread, whose tokenizer the front end shares; prefetch: reads a prompt's blocks from the disk tier).
+CALLS = ("stats", "kv_map", "encode_chat", "prefetch")
 # How often the core checks, during a long step, that its front end still exists.
 PARENT_CHECK_S = 0.5
 
@@ -197,6 +197,8 @@ def serve(fd: int) -> int:
         EngineCore(llm, channel.send).run(channel.receive)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the front end went away mid-send: nothing is left to serve
+    finally:
+        llm.close()  # the disk tier's last blocks, before os._exit skips every thread
     return 0
 
 

@@ -2,12 +2,34 @@
 
 The scheduler speaks in sequences and token counts; this turns that into pool operations, as
 vLLM v1's KVCacheManager does. Verbs come in pairs: ``can_allocate``/``allocate``, ``free``.
+
+With a disk tier (localpaged.engine.kv_disk) below the pool, the prefix match goes on past the
+blocks in memory: blocks found on disk are read into free pool blocks and registered in the prefix
+cache, so the ordinary match then finds them and only the tail is prefilled. A prompt's full blocks
+are saved once it is prefilled, and every computed full block when its sequence is freed; saving
+copies the blocks out of the pool at once (they may be handed out again at the next step) and
+leaves the writing to the tier's thread.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from localpaged.engine.block_pool import BlockPool, hash_block
+from localpaged.engine.kv_disk import KVDiskTier
 from localpaged.engine.sequence import Sequence
+
+
+class BlockMover(Protocol):
+    """Copies blocks' bytes out of and into the KV tensor (the model runner); keeps this module torch-free."""
+
+    def gather_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        """A private copy of each block's bytes, in the tier's block layout."""
+        ...
+
+    def scatter_blocks(self, block_ids: list[int], payloads: list[memoryview]) -> None:
+        """Overwrite each block with the bytes of a payload from ``gather_blocks``' layout."""
+        ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -22,12 +44,18 @@ def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: i
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, disk: KVDiskTier | None = None, mover: BlockMover | None = None) -> None:
+        """``disk`` and ``mover`` together add the disk tier below the pool."""
         self.pool = pool
         self.block_size = pool.block_size
+        self.disk = disk if pool.enable_prefix_caching else None
+        self.mover = mover
         self._num_inserted: dict[str, int] = {}  # full blocks of each sequence already in the cache
+        self._num_saved: dict[str, int] = {}  # full blocks of each sequence already handed to the disk tier
+        self._from_disk: set[bytes] = set()  # hashes read from disk and not yet counted for a request
         self.prefix_queries = 0  # prompt tokens looked up at admission
         self.prefix_hits = 0  # of which served by the cache
+        self.disk_hits = 0  # of which read from the disk tier
 
     def _update_hashes(self, seq: Sequence) -> None:
         salt = getattr(seq.params, "cache_salt", b"") or b""
@@ -47,7 +75,59 @@ class KVCacheManager:
         """
         self._update_hashes(seq)
         limit = (seq.num_tokens - 1) // self.block_size
-        return self.pool.match_prefix(seq.block_hashes[:limit])
+        hit = self.pool.match_prefix(seq.block_hashes[:limit])
+        if self.disk is not None and len(hit) < limit and self._load_from_disk(seq.block_hashes[:limit]):
+            hit = self.pool.match_prefix(seq.block_hashes[:limit])
+        return hit
+
+    def prefetch(self, token_ids: list[int]) -> int:
+        """Read the disk tier's blocks of ``token_ids``' prefix into the pool ahead of a request; tokens read."""
+        if self.disk is None:
+            return 0
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, token_ids, self.block_size)
+        return self._load_from_disk(hashes) * self.block_size
+
+    def _load_from_disk(self, hashes: list[bytes]) -> int:
+        """Read the blocks of the chain ``hashes`` that are on disk but not in memory into free pool blocks.
+
+        The chain is followed as far as each block is in memory or on disk; read blocks join the
+        prefix cache as free cached blocks, so the caller's next match finds them. At least one free
+        block is left for the tokens to compute. Returns the number of blocks read.
+        """
+        assert self.disk is not None and self.mover is not None
+        in_memory: list[int] = []
+        on_disk: list[bytes] = []
+        for block_hash in hashes:
+            block = self.pool.cached.get(block_hash)
+            if block is not None:
+                in_memory.append(block.block_id)
+            elif self.disk.contains(block_hash):
+                on_disk.append(block_hash)
+            else:
+                break
+        reused_free = sum(1 for b in in_memory if self.pool.blocks[b].ref_count == 0)
+        on_disk = on_disk[: max(self.pool.num_free_blocks - reused_free - 1, 0)]
+        payloads = []
+        for block_hash in on_disk:
+            payload = self.disk.read(block_hash)
+            if payload is None:
+                break  # the chain is broken here: the rest is computed
+            payloads.append(payload)
+        if not payloads:
+            return 0
+        self.pool.lock(in_memory)  # so that allocating cannot evict them
+        ids = self.pool.allocate(len(payloads))
+        try:
+            self.mover.scatter_blocks(ids, payloads)
+            for block_id, block_hash in zip(ids, on_disk):
+                self.pool.insert(block_id, block_hash)
+                self._from_disk.add(block_hash)
+        finally:
+            self.pool.unlock(reversed(in_memory + ids))
+        if len(self._from_disk) > self.pool.num_blocks:  # forget hashes whose blocks were evicted unused
+            self._from_disk &= self.pool.cached.keys()
+        return len(payloads)
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int]) -> int:
         total = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -72,8 +152,13 @@ class KVCacheManager:
     def record_admission(self, seq: Sequence, computed_blocks: list[int]) -> None:
         """Count a first admission towards the prefix-hit rate and the request's cached tokens."""
         seq.num_cached_tokens = len(computed_blocks) * self.block_size
+        if self._from_disk:
+            hashes = {self.pool.blocks[b].block_hash for b in computed_blocks}
+            seq.num_disk_tokens = len(hashes & self._from_disk) * self.block_size
+            self._from_disk -= hashes
         self.prefix_queries += seq.num_prompt_tokens
         self.prefix_hits += seq.num_cached_tokens
+        self.disk_hits += seq.num_disk_tokens
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Put every block of ``seq`` that is now full and computed into the prefix cache."""
@@ -83,13 +168,33 @@ class KVCacheManager:
         for i in range(done, full):
             self.pool.insert(seq.block_table[i], seq.block_hashes[i])
         self._num_inserted[seq.request_id] = max(done, full)
+        if seq.request_id not in self._num_saved and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            self._save(seq, full)  # the prompt is prefilled
+
+    def _save(self, seq: Sequence, end: int) -> None:
+        """Hand ``seq``'s full blocks up to ``end`` not yet on disk to the disk tier."""
+        start = self._num_saved.get(seq.request_id, 0)
+        self._num_saved[seq.request_id] = max(start, end)
+        if self.disk is None or end <= start:
+            return
+        assert self.mover is not None
+        hashes = seq.block_hashes[start:end]
+        todo = self.disk.missing(hashes)
+        if todo:
+            payloads = self.mover.gather_blocks([seq.block_table[start + i] for i in todo])
+            self.disk.save([(hashes[i], payload) for i, payload in zip(todo, payloads)])
 
     def free(self, seq: Sequence) -> None:
-        """Return a sequence's blocks, tail first, so its last blocks are evicted before its prefix."""
+        """Return a sequence's blocks, tail first, so its last blocks are evicted before its prefix.
+
+        Its computed full blocks go to the disk tier first, while their contents are still theirs.
+        """
+        self._save(seq, min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes)))
         self.pool.unlock(reversed(seq.block_table))
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._num_inserted.pop(seq.request_id, None)
+        self._num_saved.pop(seq.request_id, None)
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -61,8 +61,6 @@ class LLM:
         self.stop_token_ids = parts.stop_token_ids
         self.block_bytes = parts.block_bytes
         self.pool = BlockPool(parts.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         use_graphs = self.device.type == "cuda" and parts.attention.name == "triton" and not self.config.enforce_eager
         self.runner = ModelRunner(
             parts.model,
@@ -74,6 +72,9 @@ class LLM:
             graph_batch_sizes=min(self.config.max_num_seqs, 512) if use_graphs else 0,
             max_model_len=self.config.max_model_len,
         )
+        self.kv_disk = parts.kv_disk
+        self.kv = KVCacheManager(self.pool, self.kv_disk, self.runner)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
 
@@ -140,6 +141,17 @@ class LLM:
         if seq is None:
             raise RequestError(f"no running request has id {request_id!r}")
         self.scheduler.finish(seq, "abort")
+
+    def prefetch(self, prompt: Prompt) -> int:
+        """Read the disk tier's blocks of ``prompt``'s prefix into the pool now, so that a request with
+        that prefix starts warm (e.g. a stored chat the user just opened); the number of tokens read."""
+        return self.kv.prefetch(self._encode(prompt))
+
+    def close(self) -> None:
+        """Finish writing the disk tier's pending blocks and stop using the tier (the engine serves on without it)."""
+        if self.kv_disk is not None:
+            self.kv.disk = None
+            self.kv_disk.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -246,6 +258,7 @@ class LLM:
             ttft_s=seq.first_token_time - seq.arrival_time if seq.first_token_time else None,
             prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached_tokens,
+            disk_tokens=seq.num_disk_tokens,
             generated_tokens=seq.num_output_tokens,
             decode_tokens_per_s=(seq.num_output_tokens - 1) / decode_s if decode_s > 0 else None,
         )
@@ -310,6 +323,8 @@ class LLM:
             # the server's /metrics exports counters, from which a monitor computes rates over any window.
             "prefix_query_tokens": self.kv.prefix_queries,
             "prefix_hit_tokens": self.kv.prefix_hits,
+            "disk_tokens": self.kv.disk_hits,  # of the hit tokens, those read from the disk tier
+            **(self.kv_disk.stats() if self.kv_disk is not None else {}),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,

@@ -42,7 +42,7 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class Call(msgspec.Struct, tag=True):
-    """Ask the engine for ``stats()``, ``kv_map(*args)`` or ``encode_chat(*args)``; answered between two steps."""
+    """Ask the engine for ``stats()``, ``kv_map(*args)``, ``encode_chat(*args)`` or ``prefetch(*args)``; answered between two steps."""
 
     call_id: int
     method: str

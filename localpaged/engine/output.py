@@ -12,6 +12,7 @@ class RequestMetrics:
     cached_tokens: int  # prompt tokens served from the prefix cache
     generated_tokens: int
     decode_tokens_per_s: float | None  # after the first token
+    disk_tokens: int = 0  # of the cached tokens, those read from the disk tier
 
     @property
     def tokens(self) -> int:

@@ -72,6 +72,13 @@ class EngineClient(Protocol):
         """Every KV block's state, and the blocks holding ``token_ids``' cached prefix."""
         ...
 
+    def prefetch(self, prompt: Prompt) -> int:
+        """Start a prompt's KV warm: load its prefix blocks from a disk tier, if the engine has one.
+
+        The number of tokens loaded; 0 from an engine without a tier (a remote one keeps its own cache).
+        """
+        ...
+
     def shutdown(self) -> None:
         """Stop serving; streams in flight end with an error. Safe to call twice."""
         ...

@@ -116,6 +116,10 @@ class RemoteEngine:
             rates = [reply.rate() for reply in self._replies.values()]
         return {"running": len(rates), "waiting": 0, "tokens_per_s": sum(r for r in rates if r is not None)}
 
+    def prefetch(self, prompt: Prompt) -> int:
+        """Nothing to load here: the server keeps its own KV cache (and any tier below it)."""
+        return 0
+
     def kv_map(self, token_ids: list[int] | None = None) -> KVMap:
         """An empty map: the KV pool is on the server, not visible from here (capabilities.kv_pool is False)."""
         return KVMap(states=[], highlight=[], block_size=0, block_bytes=0, bytes_saved=0)

@@ -57,6 +57,31 @@ class ModelRunner:
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(model, attention, graph_batch_sizes, max_blocks, block_size, device)
 
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block's K and V of every layer, as the disk tier stores it: [2, layers, block_size, kv heads, head dim]."""
+        two, layers, _, *rest = self.kv_cache.shape
+        return (two, layers, *rest)
+
+    def _by_block(self) -> torch.Tensor:
+        """The KV cache viewed with the block index first; indexing it copies whole blocks."""
+        return self.kv_cache.permute(2, 0, 1, 3, 4, 5)
+
+    def gather_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        """A private copy of each block's bytes (one copy for all of them), for the disk tier's writer."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        blocks = self._by_block().index_select(0, index).cpu().view(torch.uint8).numpy()
+        return [memoryview(block).cast("B") for block in blocks]
+
+    def scatter_blocks(self, block_ids: list[int], payloads: list[memoryview]) -> None:
+        """Overwrite each block with a payload in ``gather_blocks``' layout."""
+        staging = torch.empty((len(block_ids), *self.block_shape), dtype=self.kv_cache.dtype)
+        raw = staging.view(torch.uint8).numpy().reshape(len(block_ids), -1)
+        for row, payload in zip(raw, payloads):
+            row[:] = np.frombuffer(payload, dtype=np.uint8)
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self._by_block()[index] = staging.to(self.device)
+
     @staticmethod
     def bytes_per_block(config, head_dim: int, block_size: int, kv_dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=kv_dtype).element_size()

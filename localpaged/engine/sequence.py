@@ -30,6 +30,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_disk_tokens: int = 0  # of which read from the disk tier
     num_preemptions: int = 0
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)

@@ -5,6 +5,7 @@ Each decision fails early with the numbers and what to change, rather than at th
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,15 +14,18 @@ import torch
 
 from localpaged.attention import TorchAttention, TritonAttention, select_attention
 from localpaged.config import EngineConfig
+from localpaged.engine.kv_disk import BlockLayout, KVDiskTier, layout_fingerprint
 from localpaged.engine.runner import ModelRunner
 from localpaged.engine.tokenizer import load_tokenizer
 from localpaged.errors import ConfigError
 from localpaged.kernels import cpu
+from localpaged.locations import kv_cache_dir
 from localpaged.models.gguf_file import GGUFFile
 from localpaged.models.gguf_weights import BlockQuantized, read_gguf
-from localpaged.models.llama import LlamaForCausalLM, head_dim_of
+from localpaged.models.llama import LlamaForCausalLM, head_dim_of, rope_inv_freq
 from localpaged.models.loader import ModelFiles, load_config, load_state_dict, resolve_model
 from localpaged.models.quantized import swap_in_blocks
+from localpaged.models.weights_digest import weights_digest
 
 MAX_DEFAULT_CONTEXT = 8192
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
@@ -40,6 +44,7 @@ class EngineParts:
     num_blocks: int
     block_bytes: int
     stop_token_ids: set[int]
+    kv_disk: KVDiskTier | None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -88,6 +93,42 @@ def default_kv_memory(device: torch.device) -> int:
         return int(free * 0.85)
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return min(available // 4, 2 * GiB)
+
+
+def open_kv_disk(
+    config: EngineConfig,
+    files: ModelFiles,
+    hf_config,
+    head_dim: int,
+    attention,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> KVDiskTier:
+    """The disk tier for this model and KV layout, in a folder named for everything that makes KV values differ.
+
+    Kernels are part of it wherever they may round differently (native CPU kernels or torch, the
+    attention backend, GGUF blocks or dequantised weights, the torch version, the GPU): when unsure,
+    a separate folder costs one cold prefill, a shared one would cost wrong answers.
+    """
+    shape = (2, hf_config.num_hidden_layers, config.block_size, hf_config.num_key_value_heads, head_dim)
+    rope = rope_inv_freq(hf_config, head_dim).numpy().tobytes()
+    fields = {
+        "format": "localpaged-kv-1",
+        "weights_sha256": weights_digest(files.folder, files.gguf),
+        "kv_dtype": str(dtype).removeprefix("torch."),
+        "block_shape": list(shape),
+        "rope_inv_freq_sha256": hashlib.sha256(rope).hexdigest(),
+        "device": device.type,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "attention": attention.name,
+        "weights": config.weights,
+        "native_cpu_kernels": cpu.runs(device, dtype),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+    }
+    nbytes = ModelRunner.bytes_per_block(hf_config, head_dim, config.block_size, dtype)
+    layout = BlockLayout(layout_fingerprint(fields), shape, fields["kv_dtype"], nbytes)
+    return KVDiskTier(kv_cache_dir(), layout, int(config.kv_disk_bytes))
 
 
 def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | None = None) -> EngineParts:
@@ -149,4 +190,7 @@ def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | 
         num_blocks,
         block_bytes,
         stop_token_ids(tokenizer, hf_config),
+        open_kv_disk(config, files, hf_config, model.head_dim, attention, device, dtype)
+        if config.kv_disk and config.enable_prefix_caching
+        else None,
     )

@@ -24,6 +24,7 @@ import torch
 
 from localpaged.errors import InvalidModelError, LocalpagedError, ModelNotFoundError, UnsupportedModelError
 from localpaged.locations import make_private_tree, models_cache_dir
+from localpaged.models.weights_digest import file_sha256
 
 Progress = Callable[[str, "float | None"], None]
 
@@ -83,7 +84,7 @@ def resolve_model(model: str | os.PathLike | None, progress: Progress = _quiet) 
             )
         return ModelFiles(name, path, _folder_fingerprint(path))
     if path.is_file() and (path.suffix == ".gguf" or is_gguf(path)):
-        fingerprint = _file_sha256(path)
+        fingerprint = file_sha256(path)  # remembered per file: no 100 MB rehash at every start
         return ModelFiles(name, _gguf_metadata(path, fingerprint, progress), fingerprint, path)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a model folder nor a .gguf file")
@@ -101,14 +102,6 @@ def is_gguf(path: Path) -> bool:
             return f.read(4) == b"GGUF"
     except OSError:
         return False
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _folder_fingerprint(folder: Path) -> str:

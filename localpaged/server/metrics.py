@@ -30,10 +30,14 @@ GAUGES = {
     "blocks_cached": ("kv_blocks_cached", "Free KV blocks that still hold a cached prefix."),
     "blocks_shared": ("kv_blocks_shared", "KV blocks held by more than one request."),
     "block_bytes": ("kv_block_bytes", "Bytes of one KV block (all layers)."),
+    "disk_blocks": ("kv_disk_blocks", "KV blocks in the disk tier."),
+    "disk_bytes": ("kv_disk_bytes", "Bytes of the disk tier's block files."),
 }
 COUNTERS = {
     "prefix_query_tokens": ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache."),
     "prefix_hit_tokens": ("prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache."),
+    "disk_tokens": ("prefix_cache_disk_hits_tokens", "Prompt tokens read from the disk KV tier."),
+    "disk_blocks_written": ("kv_disk_blocks_written", "KV blocks written to the disk tier."),
     "preemptions": ("preemptions", "Requests preempted (blocks given back, recomputed later)."),
 }
 

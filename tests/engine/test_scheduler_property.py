@@ -4,11 +4,17 @@ The "model" here reads each sequence's context back out of a simulated KV cache 
 table and hashes it into the next token. A block table pointing at the wrong block, a shared block
 overwritten, or a prefix hit on the wrong content therefore changes the output, which must equal
 the same hash over the true token history.
+
+With a simulated disk tier below the pool, blocks leave for "disk" as their bytes (the slots'
+tokens) and come back into other pool blocks; the disk is small enough to lose blocks (LRU) and
+some of its files are unreadable (a miss, as a corrupt file is), so chains break anywhere.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, given, settings
@@ -39,13 +45,52 @@ class Params:
     max_tokens: int
 
 
+class SimulatedDisk:
+    """The disk tier's interface over a dict of ``capacity`` blocks (least recently used go first);
+    a block whose hash's first byte is divisible by ``unreadable`` reads as a corrupt file: deleted, a miss."""
+
+    def __init__(self, capacity: int, unreadable: int) -> None:
+        self.files: OrderedDict[bytes, bytes] = OrderedDict()
+        self.capacity = capacity
+        self.unreadable = unreadable
+        self.reads = 0
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self.files
+
+    def read(self, block_hash: bytes) -> memoryview | None:
+        if block_hash not in self.files or block_hash[0] % self.unreadable == 0:
+            self.files.pop(block_hash, None)
+            return None
+        self.files.move_to_end(block_hash)
+        self.reads += 1
+        return memoryview(self.files[block_hash])
+
+    def missing(self, block_hashes: list[bytes]) -> list[int]:
+        return [i for i, h in enumerate(block_hashes) if h not in self.files]
+
+    def save(self, blocks: list[tuple[bytes, memoryview]]) -> None:
+        for block_hash, payload in blocks:
+            self.files[block_hash] = bytes(payload)
+            self.files.move_to_end(block_hash)
+        while len(self.files) > self.capacity:
+            self.files.popitem(last=False)
+
+
 class FakeEngine:
-    def __init__(self, num_blocks: int, max_num_seqs: int, budget: int) -> None:
+    def __init__(self, num_blocks: int, max_num_seqs: int, budget: int, disk: SimulatedDisk | None = None) -> None:
         self.pool = BlockPool(num_blocks, BS)
-        self.kv = KVCacheManager(self.pool)
+        self.kv = KVCacheManager(self.pool, disk, self)
         self.scheduler = Scheduler(self.kv, max_num_seqs, budget)
         self.slots = [None] * (num_blocks * BS)
         self.finished: dict[str, list[int]] = {}
+
+    def gather_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        return [memoryview(json.dumps(self.slots[b * BS : (b + 1) * BS]).encode()) for b in block_ids]
+
+    def scatter_blocks(self, block_ids: list[int], payloads: list[memoryview]) -> None:
+        for b, payload in zip(block_ids, payloads):
+            self.slots[b * BS : (b + 1) * BS] = json.loads(bytes(payload))
 
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // BS] * BS + pos % BS
@@ -75,6 +120,7 @@ class FakeEngine:
         assert all(not s.block_table for s in self.scheduler.waiting)
         for s in self.scheduler.running:
             assert len(s.block_table) * BS >= s.num_computed_tokens
+            assert s.num_disk_tokens <= s.num_cached_tokens
 
 
 prefixes = st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=13)
@@ -94,9 +140,10 @@ request = st.tuples(
     num_blocks=st.integers(9, 24),
     max_num_seqs=st.integers(1, 6),
     budget=st.integers(1, 24),
+    disk=st.none() | st.builds(SimulatedDisk, st.integers(1, 30), st.integers(2, 9)),
 )
-def test_random_load_keeps_invariants_and_outputs(shared, requests, num_blocks, max_num_seqs, budget):
-    engine = FakeEngine(num_blocks, max_num_seqs, budget)
+def test_random_load_keeps_invariants_and_outputs(shared, requests, num_blocks, max_num_seqs, budget, disk):
+    engine = FakeEngine(num_blocks, max_num_seqs, budget, disk)
     expected, aborts, pending = {}, {}, list(enumerate(requests))
     step = wait = 0
     while pending or engine.scheduler.has_unfinished():
@@ -106,6 +153,9 @@ def test_random_load_keeps_invariants_and_outputs(shared, requests, num_blocks, 
             if not prompt:
                 prompt = tail[:1]
             rid = f"r{i}"
+            if disk is not None and i % 2:
+                engine.kv.prefetch(prompt)  # as the app does when a stored chat is opened
+                engine.check()
             engine.scheduler.add(Sequence(rid, prompt, Params(max_tokens)))
             expected[rid] = unconstrained(prompt, max_tokens)
             if abort:

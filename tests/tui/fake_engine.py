@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
-from localpaged.engine.protocol import LOCAL, EngineCapabilities
+from localpaged.engine.protocol import LOCAL, EngineCapabilities, Prompt
 from localpaged.errors import EngineDeadError, RequestError
 
 if TYPE_CHECKING:
@@ -66,6 +66,8 @@ class FakeEngine:
     shut_down: bool = False
     cause: str | None = None
     calls_when_dead: int = 0
+    disk_tokens: int = 0  # prompt tokens each reply reports as read from the disk KV tier
+    prefetched: list[list[dict]] = field(default_factory=list)  # every prefetch's messages, in order
     _aborted: set[str] = field(default_factory=set)
     _running: set[str] = field(default_factory=set)
 
@@ -91,6 +93,12 @@ class FakeEngine:
         self._call()
         text = "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages) + "<|assistant|>"
         return list(text.encode())
+
+    def prefetch(self, prompt: Prompt) -> int:
+        """Record the chat whose blocks the app asked to load; the fake has no disk tier to read."""
+        self._call()
+        self.prefetched.append(prompt)
+        return 0
 
     def decode(self, ids: list[int]) -> str:
         """Prompt ids back to text: bytes of the template, and word ids (WORD_IDS and up) of a reply being continued."""
@@ -171,9 +179,10 @@ class FakeEngine:
         metrics = RequestMetrics(
             ttft_s=None if first is None else round(first - start, 3),
             prompt_tokens=len(prompt),
-            cached_tokens=0,
+            cached_tokens=self.disk_tokens,
             generated_tokens=n,
             decode_tokens_per_s=n / elapsed if elapsed > 0 else None,
+            disk_tokens=self.disk_tokens,
         )
         return RequestOutput(request_id, list(prompt), list(ids), text, delta, reason is not None, reason, metrics)
 

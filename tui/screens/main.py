@@ -136,8 +136,17 @@ class MainScreen(ChatActions):
     def chat(self, session_id: str) -> LiveChat:
         """The live chat of a session, loaded from the store on first use."""
         if session_id not in self.chats:
-            self.adopt(Session.load(self.engine, self.store, session_id))
+            self.prefetch_kv(self.adopt(Session.load(self.engine, self.store, session_id)))
         return self.chats[session_id]
+
+    @work(thread=True, group="prefetch")
+    def prefetch_kv(self, chat: LiveChat) -> None:
+        """Have the engine load a reopened chat's KV blocks from its disk tier while the user reads and types."""
+        if chat.session.history:
+            try:
+                self.engine.prefetch(chat.engine_messages())
+            except LocalpagedError:
+                pass  # only a head start was lost: the reply computes what it needs
 
     def adopt(self, session: Session) -> LiveChat:
         """Take a session into the app: its replies sample and stop as the settings say."""
@@ -275,9 +284,7 @@ class MainScreen(ChatActions):
                 # While a reply streams the session counts its own context (LiveChat.figures), so the
                 # whole chat is encoded here only for the KV map or for a chat at rest.
                 if capabilities.tokenize and (kv_visible or not chat.generating):
-                    messages = [{"role": "system", "content": chat.session.system}] if chat.session.system else []
-                    messages += [{"role": m.role, "content": m.content} for m in history if m.content]
-                    tokens = self._encoded(engine, messages)
+                    tokens = self._encoded(engine, chat.engine_messages())
                     if not chat.generating:
                         chat.context_tokens = len(tokens)
                 replies = [m for m in history if m.role == "assistant"]

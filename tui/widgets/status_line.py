@@ -18,6 +18,7 @@ class ChatFigures:
     ttft_s: float | None
     context_tokens: int | None  # None: unknown (a remote server that cannot count tokens)
     max_context: int | None  # None: a remote server that does not say
+    from_disk: bool = False  # the last reply's prompt was partly read from the disk KV tier
 
 
 def bar(fraction: float, width: int = BAR_WIDTH) -> str:
@@ -72,7 +73,8 @@ class StatusLine(Static):
             if chat is None
             else Content(
                 f"this chat {_num(chat.tokens_per_s, '.1f', ' tok/s')} · first token {_num(chat.ttft_s, '.2f', ' s')}"
-                f" · {context(chat)}"
+                + (" from disk" if chat.from_disk else "")
+                + f" · {context(chat)}"
             )
         )
         cache = (
