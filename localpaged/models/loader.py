@@ -2,8 +2,10 @@
 
 GGUF files are dequantised by transformers once, slowly, and the result is cached as an ordinary
 safetensors folder in ``locations.models_cache_dir()`` (0700 folders, 0600 files), keyed by a hash
-of the file's bytes, so every later start loads plain safetensors in about a second. Only
-safetensors and GGUF are ever read: no pickle-based checkpoint is opened.
+of the file's bytes, so every later start loads plain safetensors in about a second. The folder is
+built and checked by ``cache_folders.cached_folder``: built privately and renamed into place (two
+first starts at once both succeed), and used only while it is the user's and writable by no one
+else. Only safetensors and GGUF are ever read: no pickle-based checkpoint is opened.
 """
 
 from __future__ import annotations
@@ -12,16 +14,15 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from localpaged.cache_folders import cached_folder, untrusted_reason
 from localpaged.errors import InvalidModelError, LocalpagedError, ModelNotFoundError, UnsupportedModelError
-from localpaged.locations import make_private_tree, models_cache_dir
+from localpaged.locations import models_cache_dir
 
 Progress = Callable[[str, "float | None"], None]
 
@@ -96,35 +97,38 @@ def _folder_fingerprint(folder: Path) -> str:
 
 def _converted_gguf(path: Path, fingerprint: str, progress: Progress) -> Path:
     target = models_cache_dir() / fingerprint[:32]
-    if (target / "config.json").is_file():
+    if untrusted_reason(target, _incomplete) is None:
         return target
     progress(f"Converting {path.name} to safetensors (one time only)", 0.0)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))  # 0700
-    try:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            progress("Dequantising weights", 0.3)
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        except (LocalpagedError, MemoryError):
-            raise
-        except Exception as exc:  # the parsers fail in many ways (ValueError, KeyError, IndexError, struct.error ...)
-            check_gguf(path)  # the precise reason, where the file itself is broken
-            raise InvalidModelError(
-                f"{path} could not be converted: it is not a valid GGUF model of a supported kind "
-                f"({type(exc).__name__}: {exc}). Download it again, or pass another --model."
-            ) from exc
-        progress("Writing the converted model", 0.8)
-        _save_plain(model, tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "localpaged-source.json").write_text(json.dumps({"source": str(path), "sha256": fingerprint}))
-        make_private_tree(tmp)  # the writers above use the umask's modes
-        os.replace(tmp, target)  # atomic: a killed conversion never leaves a half-written model behind
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    target = cached_folder(target, lambda folder: _convert(path, fingerprint, folder, progress), _incomplete)
     progress("Converted", 1.0)
     return target
+
+
+def _incomplete(folder: Path) -> str | None:
+    return None if (folder / "config.json").is_file() else "no config.json"
+
+
+def _convert(path: Path, fingerprint: str, folder: Path, progress: Progress) -> None:
+    """Dequantise the GGUF file at ``path`` into the empty folder ``folder`` as safetensors, config and tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        progress("Dequantising weights", 0.3)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except (LocalpagedError, MemoryError):
+        raise
+    except Exception as exc:  # the parsers fail in many ways (ValueError, KeyError, IndexError, struct.error ...)
+        check_gguf(path)  # the precise reason, where the file itself is broken
+        raise InvalidModelError(
+            f"{path} could not be converted: it is not a valid GGUF model of a supported kind "
+            f"({type(exc).__name__}: {exc}). Download it again, or pass another --model."
+        ) from exc
+    progress("Writing the converted model", 0.8)
+    _save_plain(model, folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "localpaged-source.json").write_text(json.dumps({"source": str(path), "sha256": fingerprint}))
 
 
 def check_gguf(path: Path) -> None:

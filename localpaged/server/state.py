@@ -18,6 +18,7 @@ from localpaged.errors import EngineDeadError, LocalpagedError, RequestError
 from localpaged.sampling import SamplingParams
 from localpaged.server.errors import APIError, bad_request
 from localpaged.server.metrics import ServerMetrics
+from localpaged.unicode_text import not_unicode
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class ServerState:
     def encode(self, text: str) -> list[int]:
         """``text`` as the engine encodes a string prompt (no special tokens added)."""
         tokenizer = self._need_tokenizer()
+        if reason := not_unicode(text):
+            raise bad_request(f"the prompt cannot be encoded: {reason}", "prompt")
         with self._tokenizer_lock:
             return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
