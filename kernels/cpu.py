@@ -1,11 +1,15 @@
 """The native CPU kernels (cpu_kernels.c): compiled once with the system's C compiler, called through ctypes.
 
 Like Triton on CUDA, the kernel source ships with the package and is built on first use: the
-shared library lands in ``locations.kernels_cache_dir()`` (a 0700 folder; the library is 0700 too)
-under a name that hashes the source, the flags and the compiler, so an edit or an upgrade rebuilds
-it and nothing else does. It links the OpenMP runtime
-that torch has already loaded (the same soname), so both share one thread pool. Where no compiler,
-no x86-64 AVX2 CPU or no working build is found, ``library()`` returns None and callers use torch.
+shared library lands in ``locations.kernels_cache_dir()``, in a folder whose name hashes the source,
+the flags and the compiler, so an edit or an upgrade rebuilds it and nothing else does. Before it is
+loaded (dlopen runs its constructors) ``cache_folders.cached_folder`` checks that the folder and the
+library are the user's and writable by no one else, and the library's sha256 against the one recorded
+beside it at build time; a library failing either is rebuilt, never loaded. Builds happen in a private
+folder renamed into place, so concurrent first starts neither race nor load a half-written file. It
+links the OpenMP runtime that torch has already loaded (the same soname), so both share one thread
+pool. Where no compiler, no x86-64 AVX2 CPU or no working build is found, ``library()`` returns None
+and callers use torch.
 """
 
 from __future__ import annotations
@@ -17,17 +21,19 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from localpaged.locations import EXECUTABLE_MODE, kernels_cache_dir, make_private
+from localpaged.cache_folders import cached_folder
+from localpaged.errors import ConfigError
+from localpaged.locations import kernels_cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the source and flags
 TILE = 16  # weight rows per packed tile
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
 
@@ -45,19 +51,15 @@ def library() -> ctypes.CDLL | None:
             "no C compiler (gcc/cc) found: GGUF weights run dequantised through torch, ~2x slower", stacklevel=2
         )
         return None
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    target = kernels_cache_dir() / f"cpu_kernels-{digest}.so"
-    if not target.is_file():
-        try:
-            _build(compiler, target)
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = getattr(e, "stderr", "") or str(e)
-            warnings.warn(
-                f"building the CPU kernels failed; GGUF weights run through torch instead:\n{detail}", stacklevel=2
-            )
-            return None
-    lib = ctypes.CDLL(str(target))
+    try:
+        folder = _library_folder(compiler)
+    except (OSError, subprocess.CalledProcessError, ConfigError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        warnings.warn(
+            f"building the CPU kernels failed; GGUF weights run through torch instead:\n{detail}", stacklevel=2
+        )
+        return None
+    lib = ctypes.CDLL(str(folder / LIBRARY))
     p, n = ctypes.c_void_p, ctypes.c_long
     lib.lp_qgemm.argtypes = [p, n, n, p, p, p, n, ctypes.c_int, ctypes.c_int, ctypes.c_int, p]
     lib.lp_qgemm.restype = None
@@ -79,16 +81,27 @@ def runs(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and library() is not None
 
 
-def _build(compiler: str, target: Path) -> None:
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+def _library_folder(compiler: str) -> Path:
+    """The cache folder holding the library built from SOURCE by ``compiler``, checked, built here where needed."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    return cached_folder(kernels_cache_dir() / f"cpu_kernels-{digest}", lambda f: _build(compiler, f), _hash_reason)
+
+
+def _build(compiler: str, folder: Path) -> None:
+    """Compile the library into ``folder`` and record its sha256 beside it (cache_folders publishes the folder)."""
+    library_path = folder / LIBRARY
+    subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(library_path)], check=True, capture_output=True, text=True)
+    (folder / HASH).write_text(hashlib.sha256(library_path.read_bytes()).hexdigest())
+
+
+def _hash_reason(folder: Path) -> str | None:
+    """Why the library in ``folder`` is not the one built there (its sha256 differs from the one recorded), or None."""
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
-        make_private(tmp, EXECUTABLE_MODE)  # the linker writes it 0777 less the umask
-        os.replace(tmp, target)  # atomic: a concurrent start never loads a half-written library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        recorded = (folder / HASH).read_text().strip()
+        actual = hashlib.sha256((folder / LIBRARY).read_bytes()).hexdigest()
+    except OSError as exc:
+        return f"cannot read {LIBRARY} or its recorded sha256 ({exc.strerror or exc})"
+    return None if actual == recorded else f"{LIBRARY} does not match the sha256 recorded when it was built"
 
 
 @dataclass

@@ -577,7 +577,10 @@ def cmd_bench(args: argparse.Namespace, engines: list[EngineClient]) -> None:
 
 
 def _when(timestamp: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
+    try:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
+    except (OverflowError, OSError, ValueError):  # a time no calendar holds (a database edited by hand)
+        return "?"
 
 
 # Control characters (C0 but newline and tab, DEL, C1) as visible escapes: text from the store

@@ -188,14 +188,16 @@ def make_private(path: str | os.PathLike, mode: int = FILE_MODE) -> None:
 
 
 def make_private_tree(folder: str | os.PathLike) -> None:
-    """Every folder under ``folder`` (itself included) 0700 and every file 0600: for a freshly written tree."""
+    """Every folder under ``folder`` (itself included) 0700, every file 0600 (0700 where the owner may run it,
+    as the compiled kernel library): for a freshly written tree."""
     folder = Path(folder)
     make_private(folder, DIR_MODE)
     for parent, dirs, files in os.walk(folder):
         for name in dirs:
             make_private(Path(parent, name), DIR_MODE)
         for name in files:
-            make_private(Path(parent, name), FILE_MODE)
+            path = Path(parent, name)
+            make_private(path, EXECUTABLE_MODE if path.stat().st_mode & stat.S_IXUSR else FILE_MODE)
 
 
 # -- how ---------------------------------------------------------------------------------------------

@@ -13,9 +13,17 @@ import numbers
 from dataclasses import dataclass, field
 
 from localpaged.errors import ConfigError
+from localpaged.unicode_text import not_unicode
 
 MAX_TOKENS_LIMIT = 1 << 20  # beyond any context we can hold: a value above it is a mistake
 MAX_SEED = (1 << 63) - 1  # what every torch generator accepts
+# Above any vocabulary, and within what crosses to the engine process (msgspec carries 64-bit integers):
+# a bigger top_k or token id is a mistake, and would fail there rather than here.
+MAX_TOKEN_ID = (1 << 31) - 1
+# Temperatures below this sample greedily, as vLLM's do (its _SAMPLING_EPS): the distribution is already
+# all but one-hot there, and a tiny one such as 1e-110 overflowed logits / temperature to inf, so the
+# request failed with "probabilities are not finite" instead of decoding.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -43,6 +51,8 @@ class SamplingParams:
         self.top_k = _whole("top_k", self.top_k, "0 (off) or a positive number of tokens")
         if self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k}: must be 0 (off) or more")
+        if self.top_k > MAX_TOKEN_ID:
+            raise ConfigError(f"top_k={self.top_k}: more tokens than any vocabulary; use 0 to keep every token")
         self.top_p = _real("top_p", self.top_p, "a number in (0, 1]; 1 turns it off")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p!r}: must be in (0, 1]; 1 turns it off")
@@ -57,7 +67,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Argmax decoding: temperature 0 (or below GREEDY_TEMPERATURE), or top_k 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _whole(name: str, value: object, use: str) -> int:
@@ -86,13 +97,16 @@ def _stop_strings(stop: object) -> list[str]:
         stop = [stop]
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
         raise ConfigError(f"stop={stop!r}: use a string or a list of strings, e.g. stop=['\\n\\n']")
+    for s in stop:
+        if reason := not_unicode(s):
+            raise ConfigError(f"stop={stop!r}: {reason}")
     return [s for s in stop if s]
 
 
 def _token_ids(ids: object) -> list[int]:
     """A list/tuple of token ids as a list of ints; the vocabulary bound is checked by the engine that knows it."""
     if not isinstance(ids, (list, tuple)) or any(
-        isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in ids
+        isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t <= MAX_TOKEN_ID for t in ids
     ):
-        raise ConfigError(f"stop_token_ids={ids!r}: use a list of token ids (whole numbers, 0 or more)")
+        raise ConfigError(f"stop_token_ids={ids!r}: use a list of token ids (whole numbers from 0 to {MAX_TOKEN_ID})")
     return [int(t) for t in ids]

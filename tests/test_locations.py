@@ -284,15 +284,18 @@ def test_the_compiled_kernel_library_is_private_and_loads(env: dict[str, Path]) 
     from localpaged.kernels import cpu
 
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    target = locations.kernels_cache_dir() / "cpu_kernels-test.so"
+    folder = locations.kernels_cache_dir() / "cpu_kernels-test"
+    folder.mkdir()
     try:
-        cpu._build(compiler, target)
+        cpu._build(compiler, folder)
     except (
         OSError,
         subprocess.CalledProcessError,
     ) as exc:  # no AVX2 toolchain here: the build is not what this test is about
         pytest.skip(f"the kernels do not build here: {exc}")
-    assert mode(target) == 0o700 and mode(target.parent) == 0o700
+    locations.make_private_tree(folder)  # as cache_folders.cached_folder does before publishing
+    target = folder / cpu.LIBRARY
+    assert mode(target) == 0o700 and mode(folder / cpu.HASH) == 0o600 and mode(folder.parent) == 0o700
     assert ctypes.CDLL(str(target)).lp_qgemm  # dlopen by the owner works at these modes
 
 

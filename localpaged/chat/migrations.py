@@ -5,8 +5,8 @@ with ``@migration``; ``migrate`` runs the ones not yet named in the ``_migration
 table and records each as it finishes. Never edit a migration that has shipped: add
 a new one, so databases created by older versions are brought forward.
 
-A crash between running a migration and recording it makes the next open run it
-again, so each migration is written to be harmless when repeated.
+The pending migrations run in one transaction with their records, so a crash leaves
+either all of them or none; each is still written to be harmless when repeated.
 """
 
 from __future__ import annotations
@@ -27,16 +27,31 @@ def migration(fn: Migration) -> Migration:
 
 
 def migrate(db: Database) -> None:
-    """Apply, in order, every registered migration the database has not recorded yet."""
-    db.execute("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at FLOAT NOT NULL)")
-    applied = {row["name"] for row in db.query("SELECT name FROM _migrations")}
-    for fn in MIGRATIONS:
-        if fn.__name__ not in applied:
-            fn(db)
-            db.execute(
-                "INSERT INTO _migrations (name, applied_at) VALUES (?, ?)",
-                [fn.__name__, time.time()],
-            )
+    """Apply, in order, every registered migration the database has not recorded yet.
+
+    All of them run in one BEGIN IMMEDIATE transaction, and what is applied is read again inside
+    it: several processes opening a fresh database at once (the first start of the app and a
+    script) then wait for each other under the busy timeout, and only the first one migrates,
+    where checking outside the lock made the others fail with ``UNIQUE constraint failed:
+    _migrations.name``. An up-to-date database is recognised without taking the write lock.
+    """
+    if not pending(db):
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        db.execute("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at FLOAT NOT NULL)")
+        applied = {row["name"] for row in db.query("SELECT name FROM _migrations")}
+        for fn in MIGRATIONS:
+            if fn.__name__ not in applied:
+                fn(db)
+                db.execute(
+                    "INSERT INTO _migrations (name, applied_at) VALUES (?, ?)",
+                    [fn.__name__, time.time()],
+                )
+        db.execute("COMMIT")
+    finally:
+        if db.conn.in_transaction:
+            db.conn.rollback()
 
 
 def pending(db: Database) -> list[str]:

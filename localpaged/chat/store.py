@@ -25,6 +25,7 @@ from sqlite_utils import Database
 from localpaged.chat.migrations import migrate, pending
 from localpaged.errors import StoreError, UnknownSessionError
 from localpaged.locations import chat_db_path, create_private_file, make_private
+from localpaged.unicode_text import not_unicode
 
 if TYPE_CHECKING:
     from typing import Self
@@ -133,6 +134,9 @@ class ChatStore:
             self._conn = sqlite3.connect(
                 target, timeout=timeout, isolation_level=None, check_same_thread=False, uri=self.read_only
             )
+            # Text another program stored as invalid UTF-8 reads with U+FFFD in place of the bad bytes: by
+            # default one such title made every listing fail ("Could not decode to UTF-8 column 'title'").
+            self._conn.text_factory = _lenient_text
         try:
             with self._errors():
                 # Read before anything can write, so a file that is not a database is
@@ -520,6 +524,15 @@ class ChatStore:
             yield
         except sqlite3.Error as exc:
             raise StoreError(_explain(exc, self._where(), self._timeout)) from exc
+        except UnicodeEncodeError as exc:  # a lone surrogate in a value the checks above do not see (an id)
+            raise StoreError(
+                f"A value given to the chat store is not Unicode text ({exc.object[exc.start]!r} at character "
+                f"{exc.start}); remove it."
+            ) from exc
+
+
+def _lenient_text(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
 
 
 def _not_writable(path: Path) -> bool:
@@ -558,9 +571,12 @@ def _explain(exc: sqlite3.Error, where: str, timeout: float) -> str:
 def _check_text(field: str, value: object, *, optional: bool = False) -> None:
     """Text columns take str only: SQLite would store bytes or an int as they are, and every reader
     (export, search, the app) would then fail far from the mistake."""
-    if isinstance(value, str) or (optional and value is None):
+    if optional and value is None:
         return
-    raise StoreError(f"The {field} must be text (str){' or None' if optional else ''}; got {type(value).__name__}.")
+    if not isinstance(value, str):
+        raise StoreError(f"The {field} must be text (str){' or None' if optional else ''}; got {type(value).__name__}.")
+    if reason := not_unicode(value):
+        raise StoreError(f"The {field} cannot be stored: {reason}.")
 
 
 def _check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -33,8 +33,10 @@ from localpaged.engine import messages as m
 from localpaged.engine.core_client import CoreProcess, CoreThread
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
 from localpaged.engine.protocol import LOCAL, Prompt
+from localpaged.engine.tokenizer import check_messages
 from localpaged.errors import EngineDeadError, LocalpagedError, RequestError
 from localpaged.sampling import SamplingParams
+from localpaged.unicode_text import not_unicode
 
 if TYPE_CHECKING:
     from typing import Self
@@ -186,8 +188,11 @@ class AsyncLLM:
     # ----- what the front ends read ----------------------------------------------------
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn."""
-        return self._encode_chat(messages)
+        """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn.
+
+        Checked here first (RequestError naming the message), whether the template runs here or in the core.
+        """
+        return self._encode_chat(check_messages(messages))
 
     def stats(self) -> dict:
         """The engine's figures (blocks, prefix hit rate, queues, tok/s) as of the end of its last step."""
@@ -295,7 +300,13 @@ class AsyncLLM:
                 raise RequestError(f"request id {request_id!r} is already in flight; use another id")
             self._streams[request_id] = stream
         fields = None if params is None else dataclasses.asdict(params)
-        self._send(m.Add(request_id, prompt, fields))
+        try:
+            self._send(m.Add(request_id, prompt, fields))
+        except BaseException:
+            with self._lock:
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
+            raise
         return _Consumer(self, stream)
 
     def _walk_away(self, stream: _Stream) -> None:
@@ -317,7 +328,11 @@ class AsyncLLM:
 
     def _send(self, message: m.Add | m.Abort | m.Call, quiet: bool = False) -> None:
         try:
-            self._core.send(m.encode(message))
+            payload = m.encode(message)
+        except (TypeError, ValueError, OverflowError) as exc:  # what msgspec cannot carry to the core
+            raise RequestError(_unsendable(message, exc)) from None
+        try:
+            self._core.send(payload)
         except OSError:
             if not quiet:
                 raise self._closed or _shut_down() from None
@@ -381,6 +396,20 @@ class AsyncLLM:
             stream.deliver(_copy(closed))
         for future in calls:
             future.set_exception(_copy(closed))
+
+
+def _unsendable(message: m.Add | m.Abort | m.Call, exc: Exception) -> str:
+    """Why a request cannot go to the core, in the words of the check the core would have made."""
+    if isinstance(message, m.Add):
+        prompt = message.prompt
+        if isinstance(prompt, str) and (reason := not_unicode(prompt)):
+            return f"the prompt cannot be encoded: {reason}"
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            check_messages(prompt)  # raises RequestError naming the message
+    return (
+        f"the request cannot be sent to the engine ({type(exc).__name__}: {exc}); a prompt is text, token ids "
+        "(whole numbers below the vocabulary size) or chat messages, and its text must be Unicode"
+    )
 
 
 def _shut_down() -> RequestError:

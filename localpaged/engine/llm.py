@@ -34,6 +34,7 @@ from localpaged.engine.tokenizer import encode_chat
 from localpaged.errors import RequestError
 from localpaged.models.loader import ModelFiles
 from localpaged.sampling import SamplingParams
+from localpaged.unicode_text import not_unicode
 
 Prompt = str | list[int] | list[dict]
 
@@ -86,6 +87,8 @@ class LLM:
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            if reason := not_unicode(prompt):
+                raise RequestError(f"the prompt cannot be encoded: {reason}")
             return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
         if not isinstance(prompt, (list, tuple)):  # bytes would iterate as ints and pass for token ids
             raise RequestError(
@@ -101,7 +104,10 @@ class LLM:
         return ids
 
     def _make_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
-        params = params or SamplingParams()
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams (or None for the defaults), not {type(params).__name__}")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use; pick another or wait until it finishes")
@@ -275,8 +281,15 @@ class LLM:
         If this call is interrupted (KeyboardInterrupt, or any exception out of ``step``), every
         request it queued is aborted on the way out, so no blocks stay held.
         """
-        if isinstance(prompts, (str, bytes, bytearray)) or (prompts and isinstance(prompts[0], (int, dict))):
+        if isinstance(prompts, (str, bytes, bytearray)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, dict))
+        ):
             prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError(
+                f"prompts must be a prompt (text, token ids or chat messages) or a list of prompts, "
+                f"not {type(prompts).__name__}"
+            )
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(plist)} sampling params; pass one, or one per prompt")
@@ -300,8 +313,15 @@ class LLM:
         self, conversations: list[dict] | Seq[list[dict]], params: SamplingParams | None = None
     ) -> list[RequestOutput]:
         """``generate`` over chat conversations (lists of role/content messages); fails and cleans up as it does."""
-        if conversations and isinstance(conversations[0], dict):
+        if isinstance(conversations, (list, tuple)) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
+        if not isinstance(conversations, (list, tuple)) or not all(
+            isinstance(c, (list, tuple)) and all(isinstance(message, dict) for message in c) for c in conversations
+        ):
+            raise RequestError(
+                "chat takes a conversation (a list of {'role': ..., 'content': ...} messages) or a list of them; "
+                "for plain text or token ids use generate"
+            )
         return self.generate(list(conversations), params)  # type: ignore[arg-type]
 
     # ---- introspection --------------------------------------------------------------------

@@ -49,8 +49,8 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
     # Checked here, not left to multinomial: on CUDA it asserts inside the kernel, which kills the whole context.
     if not torch.isfinite(probs.sum()):
         raise ValueError(
-            f"the next-token probabilities are not finite (NaN or infinite logits, or temperature={p.temperature} "
-            "so small that logits / temperature overflows); use temperature=0 for greedy decoding"
+            f"the next-token probabilities are not finite (NaN or infinite logits at temperature={p.temperature}); "
+            "greedy decoding (temperature=0) does not sample from them"
         )
     if p.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)

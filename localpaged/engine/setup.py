@@ -123,6 +123,8 @@ def open_kv_disk(
         "attention": attention.name,
         "weights": config.weights,
         "native_cpu_kernels": cpu.runs(device, dtype),
+        # A kernel edit may change how sums round: another source is another tier.
+        "cpu_kernels_sha256": hashlib.sha256(cpu.SOURCE.read_bytes()).hexdigest() if cpu.runs(device, dtype) else None,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
     }

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from localpaged.errors import RequestError
+from localpaged.unicode_text import not_unicode
 
 # Covers the template's roles, a multi-byte character, a turn boundary and the generation prompt.
 PROBE = [
@@ -79,6 +80,8 @@ def check_messages(messages: object) -> list[dict]:
             raise RequestError(f"message {index} has an unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}")
         if not isinstance(content, str):
             raise RequestError(f"message {index} content must be text (str), not {type(content).__name__}")
+        if reason := not_unicode(content):
+            raise RequestError(f"message {index} content cannot be encoded: {reason}")
         checked.append({**message, "role": "system"} if role == "developer" else message)
     return checked
 

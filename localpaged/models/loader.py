@@ -5,7 +5,8 @@ A GGUF runs from the file as it is: its tensors are read from a memory map at ev
 once to ``locations.models_cache_dir()`` (0700 folders, 0600 files), keyed by a hash of the file's
 bytes: config.json and the tokenizer files, about 3.5 MB for a 49152-token vocabulary. Building the
 tokenizer from the metadata takes ~0.5 s; the cached files load in a fraction of that. Only
-safetensors and GGUF are ever read: no pickle-based checkpoint is opened.
+safetensors and GGUF are ever read: no pickle-based checkpoint is opened. The folder is built and
+checked by ``cache_folders.cached_folder`` (private, atomic, trusted only while it is the user's).
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from localpaged.cache_folders import cached_folder, untrusted_reason
 from localpaged.errors import InvalidModelError, LocalpagedError, ModelNotFoundError, UnsupportedModelError
-from localpaged.locations import make_private_tree, models_cache_dir
+from localpaged.locations import models_cache_dir
 from localpaged.models.weights_digest import file_sha256
 
 Progress = Callable[[str, "float | None"], None]
@@ -113,38 +114,46 @@ def _folder_fingerprint(folder: Path) -> str:
 
 
 def _gguf_metadata(path: Path, fingerprint: str, progress: Progress) -> Path:
-    """The cache folder holding the GGUF's config.json and tokenizer files, written on first use."""
+    """The cache folder holding the GGUF's config.json and tokenizer files, written on first use.
+
+    Built and checked by ``cache_folders.cached_folder``: written privately and renamed into place
+    (two first starts at once both succeed), and used only while it is the user's and writable by no
+    one else.
+    """
     target = models_cache_dir() / f"{fingerprint[:32]}-meta"  # not the old float32 copies' names: never mixed up
-    if (target / METADATA_MARKER).is_file():
+    if target.exists() and untrusted_reason(target, _incomplete) is None:
         return target
     progress(f"Reading {path.name} (first use)", 0.0)
+    target = cached_folder(target, lambda folder: _write_metadata(path, fingerprint, folder), _incomplete)
+    old = models_cache_dir() / fingerprint[:32]
+    if old.is_dir():  # an older version's float32 conversion of the same file: hundreds of MB, unused now
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def _incomplete(folder: Path) -> str | None:
+    return None if (folder / METADATA_MARKER).is_file() else f"no {METADATA_MARKER}"
+
+
+def _write_metadata(path: Path, fingerprint: str, folder: Path) -> None:
+    """Write the GGUF's config and tokenizer files into the empty private ``folder``."""
     from transformers import PreTrainedTokenizerFast
 
     from localpaged.models.gguf_file import GGUFFile
 
-    file = GGUFFile(path)
-    config = hf_config_of(file)
-    tmp = Path(tempfile.mkdtemp(prefix=".metadata-", dir=target.parent))  # 0700
+    config = hf_config_of(GGUFFile(path))
     try:
-        try:
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-        except (LocalpagedError, MemoryError):
-            raise
-        except Exception as exc:  # the tokenizer builders fail in many ways (ValueError, KeyError, IndexError ...)
-            raise InvalidModelError(
-                f"{path}: its tokenizer could not be built from the metadata ({type(exc).__name__}: {exc}); "
-                "download it again, or pass another --model"
-            ) from exc
-        config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / METADATA_MARKER).write_text(json.dumps({"source": str(path), "sha256": fingerprint}))
-        make_private_tree(tmp)  # the writers above use the umask's modes
-        if target.exists():  # an older version's float32 conversion of the same file: hundreds of MB, unused now
-            shutil.rmtree(target)
-        os.replace(tmp, target)  # atomic: a killed start never leaves a half-written folder behind
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    except (LocalpagedError, MemoryError):
+        raise
+    except Exception as exc:  # the tokenizer builders fail in many ways (ValueError, KeyError, IndexError ...)
+        raise InvalidModelError(
+            f"{path}: its tokenizer could not be built from the metadata ({type(exc).__name__}: {exc}); "
+            "download it again, or pass another --model"
+        ) from exc
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / METADATA_MARKER).write_text(json.dumps({"source": str(path), "sha256": fingerprint}))
 
 
 def hf_config_of(file):

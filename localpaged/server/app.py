@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from localpaged.engine.protocol import EngineClient
-from localpaged.errors import LocalpagedError
+from localpaged.errors import LocalpagedError, RequestError
 from localpaged.server.errors import APIError, bad_request, error_response, json_response, validation_error
 from localpaged.server.guard import Guard
 from localpaged.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -124,7 +124,10 @@ def build_app(engine: EngineClient, *, api_key: str | None = None) -> FastAPI:
         if body.messages is not None:
             if not body.messages:
                 raise bad_request("send at least one message", "messages")
-            tokens = await asyncio.to_thread(engine.encode_chat, body.conversation())
+            try:
+                tokens = await asyncio.to_thread(engine.encode_chat, body.conversation())
+            except RequestError as exc:  # a message the template cannot take (text that is not Unicode)
+                raise bad_request(str(exc), "messages") from None
         else:
             tokens = await asyncio.to_thread(state.encode, body.prompt or "")
         return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len})

@@ -19,6 +19,7 @@ from localpaged.sampling import SamplingParams
 from localpaged.server.errors import APIError, bad_request
 from localpaged.server.metrics import ServerMetrics
 from localpaged.server.protocol import ChatCompletionRequest
+from localpaged.unicode_text import not_unicode
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class ServerState:
         literal: control-token strings in ``text`` (``<|im_end|>``) are ordinary text, as in a message.
         """
         tokenizer = self._need_tokenizer()
+        if reason := not_unicode(text):
+            raise bad_request(f"the prompt cannot be encoded: {reason}", "prompt")
         with self._tokenizer_lock:
             if not text:
                 return []

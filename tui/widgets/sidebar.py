@@ -33,7 +33,10 @@ def ago(then: float, now: float) -> str:
         return f"{int(seconds // 3600)}h ago"
     if seconds < 7 * 86400:
         return f"{int(seconds // 86400)}d ago"
-    return datetime.fromtimestamp(then).strftime("%Y-%m-%d")
+    try:
+        return datetime.fromtimestamp(then).strftime("%Y-%m-%d")
+    except (OverflowError, OSError, ValueError):  # a time no calendar holds (a database edited by hand)
+        return "?"
 
 
 class SessionList(OptionList):
