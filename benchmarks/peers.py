@@ -491,6 +491,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sessions", default="1,4,16,64", help="comma-separated session counts")
     ap.add_argument("--skip-llama", action="store_true", help="our figures only (no ratios)")
+    ap.add_argument("--model", help="another GGUF (e.g. a Q4_K_M requantisation): the sessions table only")
     args = ap.parse_args()
     bin_dir = None if args.skip_llama else llama_bin_dir()
     if bin_dir is None and not args.skip_llama:
@@ -503,7 +504,7 @@ def main() -> None:
     from localpaged.models.loader import default_model_path
 
     threads = torch.get_num_threads()
-    gguf = default_model_path()
+    gguf = Path(args.model).expanduser() if args.model else default_model_path()
     points = [int(n) for n in args.sessions.split(",")]
     results: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -514,7 +515,7 @@ def main() -> None:
     print(f"{gguf.name}, {threads} threads on {cpu_name()}, greedy, EOS ignored")
 
     print("sessions (aggregate output tok/s):", flush=True)
-    llm = LLM(max_model_len=CTX_PER_SESSION)
+    llm = LLM(str(gguf), max_model_len=CTX_PER_SESSION)
     block_size, ours_bpt = llm.config.block_size, llm.block_bytes / llm.config.block_size
     prompt_len = len(llm.encode_chat(conversations(1)[0]))
     results["sessions"] = [sessions_point(llm, bin_dir, gguf, threads, n) for n in points]
@@ -522,6 +523,12 @@ def main() -> None:
     if bin_dir is not None:
         bb = batched_bench(bin_dir, gguf, threads, prompt_len, 128, points)
         results["batched_bench"] = {str(k): v for k, v in bb.items()}
+    if args.model:  # another file: its sessions table, beside the default model's full results
+        report(results, sessions_only=True)
+        out = RESULTS / f"peers-{gguf.stem}.json"
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"results: {out.relative_to(HERE.parent)}")
+        return
 
     print("one chat and prefill:", flush=True)
     results["one_chat"] = one_chat_and_prefill(bin_dir, gguf, threads)
@@ -541,7 +548,7 @@ def main() -> None:
     print(f"results: {(RESULTS / 'peers.json').relative_to(HERE.parent)}")
 
 
-def report(results: dict) -> None:
+def report(results: dict, sessions_only: bool = False) -> None:
     rows = results["sessions"]
     bb = results.get("batched_bench", {})
     have_llama = "llama_best" in rows[0]
@@ -564,6 +571,8 @@ def report(results: dict) -> None:
         for r in rows:
             print(f"| {r['sessions']} x {r['tokens_each']} | {r['localpaged']:.1f} |")
 
+    if sessions_only:
+        return
     one = results["one_chat"]
     print(f"\n## One chat, prefill, TTFT (coding prompt: {one['coding_prompt_tokens']} tokens)")
     names = [k for k in ("localpaged", "llama_default", "llama_kvu_fa") if k in one]
