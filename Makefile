@@ -48,6 +48,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/app_speed.py
 	$(PY) benchmarks/peers.py
 	$(PY) benchmarks/serve_speed.py
+	$(PY) benchmarks/continue_speed.py
 
 # llama.cpp's server and benches, built once into the cache folder (about 10 minutes on two
 # cores); benchmarks/peers.py compares against them. Not part of `make test`.
