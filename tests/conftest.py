@@ -92,6 +92,11 @@ def _write_tiny(folder: Path, tokenizer_src: Path, arch: str) -> Path:
         model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, rope_theta=10000.0, **TINY_COMMON))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, rope_theta=1000000.0, **TINY_COMMON))
+    return save_hf_folder(model, folder, tokenizer_src)
+
+
+def save_hf_folder(model, folder: Path, tokenizer_src: Path) -> Path:
+    """A transformers ``model`` as a Hugging Face folder (safetensors) with the tokenizer files of ``tokenizer_src``."""
     model.save_pretrained(folder, safe_serialization=True)
     for f in tokenizer_src.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):

@@ -7,6 +7,7 @@ weights so the tiny model still has peaked logits. The tokenizer metadata is the
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +107,8 @@ GGUF_NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections
+    "mlp.gate_up_proj": "ffn_up",
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
@@ -127,9 +130,42 @@ def tokenizer_fields(default_gguf: Path) -> list[tuple[str, object, GGUFValueTyp
     return fields
 
 
+def rope_tensors(config, writer: GGUFWriter) -> dict[str, np.ndarray]:
+    """What llama.cpp's convert_hf_to_gguf.py writes for a scaled RoPE: LongRoPE's factor tensors, original
+    context and attention factor (Phi-3.5), or llama3 scaling baked into per-dimension divisors (Llama 3.x)."""
+    params = config.rope_parameters
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if params.get("rope_type") == "longrope":
+        original = params["original_max_position_embeddings"]
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        return {
+            "rope_factors_long.weight": np.array(params["long_factor"], np.float32),
+            "rope_factors_short.weight": np.array(params["short_factor"], np.float32),
+        }
+    if params.get("rope_type") == "llama3":
+        freqs = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old = params["original_max_position_embeddings"]
+        factors = []
+        for freq in freqs.tolist():
+            wavelen = 2 * math.pi / freq
+            if wavelen < old / high:
+                factors.append(1.0)
+            elif wavelen > old / low:
+                factors.append(factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        return {"rope_freqs.weight": np.array(factors, np.float32)}
+    return {}
+
+
 def write_gguf(path: Path, hf_model, arch: str, types: dict[str, str], tokenizer: list | None) -> Path:
-    """``hf_model`` (a transformers Llama or Qwen2) as a GGUF file; ``types`` maps GGUF tensor names to a type
-    (everything unnamed: Q8_0 for 2-D weights, F32 for norms and biases). ``tokenizer=None`` writes none."""
+    """``hf_model`` (a transformers Llama, Qwen2/3 or Phi-3) as a GGUF file; ``types`` maps GGUF tensor names to a
+    type (everything unnamed: Q8_0 for 2-D weights, F32 for norms, biases and RoPE factors). ``tokenizer=None``
+    writes none."""
     config = hf_model.config
     writer = GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -140,11 +176,12 @@ def write_gguf(path: Path, hf_model, arch: str, types: dict[str, str], tokenizer
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(
-        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
     for name, value, vtype, sub_type in tokenizer or []:
         writer.add_key_value(name, value, vtype, sub_type)
+    for name, factors in rope_tensors(config, writer).items():
+        writer.add_tensor(name, factors)
     for hf_name, tensor in hf_model.state_dict().items():
         parts = hf_name.removeprefix("model.").split(".")
         if parts[0] == "embed_tokens":
@@ -194,9 +231,19 @@ MIXED_TYPES = {
 }
 
 
-def tiny_hf_model(arch: str, tie: bool = False):
-    """A random transformers model whose rows are multiples of 256 (K-quant blocks) and whose logits are peaked."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+def tiny_hf_model(arch: str, tie: bool = False, rope: dict | None = None, max_positions: int = 2048):
+    """A random transformers model whose rows are multiples of 256 (K-quant blocks) and whose logits are peaked;
+    ``rope`` adds RoPE parameters (scaling, partial rotary) to its config."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(0)
     common = {
@@ -206,15 +253,21 @@ def tiny_hf_model(arch: str, tie: bool = False):
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": max_positions,
         "initializer_range": 0.3,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": tie,
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0 if arch in ("llama", "phi3") else 1000000.0}
+    rope_parameters.update(rope or {})
+    common["rope_parameters"] = rope_parameters
     if arch == "llama":
-        return LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common)).eval()
+        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    if arch == "phi3":  # the original context: LongRoPE's short factors below it, long ones past it
+        original = rope_parameters.get("original_max_position_embeddings", max_positions)
+        return Phi3ForCausalLM(Phi3Config(original_max_position_embeddings=original, **common)).eval()
     if arch == "qwen3":  # head_dim 128, not hidden / heads: as Qwen3's own (and transformers' default for a GGUF)
-        return Qwen3ForCausalLM(Qwen3Config(rope_theta=1000000.0, head_dim=128, **common)).eval()
-    return Qwen2ForCausalLM(Qwen2Config(rope_theta=1000000.0, **common)).eval()
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=128, **common)).eval()
+    return Qwen2ForCausalLM(Qwen2Config(**common)).eval()

@@ -21,8 +21,8 @@ from localpaged.errors import ConfigError
 from localpaged.kernels import cpu
 from localpaged.locations import kv_cache_dir
 from localpaged.models.gguf_file import GGUFFile
-from localpaged.models.gguf_weights import BlockQuantized, read_gguf
-from localpaged.models.llama import LlamaForCausalLM, head_dim_of, rope_inv_freq
+from localpaged.models.gguf_weights import BlockQuantized, GGUFWeights
+from localpaged.models.llama import LlamaForCausalLM, head_dim_of, rope_frequencies
 from localpaged.models.loader import ModelFiles, load_config, load_state_dict, resolve_model
 from localpaged.models.quantized import swap_in_blocks
 from localpaged.models.weights_digest import weights_digest
@@ -111,7 +111,8 @@ def open_kv_disk(
     a separate folder costs one cold prefill, a shared one would cost wrong answers.
     """
     shape = (2, hf_config.num_hidden_layers, config.block_size, hf_config.num_key_value_heads, head_dim)
-    rope = rope_inv_freq(hf_config, head_dim).numpy().tobytes()
+    inv_freq, rope_scale = rope_frequencies(hf_config, head_dim, config.max_model_len)
+    rope = inv_freq.numpy().tobytes() + (repr(rope_scale).encode() if rope_scale != 1.0 else b"")
     fields = {
         "format": "localpaged-kv-1",
         "weights_sha256": weights_digest(files.folder, files.gguf),
@@ -163,12 +164,12 @@ def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | 
         config.weights = "float"
         model.load_hf_state_dict(load_state_dict(files.folder))
     else:
-        tensors = read_gguf(GGUFFile(files.gguf), model.hf_weight_names(), hf_config)
+        weights = GGUFWeights(GGUFFile(files.gguf), model.hf_weight_names(), hf_config)
         if use_block_weights(config, files, device, dtype):
-            model.load_hf_state_dict(swap_in_blocks(model, tensors))
+            model.load_hf_state_dict(swap_in_blocks(model, weights))
         else:  # float weights, or the GPU: dequantised from the file into the model's dtype on its device
             config.weights = "float"
-            model.load_hf_state_dict({n: dequantized(t) for n, t in tensors.items()})
+            model.load_hf_state_dict({n: dequantized(weights.read(n)) for n in weights.names})
     model.eval()
 
     block_bytes = ModelRunner.bytes_per_block(hf_config, model.head_dim, config.block_size, dtype)

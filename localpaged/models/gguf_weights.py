@@ -4,9 +4,10 @@ The eight types ``Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K`` (everything a ``Q4_K
 file is made of) stay as ``BlockQuantized``: an int8 per weight and an fp32 scale and min per run
 ("group") of 32 weights, 16 for Q6_K, exactly the intermediate values gguf-py's dequantisation
 computes, for the native CPU kernels. Float tensors (F32, F16, BF16) are read as floats, and any
-other type is dequantised by gguf-py once, with a one-line warning naming it. Q and K projections of
-a "llama" file are un-permuted the same way transformers does it (a row permutation, so it applies
-to quantised rows unchanged).
+other type is dequantised by gguf-py once, with a one-line warning naming it. ``GGUFWeights`` reads
+one tensor at a time, when the loader asks for it. Q and K projections of a "llama" file are
+un-permuted the same way transformers does it (a row permutation, so it applies to quantised rows
+unchanged).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from localpaged.models.gguf_file import GGUFFile
+from localpaged.models.gguf_file import GGUFFile, TensorInfo
 
 BLOCK_FIELDS = ("q", "scale", "minimum")
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -126,42 +127,91 @@ def unpack(data: np.ndarray, kind: str) -> BlockQuantized:
     )
 
 
-def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
     """Row order that undoes llama.cpp's rotary permutation of a Q or K projection."""
-    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def read_gguf(file: GGUFFile, hf_names: list[str], hf_config) -> dict[str, torch.Tensor | BlockQuantized]:
-    """The tensors named in ``hf_names`` (Hugging Face names) that the file has, blocks kept for NATIVE_TYPES."""
-    import gguf
+class GGUFWeights:
+    """The tensors of a GGUF file that the model names (Hugging Face names), each read only when asked.
 
-    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == file.architecture)
-    name_map = gguf.get_tensor_name_map(arch_id, hf_config.num_hidden_layers)
-    out: dict[str, torch.Tensor | BlockQuantized] = {}
-    dequantized: set[str] = set()
-    for hf_name in hf_names:
-        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        info = file.tensors.get(gguf_name)
-        if info is None:
-            continue
-        raw = file.raw(gguf_name)
-        heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads}.get(
-            gguf_name.split(".")[-2]
-        )
-        if file.architecture == "llama" and heads and gguf_name.endswith(".weight"):
-            raw = raw[_unpermute_rows(info.shape[0], heads).numpy()]  # whole rows of blocks: before unpacking
-        if info.kind in NATIVE_TYPES and len(info.shape) == 2:
-            value: torch.Tensor | BlockQuantized = unpack(raw, info.kind)
+    A loader reads, packs and drops one weight at a time, and the file's pages of each tensor are handed
+    back as soon as it is read (``GGUFFile.drop_pages``): the peak is then the packed model plus one
+    tensor in flight, not every tensor unpacked at once on top of the whole mapped file.
+    """
+
+    CHUNK_WEIGHTS = 1 << 20  # unpacked per pass: numpy's temporaries stay a few MB however large the tensor
+
+    def __init__(self, file: GGUFFile, hf_names: list[str], hf_config) -> None:
+        import gguf
+
+        self.file = file
+        arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == file.architecture)
+        name_map = gguf.get_tensor_name_map(arch_id, hf_config.num_hidden_layers)
+        self.gguf_names = {
+            hf_name: gguf_name
+            for hf_name in hf_names
+            if (gguf_name := name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))) in file.tensors
+        }
+        self._heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads}
+        dequantized = {self.info(n).kind for n in self.gguf_names} - {*NATIVE_TYPES, *FLOAT_TYPES}
+        if dequantized:
+            warnings.warn(
+                f"{file.path.name}: {', '.join(sorted(dequantized))} tensors have no native kernel here and are "
+                f"dequantised to float at load (native: {', '.join(NATIVE_TYPES)})",
+                stacklevel=2,
+            )
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.gguf_names)
+
+    def info(self, hf_name: str) -> TensorInfo:
+        return self.file.tensors[self.gguf_names[hf_name]]
+
+    def is_blocks(self, hf_name: str) -> bool:
+        """Whether ``read`` gives this weight as BlockQuantized (a matrix of a NATIVE_TYPES type)."""
+        info = self.info(hf_name)
+        return info.kind in NATIVE_TYPES and len(info.shape) == 2
+
+    def rows(self, hf_name: str) -> np.ndarray:
+        """The tensor's raw bytes ``[rows, bytes_per_row]`` in Hugging Face row order (a view of the map where
+        no rows move; llama Q and K rows are un-permuted as transformers does it, whole rows of blocks)."""
+        gguf_name = self.gguf_names[hf_name]
+        raw = self.file.raw(gguf_name)
+        heads = self._heads.get(gguf_name.split(".")[-2])
+        if self.file.architecture == "llama" and heads and gguf_name.endswith(".weight"):
+            raw = raw[_unpermute_rows(raw.shape[0], heads)]
+        return raw
+
+    def read(self, hf_name: str) -> torch.Tensor | BlockQuantized:
+        """The weight: blocks for NATIVE_TYPES matrices, else float32 (dequantised by gguf-py where quantised)."""
+        import gguf
+
+        info, raw = self.info(hf_name), self.rows(hf_name)
+        if self.is_blocks(hf_name):
+            value: torch.Tensor | BlockQuantized = self._unpack_in_chunks(raw, info.kind)
         else:
-            if info.kind not in FLOAT_TYPES:
-                dequantized.add(info.kind)
             values = gguf.dequantize(raw, gguf.GGMLQuantizationType[info.kind])
             value = torch.from_numpy(np.array(values, dtype=np.float32).reshape(info.shape))
-        out[hf_name] = value
-    if dequantized:
-        warnings.warn(
-            f"{file.path.name}: {', '.join(sorted(dequantized))} tensors have no native kernel here and were "
-            f"dequantised to float at load (native: {', '.join(NATIVE_TYPES)})",
-            stacklevel=2,
+        del raw
+        self.file.drop_pages(self.gguf_names[hf_name])
+        return value
+
+    def _unpack_in_chunks(self, raw: np.ndarray, kind: str) -> BlockQuantized:
+        """``unpack`` a pass of rows at a time into the full-size result."""
+        step = max(1, self.CHUNK_WEIGHTS // (raw.shape[1] * 2))  # at least 2 weights a byte
+        first = unpack(raw[:step], kind)
+        if raw.shape[0] <= step:
+            return first
+        out = BlockQuantized(
+            *(
+                torch.empty(raw.shape[0], getattr(first, f).shape[1], dtype=getattr(first, f).dtype)
+                for f in BLOCK_FIELDS
+            )
         )
-    return out
+        for start in range(0, raw.shape[0], step):
+            part = first if start == 0 else unpack(raw[start : start + step], kind)
+            for f in BLOCK_FIELDS:
+                getattr(out, f)[start : start + step] = getattr(part, f)
+        return out

