@@ -10,10 +10,19 @@ folder renamed into place, so concurrent first starts neither race nor load a ha
 links the OpenMP runtime that torch has already loaded (the same soname), so both share one thread
 pool. Where no compiler, no x86-64 AVX2 CPU or no working build is found, ``library()`` returns None
 and callers use torch.
+
+The ctypes boundary is checked on both sides, since a wrong pointer there is a crash or silently wrong
+numbers rather than an exception: each wrapper checks the device, dtype, dimensions, layout and sizes
+of what it passes (``KernelArgumentError`` naming the argument; real checks, not ``assert``, which
+``python -O`` removes), and each C function returns a status that ``Kernel`` turns into an error (an
+allocation that failed, an index outside the cache). The library reports its ``lp_abi_version()``; one
+of another version is rebuilt once, and refused with a ``KernelError`` if a fresh build still differs.
+Each binding's C signature is declared beside the wrapper that calls it.
 """
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import functools
 import hashlib
@@ -27,22 +36,34 @@ from pathlib import Path
 
 import torch
 
-from localpaged.cache_folders import cached_folder
-from localpaged.errors import ConfigError
+from localpaged.cache_folders import cached_folder, set_aside
+from localpaged.errors import ConfigError, KernelArgumentError, KernelError
 from localpaged.locations import kernels_cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the source and flags
+ABI_VERSION = 1  # what lp_abi_version() must report: cpu_kernels.c's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
+PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
+BITS = (4, 5, 8)  # packed widths of q (pack_blocks)
+# Statuses the kernels return (cpu_kernels.c's LP_* codes); any other is LP_BAD_ARGUMENT, sizes refused.
+OK, OUT_OF_MEMORY, BAD_INDEX = 0, 1, 2
+POINTER, SIZE, INT, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+INDEX_DTYPES = (torch.int32, torch.int64)  # block tables, lengths and slots: converted to what C reads
+
+KERNELS: list[Kernel] = []  # every binding, declared on the library when it loads
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in (
-        "AVX2",
-        "AVX512",
+    """The loaded kernel library, or None where it cannot run (see the module's docstring)."""
+    # A 32-bit Python on an x86-64 machine cannot load the 64-bit library, nor pass its pointers.
+    if (
+        platform.machine().lower() not in ("x86_64", "amd64")
+        or ctypes.sizeof(ctypes.c_void_p) != 8
+        or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
     ):
         return None
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
@@ -52,33 +73,59 @@ def library() -> ctypes.CDLL | None:
         )
         return None
     try:
-        folder = _library_folder(compiler)
+        return _load(compiler)
     except (OSError, subprocess.CalledProcessError, ConfigError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         warnings.warn(
             f"building the CPU kernels failed; GGUF weights run through torch instead:\n{detail}", stacklevel=2
         )
         return None
-    lib = ctypes.CDLL(str(folder / LIBRARY))
-    p, n = ctypes.c_void_p, ctypes.c_long
-    lib.lp_qgemm.argtypes = [p, n, n, p, p, p, n, ctypes.c_int, ctypes.c_int, ctypes.c_int, p]
-    lib.lp_qgemm.restype = None
-    lib.lp_pack_q.argtypes = [p, n, n, ctypes.c_int, ctypes.c_int, p]
-    lib.lp_pack_q.restype = None
-    lib.lp_paged_decode.argtypes = [p, p, p, p, p, n, n, n, n, n, ctypes.c_float, p]
-    lib.lp_paged_decode.restype = None
-    lib.lp_add_rms_norm.argtypes = [p, p, p, n, n, ctypes.c_float, p, p]
-    lib.lp_add_rms_norm.restype = None
-    lib.lp_silu_mul.argtypes = [p, n, n, p]
-    lib.lp_silu_mul.restype = None
-    lib.lp_rope_write_kv.argtypes = [p, p, p, p, n, n, n, n, p, p, p]
-    lib.lp_rope_write_kv.restype = None
-    return lib
 
 
 def runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether tensors of this device and dtype go to the native kernels: float32 on a CPU where they built."""
     return device.type == "cpu" and dtype == torch.float32 and library() is not None
+
+
+def _load(compiler: str) -> ctypes.CDLL:
+    """The checked library built from SOURCE by ``compiler``, loaded, of ABI_VERSION, its kernels declared.
+
+    A library whose sha256 matches its record may still be of another version (a cache folder copied
+    from an older install); it is set aside and built again. A fresh build of another version means
+    cpu.py and cpu_kernels.c disagree, which no rebuild mends: a KernelError.
+    """
+    folder = _library_folder(compiler)
+    lib = ctypes.CDLL(str(folder / LIBRARY))
+    reason = _abi_reason(lib)
+    if reason is not None:
+        # Unloaded first: dlopen of a path already loaded would hand back this library, not the rebuilt one.
+        _ctypes.dlclose(lib._handle)
+        set_aside(folder, reason)
+        lib = ctypes.CDLL(str(_library_folder(compiler) / LIBRARY))
+        reason = _abi_reason(lib)
+        if reason is not None:
+            raise KernelError(
+                f"the CPU kernels just built from {SOURCE} are not the version kernels/cpu.py binds ({reason}); "
+                "this installation of localpaged is inconsistent: reinstall it (a developer: bump ABI_VERSION "
+                "in kernels/cpu.py and LP_ABI_VERSION in kernels/cpu_kernels.c together)"
+            )
+    for kernel in KERNELS:
+        function = getattr(lib, kernel.name)
+        function.argtypes, function.restype = kernel.argtypes, ctypes.c_int
+    return lib
+
+
+def _abi_reason(lib: ctypes.CDLL) -> str | None:
+    """Why ``lib`` is not the ABI this module binds (another ``lp_abi_version()``, or none), or None."""
+    try:
+        version = lib.lp_abi_version
+    except AttributeError:
+        return f"{LIBRARY} exports no lp_abi_version(): it predates the versioned interface"
+    version.argtypes, version.restype = [], ctypes.c_int
+    found = version()
+    return (
+        None if found == ABI_VERSION else f"{LIBRARY} reports ABI version {found}, kernels/cpu.py binds {ABI_VERSION}"
+    )
 
 
 def _library_folder(compiler: str) -> Path:
@@ -104,17 +151,135 @@ def _hash_reason(folder: Path) -> str | None:
     return None if actual == recorded else f"{LIBRARY} does not match the sha256 recorded when it was built"
 
 
-@dataclass
-class PackedBlocks:
-    """A weight in the tile layout of cpu_kernels.c: ``q`` in 8, 4 or 5 bits a value, fp32 scale and min per group."""
+class Kernel:
+    """One function the library exports: its C parameters, declared beside the wrapper that calls it.
 
-    q: torch.Tensor  # uint8/int8 [tiles, bytes per tile]
-    scale: torch.Tensor
+    Every kernel returns a status; anything but OK raises here, so a failed allocation or an index
+    outside the KV cache in C is a Python error rather than a crash or an unwritten output.
+    """
+
+    def __init__(self, name: str, argtypes: list[type], bad_index: str = "") -> None:
+        self.name = name
+        self.argtypes = argtypes
+        self.bad_index = bad_index  # what LP_BAD_INDEX means for this kernel
+        KERNELS.append(self)
+
+    def __call__(self, *args: object) -> None:
+        lib = library()
+        if lib is None:
+            raise KernelError(
+                f"{self.name}: the native CPU kernels are not available on this machine; "
+                "call them only where kernels.cpu.runs() is true"
+            )
+        status = getattr(lib, self.name)(*args)
+        if status == OK:
+            return
+        if status == OUT_OF_MEMORY:
+            raise KernelError(f"{self.name}: could not allocate its scratch memory; the machine is out of memory")
+        if status == BAD_INDEX:
+            raise KernelArgumentError(f"{self.name}: {self.bad_index}")
+        raise KernelArgumentError(f"{self.name} rejected its sizes, bits or group (status {status})")
+
+
+def _expect(name: str, t: object, dtype: torch.dtype, dims: int | None, *, contiguous: bool = False) -> None:
+    """Raise KernelArgumentError naming ``name`` unless ``t`` is a CPU tensor of ``dtype`` with ``dims`` dimensions.
+
+    ``contiguous`` where the kernel writes the tensor in place or the caller keeps it (caches, weights):
+    a contiguous copy made here would read stale values or drop the writes. Inputs are copied instead.
+    """
+    if (
+        isinstance(t, torch.Tensor)
+        and t.is_cpu
+        and t.dtype == dtype
+        and (dims is None or t.dim() == dims)
+        and (t.is_contiguous() or not contiguous)
+    ):
+        return
+    if not isinstance(t, torch.Tensor):
+        raise KernelArgumentError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    problems = []
+    if not t.is_cpu:
+        problems.append(f"is on {t.device}, not the CPU")
+    if t.dtype != dtype:
+        problems.append(f"is {t.dtype}, not {dtype}")
+    if dims is not None and t.dim() != dims:
+        problems.append(f"has {t.dim()} dimensions {tuple(t.shape)}, not {dims}")
+    if contiguous and not t.is_contiguous():
+        problems.append("is not contiguous (the kernel reads or writes it in place: make it with .contiguous())")
+    raise KernelArgumentError(f"{name} " + " and ".join(problems))
+
+
+def _expect_index(name: str, t: object, dims: int, rows: int) -> None:
+    """Raise KernelArgumentError unless ``t`` is a CPU integer tensor of ``dims`` dimensions, ``rows`` long."""
+    if isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in INDEX_DTYPES and t.dim() == dims and len(t) == rows:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise KernelArgumentError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if not t.is_cpu or t.dtype not in INDEX_DTYPES:
+        raise KernelArgumentError(f"{name} must be an int32 or int64 tensor on the CPU, not {t.dtype} on {t.device}")
+    wanted = f"[{rows}]" if dims == 1 else f"[{rows}, ...] of {dims} dimensions"
+    raise KernelArgumentError(f"{name} has shape {tuple(t.shape)}, expected {wanted}")
+
+
+def _expect_cache(k_cache: object, v_cache: object) -> tuple[int, int, int]:
+    """``(num_blocks, kv_heads, head_dim)`` of float32 caches ``[blocks, 16, KVH, D]``, written in place."""
+    _expect("k_cache", k_cache, torch.float32, 4, contiguous=True)
+    _expect("v_cache", v_cache, torch.float32, 4, contiguous=True)
+    if v_cache.shape != k_cache.shape:
+        raise KernelArgumentError(f"v_cache has shape {tuple(v_cache.shape)}, k_cache {tuple(k_cache.shape)}")
+    blocks, page, kv_heads, head_dim = k_cache.shape
+    if page != PAGE:
+        raise KernelArgumentError(
+            f"k_cache holds blocks of {page} tokens; the CPU kernels read blocks of {PAGE}: "
+            "[blocks, 16, kv_heads, head_dim]"
+        )
+    return blocks, kv_heads, head_dim
+
+
+@dataclass(frozen=True)
+class PackedBlocks:
+    """A weight in the tile layout of cpu_kernels.c: ``q`` in 8, 4 or 5 bits a value, fp32 scale and min per group.
+
+    Checked once when made, so ``qgemm`` trusts its fields on every call.
+    """
+
+    q: torch.Tensor  # uint8 [tiles, bytes per tile]
+    scale: torch.Tensor  # float32 [tiles, K/G, 16]
     minimum: torch.Tensor | None  # None where every min is 0 (Q4_0, Q5_0, Q8_0, Q6_K): nothing to read or add
     rows: int  # the weight's rows before padding to whole tiles
     bits: int  # 8 (int8 as is), 4 or 5 (unsigned, stored as q + offset)
     offset: int
     group: int  # weights per scale/min run: one of GROUPS
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS or self.group not in GROUPS:
+            raise KernelArgumentError(
+                f"packed weights of {self.bits} bits in groups of {self.group}: need {BITS}, {GROUPS}"
+            )
+        _expect("q", self.q, torch.uint8, 2, contiguous=True)
+        tiles, tile_bytes = self.q.shape
+        cols = tile_bytes // (2 * self.bits)
+        if tile_bytes != cols * 2 * self.bits or cols % self.group or not 0 <= tiles * TILE - self.rows < TILE:
+            raise KernelArgumentError(
+                f"q of shape {tuple(self.q.shape)} is not {self.rows} rows in tiles of {TILE} at {self.bits} bits"
+            )
+        for name in ("scale", "minimum"):
+            value = getattr(self, name)
+            if value is None and name == "minimum":
+                continue
+            _expect(name, value, torch.float32, 3, contiguous=True)
+            if value.shape != (tiles, cols // self.group, TILE):
+                raise KernelArgumentError(
+                    f"{name} has shape {tuple(value.shape)}, not {(tiles, cols // self.group, TILE)}"
+                )
+
+    @property
+    def cols(self) -> int:
+        """The weight's columns (the input features)."""
+        return self.q.shape[1] // (2 * self.bits)
+
+
+_lp_pack_q = Kernel("lp_pack_q", [POINTER, SIZE, SIZE, INT, INT, POINTER])
 
 
 def pack_blocks(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> PackedBlocks:
@@ -125,9 +290,20 @@ def pack_blocks(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
     nibbles and a plane of high bits), else 8. A Q5_0 weight then costs 0.75 bytes with its scale
     instead of 1.25 as int8 with a scale and a zero min: decode reads every weight once per step.
     """
+    _expect("q", q, torch.int8, 2)
+    _expect("scale", scale, torch.float32, 2)
+    _expect("minimum", minimum, torch.float32, 2)
     n, k = q.shape
+    if n == 0 or scale.shape[0] != n or scale.shape[1] == 0 or minimum.shape != scale.shape:
+        raise KernelArgumentError(
+            f"q {tuple(q.shape)}, scale {tuple(scale.shape)} and minimum {tuple(minimum.shape)}: "
+            "need q [N, K] with N > 0 and scale, minimum [N, K / group]"
+        )
     group = k // scale.shape[1]
-    assert group in GROUPS and k == group * scale.shape[1], (q.shape, scale.shape)
+    if group not in GROUPS or k != group * scale.shape[1]:
+        raise KernelArgumentError(
+            f"q has {k} columns and scale {scale.shape[1]} groups: the CPU kernels take groups of {GROUPS} weights"
+        )
     low, high = (int(v) for v in torch.aminmax(q))
     offset = -min(low, 0)
     bits = 4 if high + offset <= 15 else 5 if high + offset <= 31 else 8
@@ -135,7 +311,7 @@ def pack_blocks(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
     tiles = -(-n // TILE)
     q = q.contiguous()
     packed = torch.empty(tiles, k * 2 * bits, dtype=torch.uint8)
-    library().lp_pack_q(q.data_ptr(), n, k, bits, offset, packed.data_ptr())
+    _lp_pack_q(q.data_ptr(), n, k, bits, offset, packed.data_ptr())
 
     def tiled(t: torch.Tensor) -> torch.Tensor:  # [N, K/G] -> [tiles, K/G, 16], padded with zeros
         t = torch.cat([t.float(), t.new_zeros(tiles * TILE - n, t.shape[1], dtype=torch.float32)])
@@ -145,14 +321,21 @@ def pack_blocks(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
     return PackedBlocks(packed, tiled(scale), minimum, n, bits, offset, group)
 
 
+_lp_qgemm = Kernel("lp_qgemm", [POINTER, SIZE, SIZE, POINTER, POINTER, POINTER, SIZE, INT, INT, INT, POINTER])
+
+
 def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
-    """``x`` [M, K] float32 times the packed weight's transpose: [M, rows]."""
+    """``x`` [M, K] float32 times the packed weight's transpose: [M, rows]. ``x`` is copied if not contiguous."""
+    _expect("x", x, torch.float32, 2)
+    if not isinstance(w, PackedBlocks):
+        raise KernelArgumentError(f"w must be PackedBlocks (from pack_blocks), not {type(w).__name__}")
     x = x.contiguous()
     m, k = x.shape
+    if k != w.cols:
+        raise KernelArgumentError(f"x has {k} columns but the packed weight takes {w.cols} (x must be [M, {w.cols}])")
     padded = w.q.shape[0] * TILE
-    assert w.q.shape[1] == k * 2 * w.bits and k % w.group == 0 and x.dtype == torch.float32, (x.shape, x.dtype, w)
     out = torch.empty(m, padded)
-    library().lp_qgemm(
+    _lp_qgemm(
         x.data_ptr(),
         m,
         k,
@@ -168,6 +351,13 @@ def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
     return out if padded == w.rows else out[:, : w.rows]
 
 
+_lp_paged_decode = Kernel(
+    "lp_paged_decode",
+    [POINTER, POINTER, POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE, SIZE, FLOAT, POINTER],
+    bad_index="a context length is below 1, longer than its block table row, or a block id is outside the cache",
+)
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -177,16 +367,23 @@ def paged_decode(
     scale: float,
 ) -> torch.Tensor:
     """One query per sequence over its paged context (as ``reference.paged_decode``), float32 only."""
+    _expect("q", q, torch.float32, 3)
+    num_blocks, kv_heads, head_dim = _expect_cache(k_cache, v_cache)
     b, h, d = q.shape
-    kvh = k_cache.shape[2]
-    assert q.dtype == k_cache.dtype == torch.float32 and d % 8 == 0 and h % kvh == 0 and k_cache.shape[1] == 16
+    if d != head_dim or d % 8 or h % kv_heads:
+        raise KernelArgumentError(
+            f"q [{b}, {h}, {d}] against caches of {kv_heads} KV heads of {head_dim}: need the same head_dim, "
+            "a multiple of 8, and a whole number of query heads per KV head"
+        )
+    _expect_index("block_tables", block_tables, 2, b)
+    _expect_index("context_lens", context_lens, 1, b)
     q, tables, lens = (
         q.contiguous(),
         block_tables.to(torch.int32).contiguous(),
         context_lens.to(torch.int32).contiguous(),
     )
     out = torch.empty_like(q)
-    library().lp_paged_decode(
+    _lp_paged_decode(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -194,24 +391,36 @@ def paged_decode(
         lens.data_ptr(),
         b,
         h,
-        kvh,
+        kv_heads,
         d,
         tables.shape[1],
+        num_blocks,
         scale,
         out.data_ptr(),
     )
     return out
 
 
+_lp_add_rms_norm = Kernel("lp_add_rms_norm", [POINTER, POINTER, POINTER, SIZE, SIZE, FLOAT, POINTER, POINTER])
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)`` for float32 rows whose width is a multiple of 8."""
-    x = x.contiguous()
+    _expect("x", x, torch.float32, 2)
+    _expect("weight", weight, torch.float32, 1, contiguous=True)
     m, d = x.shape
+    if d % 8 or weight.shape[0] != d:
+        raise KernelArgumentError(f"x has rows of {d} and weight {weight.shape[0]}: need equal widths, a multiple of 8")
+    if residual is not None:
+        _expect("residual", residual, torch.float32, 2)
+        if residual.shape != x.shape:
+            raise KernelArgumentError(f"residual has shape {tuple(residual.shape)}, x {tuple(x.shape)}")
+    x = x.contiguous()
     summed, out = torch.empty_like(x), torch.empty_like(x)
     res = residual.contiguous() if residual is not None else None
-    library().lp_add_rms_norm(
+    _lp_add_rms_norm(
         x.data_ptr(),
         res.data_ptr() if res is not None else None,
         weight.data_ptr(),
@@ -224,13 +433,26 @@ def add_rms_norm(
     return out, summed
 
 
+_lp_silu_mul = Kernel("lp_silu_mul", [POINTER, SIZE, SIZE, POINTER])
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` [M, 2I] (gate first), float32, I a multiple of 8."""
+    _expect("gate_up", gate_up, torch.float32, 2)
     gate_up = gate_up.contiguous()
     m, two_i = gate_up.shape
+    if two_i % 16:
+        raise KernelArgumentError(f"gate_up has rows of {two_i}: need gate and up of a multiple of 8 each")
     out = gate_up.new_empty(m, two_i // 2)
-    library().lp_silu_mul(gate_up.data_ptr(), m, two_i // 2, out.data_ptr())
+    _lp_silu_mul(gate_up.data_ptr(), m, two_i // 2, out.data_ptr())
     return out
+
+
+_lp_rope_write_kv = Kernel(
+    "lp_rope_write_kv",
+    [POINTER, POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE, POINTER, POINTER, POINTER],
+    bad_index="a slot_mapping entry is below -1 or past the end of the cache; its K/V was not written",
+)
 
 
 def rope_write_kv(
@@ -244,22 +466,37 @@ def rope_write_kv(
 ) -> torch.Tensor:
     """RoPE on q and k of ``qkv`` [N, (H + 2 KVH) * D], k and v stored in their slots; returns rotated q [N, H, D].
 
-    ``cos``/``sin`` hold [N, D/2] values; caches are float32 ``[blocks, 16, KVH, D]``, D a multiple of 16.
+    ``cos``/``sin`` hold [N, D/2] values (any shape of that many, e.g. [N, 1, D/2]); caches are float32
+    ``[blocks, 16, KVH, D]``, D a multiple of 16.
     """
-    n = qkv.shape[0]
-    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    num_blocks, kv_heads, d = _expect_cache(k_cache, v_cache)
+    _expect("qkv", qkv, torch.float32, 2)
+    _expect("cos", cos, torch.float32, None)
+    _expect("sin", sin, torch.float32, None)
+    n, width = qkv.shape
+    if d % 16 or width != (num_heads + 2 * kv_heads) * d:
+        raise KernelArgumentError(
+            f"qkv has rows of {width}; {num_heads} query heads and caches of {kv_heads} KV heads of {d} "
+            f"need rows of {(num_heads + 2 * kv_heads) * d}, and a head_dim that is a multiple of 16"
+        )
+    if cos.dim() == 0 or len(cos) != n or cos.numel() != n * d // 2 or sin.shape != cos.shape:
+        raise KernelArgumentError(
+            f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)}: need [{n}, {d // 2}] values each, one row a token"
+        )
+    _expect_index("slot_mapping", slot_mapping, 1, n)
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     q = qkv.new_empty(n, num_heads, d)
-    library().lp_rope_write_kv(
+    _lp_rope_write_kv(
         qkv.data_ptr(),
         cos.data_ptr(),
         sin.data_ptr(),
         slots.data_ptr(),
         n,
         num_heads,
-        kvh,
+        kv_heads,
         d,
+        num_blocks * PAGE,
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         q.data_ptr(),

@@ -18,6 +18,11 @@
  *   5 bits: those K * 8 bytes, then K 16-bit words: bit j of word k is bit 4 of row j's value
  *   scale[t][k/G][j] fp32,  min[t][k/G][j] fp32     (G: the group, 32 or 16; min NULL where every min is 0:
  *                                                    Q4_0, Q5_0, Q8_0, Q6_K, whose weights are scale * q alone)
+ *
+ * The interface kernels/cpu.py binds: every exported kernel returns a status (LP_OK or why it did nothing
+ * useful) instead of crashing on a failed allocation or an index past a cache, sizes are int64_t, and
+ * lp_abi_version() reports LP_ABI_VERSION, which the loader compares with its own ABI_VERSION before any
+ * kernel runs. Change an exported signature or a status, and bump both.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -25,6 +30,16 @@
 #include <stdlib.h>
 
 #define TILE 16
+#define LP_ABI_VERSION 1
+
+enum {
+    LP_OK = 0,
+    LP_OUT_OF_MEMORY = 1, /* a scratch buffer could not be allocated; the output is incomplete */
+    LP_BAD_INDEX = 2,     /* a block table entry, context length or slot points outside the cache; skipped */
+    LP_BAD_ARGUMENT = 3,  /* bits, group or a size outside what the kernel supports; nothing computed */
+};
+
+int lp_abi_version(void) { return LP_ABI_VERSION; }
 
 static __thread float *panel = NULL; /* one per OpenMP thread, grown to the widest K seen */
 static __thread long panel_floats = 0;
@@ -126,8 +141,8 @@ static inline __attribute__((always_inline)) void rows_times_tile(
     }
 }
 
-/* One tile of 16 weight rows against all M rows of X. */
-static inline __attribute__((always_inline)) void qgemm_tile(
+/* One tile of 16 weight rows against all M rows of X: LP_OK, or LP_OUT_OF_MEMORY when no panel can be had. */
+static inline __attribute__((always_inline)) int qgemm_tile(
     const int BITS, const int HAS_OFFSET, const int GROUP, const int HAS_MIN, long t, const float *X, long M, long K,
     const int8_t *q, __m128i offset, const float *scale, const float *min, long N_padded, float *Y) {
     const long groups = K / GROUP, tile_bytes = K * 2 * BITS; /* 16 rows: 2 bytes a bit */
@@ -141,12 +156,13 @@ static inline __attribute__((always_inline)) void qgemm_tile(
             case 2: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 2, X, K, qt, offset, st, mt, y, N_padded); break;
             case 1: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 1, X, K, qt, offset, st, mt, y, N_padded); break;
         }
-        return;
+        return LP_OK;
     }
     if (panel_floats < K * TILE) {
         free(panel);
         panel = aligned_alloc(64, K * TILE * sizeof(float));
-        panel_floats = K * TILE;
+        panel_floats = panel ? K * TILE : 0;
+        if (!panel) return LP_OUT_OF_MEMORY;
     }
     expand_panel(BITS, HAS_OFFSET, GROUP, HAS_MIN, qt, offset, st, mt, K, panel);
     long r = 0;
@@ -160,6 +176,7 @@ static inline __attribute__((always_inline)) void qgemm_tile(
         case 2: rows_times_panel(2, x, K, panel, y, N_padded); break;
         case 1: rows_times_panel(1, x, K, panel, y, N_padded); break;
     }
+    return LP_OK;
 }
 
 /* One function per (bits, offset or not, group, min or not), its OpenMP loop written where those are literals.
@@ -167,12 +184,16 @@ static inline __attribute__((always_inline)) void qgemm_tile(
  * variables: the inner loops lose their constant bounds and unrolling. Measured on the default model's down_proj
  * (1 row x 1536 -> 576, Q4_1, one thread): 94.5 us with the region in the inlined function, 67 us here. */
 #define QGEMM_FN(BITS, HAS_OFFSET, GROUP, HAS_MIN)                                                                   \
-    static void qgemm_##BITS##_##HAS_OFFSET##_##GROUP##_##HAS_MIN(const float *X, long M, long K, const int8_t *q,    \
-                                                                  int q_offset, const float *scale, const float *min, \
-                                                                  long N_padded, float *Y) {                          \
+    static int qgemm_##BITS##_##HAS_OFFSET##_##GROUP##_##HAS_MIN(const float *X, long M, long K, const int8_t *q,     \
+                                                                 int q_offset, const float *scale, const float *min,  \
+                                                                 long N_padded, float *Y) {                           \
         const __m128i offset = _mm_set1_epi8((char)q_offset);                                                         \
-        _Pragma("omp parallel for schedule(static)") for (long t = 0; t < N_padded / TILE; t++)                      \
-            qgemm_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, t, X, M, K, q, offset, scale, min, N_padded, Y);             \
+        int status = LP_OK;                                                                                           \
+        _Pragma("omp parallel for schedule(static)") for (long t = 0; t < N_padded / TILE; t++) {                    \
+            if (qgemm_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, t, X, M, K, q, offset, scale, min, N_padded, Y) != LP_OK) \
+                _Pragma("omp atomic write") status = LP_OUT_OF_MEMORY;                                                \
+        }                                                                                                             \
+        return status;                                                                                                \
     }
 #define QGEMM_FNS(BITS, HAS_OFFSET) \
     QGEMM_FN(BITS, HAS_OFFSET, 16, 0) QGEMM_FN(BITS, HAS_OFFSET, 16, 1) QGEMM_FN(BITS, HAS_OFFSET, 32, 0) QGEMM_FN(BITS, HAS_OFFSET, 32, 1)
@@ -191,20 +212,21 @@ QGEMM_FNS(8, 0) /* 8-bit values are stored as they are: never an offset */
     (min ? QGEMM_CALL(BITS, HAS_OFFSET, GROUP, 1) : QGEMM_CALL(BITS, HAS_OFFSET, GROUP, 0))
 #define QGEMM_BY_GROUP(BITS, HAS_OFFSET) \
     (group == 16 ? QGEMM_BY_MIN(BITS, HAS_OFFSET, 16) : QGEMM_BY_MIN(BITS, HAS_OFFSET, 32))
-void lp_qgemm(const float *X, long M, long K, const int8_t *q, const float *scale, const float *min, long N_padded,
-              int bits, int offset, int group, float *Y) {
-    if (bits == 4)
-        offset ? QGEMM_BY_GROUP(4, 1) : QGEMM_BY_GROUP(4, 0);
-    else if (bits == 5)
-        offset ? QGEMM_BY_GROUP(5, 1) : QGEMM_BY_GROUP(5, 0);
-    else
-        QGEMM_BY_GROUP(8, 0);
+int lp_qgemm(const float *X, int64_t M, int64_t K, const int8_t *q, const float *scale, const float *min,
+             int64_t N_padded, int bits, int offset, int group, float *Y) {
+    if ((bits != 4 && bits != 5 && bits != 8) || (group != 16 && group != 32) || K % group || N_padded % TILE ||
+        M < 0 || K <= 0)
+        return LP_BAD_ARGUMENT;
+    if (bits == 4) return offset ? QGEMM_BY_GROUP(4, 1) : QGEMM_BY_GROUP(4, 0);
+    if (bits == 5) return offset ? QGEMM_BY_GROUP(5, 1) : QGEMM_BY_GROUP(5, 0);
+    return QGEMM_BY_GROUP(8, 0);
 }
 
 /* q [N, K] int8, row-major (a GGUF tensor's rows, unpacked) -> out: the tiles of the layout above, 2 * bits bytes per
  * tile column; rows past N (padding up to a whole tile) hold 0. One pass, in place of a dozen torch ops over the
  * whole weight (measured on a busy 2-core machine, a Q4_K_M file's 121 projections: 3.6 s -> 0.5 s). */
-void lp_pack_q(const int8_t *q, long N, long K, int bits, int offset, uint8_t *out) {
+int lp_pack_q(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out) {
+    if ((bits != 4 && bits != 5 && bits != 8) || N < 0 || K < 0) return LP_BAD_ARGUMENT;
     const long tiles = (N + TILE - 1) / TILE;
 #pragma omp parallel for schedule(static)
     for (long t = 0; t < tiles; t++) {
@@ -225,6 +247,7 @@ void lp_pack_q(const int8_t *q, long N, long K, int bits, int offset, uint8_t *o
             }
         }
     }
+    return LP_OK;
 }
 
 /* exp for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial), ~1-2 ulp.
@@ -278,21 +301,42 @@ static inline __attribute__((always_inline)) void weighted_rows(
 static __thread float *scores = NULL; /* [G, context] per OpenMP thread */
 static __thread long scores_floats = 0;
 
-/* One query per sequence over its paged context, fp32: q [B, H, D], caches [blocks, 16, KVH, D],
+/* Whether a context of ctx tokens (at least one) fits its table row of max_blocks entries, each a block of the cache. */
+static int context_fits(const int32_t *table, long ctx, long max_blocks, long num_blocks) {
+    if (ctx < 1 || ctx > max_blocks * 16) return 0;
+    for (long blk = 0; blk * 16 < ctx; blk++)
+        if (table[blk] < 0 || table[blk] >= num_blocks) return 0;
+    return 1;
+}
+
+/* One query per sequence over its paged context, fp32: q [B, H, D], caches [num_blocks, 16, KVH, D],
  * out [B, H, D]. One task per (sequence, KV head) takes that head's G = H / KVH query heads, so each
- * K and V row is read once for all of them. D is a multiple of 8. */
-void lp_paged_decode(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
-                     const int32_t *context_lens, long B, long H, long KVH, long D, long max_blocks, float scale,
-                     float *out) {
+ * K and V row is read once for all of them. D is a multiple of 8. A sequence whose context does not fit
+ * its table or the cache is skipped (its output left unwritten) and reported as LP_BAD_INDEX. */
+int lp_paged_decode(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                    const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+                    int64_t num_blocks, float scale, float *out) {
+    if (B < 0 || KVH <= 0 || H % KVH || D <= 0 || D % 8) return LP_BAD_ARGUMENT;
     const long G = H / KVH, BS = 16;
+    int status = LP_OK;
 #pragma omp parallel for schedule(dynamic)
     for (long task = 0; task < B * KVH; task++) {
         const long b = task / KVH, kvh = task % KVH, ctx = context_lens[b];
         const int32_t *table = block_tables + b * max_blocks;
+        if (!context_fits(table, ctx, max_blocks, num_blocks)) {
+#pragma omp atomic write
+            status = LP_BAD_INDEX;
+            continue;
+        }
         if (scores_floats < G * ctx) {
             free(scores);
             scores = malloc(G * ctx * sizeof(float));
-            scores_floats = G * ctx;
+            scores_floats = scores ? G * ctx : 0;
+            if (!scores) {
+#pragma omp atomic write
+                status = LP_OUT_OF_MEMORY;
+                continue;
+            }
         }
         const float *qh = q + (b * H + kvh * G) * D;
 #define KROW(j) (k_cache + (((long)table[(j) / BS] * BS + (j) % BS) * KVH + kvh) * D)
@@ -352,6 +396,7 @@ void lp_paged_decode(const float *q, const float *k_cache, const float *v_cache,
             }
         }
     }
+    return status;
 }
 
 /* The small per-layer steps of a decode batch, each one pass over a few KiB instead of several torch
@@ -359,8 +404,9 @@ void lp_paged_decode(const float *q, const float *k_cache, const float *v_cache,
  * OpenMP threads only when there are many: a parallel region costs more than a short row. */
 
 /* sum = x + residual (x alone where residual is NULL); out = sum / sqrt(mean(sum^2) + eps) * weight. D % 8 == 0. */
-void lp_add_rms_norm(const float *x, const float *residual, const float *weight, long M, long D, float eps,
-                     float *sum, float *out) {
+int lp_add_rms_norm(const float *x, const float *residual, const float *weight, int64_t M, int64_t D, float eps,
+                    float *sum, float *out) {
+    if (M < 0 || D <= 0 || D % 8) return LP_BAD_ARGUMENT;
 #pragma omp parallel for if (M >= 64)
     for (long r = 0; r < M; r++) {
         const float *xr = x + r * D;
@@ -376,10 +422,12 @@ void lp_add_rms_norm(const float *x, const float *residual, const float *weight,
         for (long d = 0; d < D; d += 8)
             _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(sr + d), inv), _mm256_loadu_ps(weight + d)));
     }
+    return LP_OK;
 }
 
 /* gate_up [M, 2I] (gate then up) -> out [M, I] = silu(gate) * up. I % 8 == 0. */
-void lp_silu_mul(const float *gate_up, long M, long I, float *out) {
+int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
+    if (M < 0 || I <= 0 || I % 8) return LP_BAD_ARGUMENT;
 #pragma omp parallel for if (M >= 64)
     for (long r = 0; r < M; r++) {
         const float *g = gate_up + r * 2 * I, *u = g + I;
@@ -391,18 +439,27 @@ void lp_silu_mul(const float *gate_up, long M, long I, float *out) {
             _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
         }
     }
+    return LP_OK;
 }
 
 /* RoPE (halves layout) on the q and k heads of qkv [N, (H + 2 KVH) * D], then k and v into their cache
- * slots (slot -1: skipped) and the rotated q into q_out [N, H, D]. Products and sums are rounded one by
- * one, as torch's elementwise ops do, so the result equals the torch path bit for bit. D % 16 == 0. */
-void lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slots, long N, long H,
-                      long KVH, long D, float *k_cache, float *v_cache, float *q_out) {
+ * slots (slot -1: skipped; caches [num_slots / 16, 16, KVH, D]) and the rotated q into q_out [N, H, D].
+ * Products and sums are rounded one by one, as torch's elementwise ops do, so the result equals the torch
+ * path bit for bit. D % 16 == 0. A slot outside the cache is not written and reported as LP_BAD_INDEX. */
+int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slots, int64_t N, int64_t H,
+                     int64_t KVH, int64_t D, int64_t num_slots, float *k_cache, float *v_cache, float *q_out) {
+    if (N < 0 || H < 0 || KVH < 0 || D <= 0 || D % 16) return LP_BAD_ARGUMENT;
     const long half = D / 2, width = (H + 2 * KVH) * D;
+    int status = LP_OK;
 #pragma omp parallel for if (N >= 64)
     for (long n = 0; n < N; n++) {
         const float *row = qkv + n * width, *c = cos + n * half, *s = sin + n * half;
-        const long slot = slots[n];
+        long slot = slots[n];
+        if (slot < -1 || slot >= num_slots) {
+#pragma omp atomic write
+            status = LP_BAD_INDEX;
+            slot = -1; /* q is still rotated; nothing is written outside the cache */
+        }
         for (long h = 0; h < H + KVH; h++) {
             float *dst = h < H ? q_out + (n * H + h) * D : (slot >= 0 ? k_cache + (slot * KVH + h - H) * D : NULL);
             if (!dst) continue;
@@ -418,4 +475,5 @@ void lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, cons
             for (long i = 0; i < KVH * D; i += 8)
                 _mm256_storeu_ps(v_cache + slot * KVH * D + i, _mm256_loadu_ps(row + (H + KVH) * D + i));
     }
+    return status;
 }

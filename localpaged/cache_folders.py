@@ -41,7 +41,7 @@ def cached_folder(target: Path, build: Callable[[Path], None], check: Check | No
         reason = untrusted_reason(target, check)
         if reason is None:
             return target
-        _set_aside(target, reason)
+        set_aside(target, reason)
     building = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))  # 0700
     try:
         build(building)
@@ -89,8 +89,12 @@ def _entry_reason(entry: Path) -> str | None:
     return None
 
 
-def _set_aside(target: Path, reason: str) -> None:
-    """Move an untrusted folder out of the way (a rename within the user's own cache folder), then remove it."""
+def set_aside(target: Path, reason: str) -> None:
+    """Move an untrusted folder out of the way (a rename within the user's own cache folder), then remove it.
+
+    The next ``cached_folder`` for ``target`` builds it again. Callers whose check needs the folder in use
+    (the kernel library's ABI version, read once it is loaded) call this themselves.
+    """
     warnings.warn(f"not using {target}: {reason}; building it again", stacklevel=3)
     aside = Path(tempfile.mkdtemp(prefix=f".untrusted-{target.name}-", dir=target.parent))
     try:

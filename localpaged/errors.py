@@ -36,6 +36,16 @@ class RemoteEngineError(LocalpagedError):
     """
 
 
+class KernelError(LocalpagedError):
+    """The native CPU kernels cannot be used as installed (the library reports another ABI version than
+    kernels/cpu.py expects), or a kernel failed while running (out of memory for its scratch buffers)."""
+
+
+class KernelArgumentError(KernelError, ValueError):
+    """A native CPU kernel was handed a tensor it cannot read: wrong dtype, shape, device or layout, or an
+    index outside the KV cache. The message names the argument."""
+
+
 class StoreError(LocalpagedError):
     """The chat database cannot be opened, read or written."""
 

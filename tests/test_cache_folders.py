@@ -1,8 +1,11 @@
 """What localpaged builds in its cache is used only while trusted, and first starts at once never race
-(issue 14, items 5 and 6): the kernel library, converted model folders and the chat database's migrations."""
+(issue 14, items 5 and 6): the kernel library, converted model folders and the chat database's migrations.
+The kernel library is also of the ABI version kernels/cpu.py binds, or rebuilt (issue 13)."""
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import os
 import shutil
 import stat
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from localpaged.cache_folders import cached_folder, untrusted_reason
-from localpaged.errors import ConfigError
+from localpaged.errors import ConfigError, KernelError
 
 COMPILER = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
@@ -92,6 +95,48 @@ def test_a_kernel_library_without_its_hash_is_rebuilt(cache: Path) -> None:
     with pytest.warns(UserWarning, match="No such file"):
         rebuilt = built_library(cache)
     assert cpu._hash_reason(rebuilt.parent) is None
+
+
+def replace_with_a_recorded_build(library: Path, source: str, tmp_path: Path) -> None:
+    """Put a library built from ``source`` at ``library``, its sha256 recorded as a genuine build's is."""
+    from localpaged.kernels import cpu
+
+    (tmp_path / "other.c").write_text(source)
+    subprocess.run([COMPILER, "-shared", "-fPIC", str(tmp_path / "other.c"), "-o", str(library)], check=True)
+    library.chmod(0o700)
+    (library.parent / cpu.HASH).write_text(hashlib.sha256(library.read_bytes()).hexdigest())
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "source,reason",
+    [
+        ("int lp_abi_version(void) { return 0; }\n", "reports ABI version 0, kernels/cpu.py binds 1"),
+        ("int lp_qgemm(void) { return 0; }\n", "exports no lp_abi_version"),
+    ],
+)
+def test_a_kernel_library_of_another_abi_version_is_rebuilt(cache: Path, tmp_path: Path, source: str, reason: str):
+    """A cache folder from an older install: its sha256 matches its record, only its version tells."""
+    from localpaged.kernels import cpu
+
+    library = built_library(cache)
+    replace_with_a_recorded_build(library, source, tmp_path)
+    with pytest.warns(UserWarning, match=reason):
+        lib = cpu._load(COMPILER)
+    assert lib.lp_abi_version() == cpu.ABI_VERSION and cpu._hash_reason(library.parent) is None
+    gate_up, out = (ctypes.c_float * 16)(*range(16)), (ctypes.c_float * 8)()
+    assert lib.lp_silu_mul(gate_up, 1, 8, out) == cpu.OK and out[1] > 0  # the rebuilt library, its kernels declared
+
+
+@needs_compiler
+def test_a_fresh_build_of_another_abi_version_is_refused(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu.py and cpu_kernels.c disagreeing: rebuilding cannot mend it, so a clear error instead of a crash."""
+    from localpaged.kernels import cpu
+
+    monkeypatch.setattr(cpu, "ABI_VERSION", cpu.ABI_VERSION + 1)
+    stale = f"reports ABI version {cpu.ABI_VERSION - 1}, kernels/cpu.py binds"
+    with pytest.warns(UserWarning, match=stale), pytest.raises(KernelError, match="cpu.py binds.*reinstall it"):
+        cpu._load(COMPILER)
 
 
 @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="chown needs root")
