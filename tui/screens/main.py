@@ -311,10 +311,13 @@ class MainScreen(ChatActions):
         self._refresh.stop()
 
     def show_figures(self, stats: dict, kv_map: Any) -> None:
+        status = self.query(StatusLine)
+        if not status:
+            return  # read on a thread, these arrived after the screen was taken down (quit): nowhere to show them
         chat = self.current
         figures = chat.figures() if chat else None
         pool = self.engine.capabilities.kv_pool
-        self.query_one(StatusLine).show(self.engine.model_name, self.engine.config.device, stats, figures, pool=pool)
+        status.first().show(self.engine.model_name, self.engine.config.device, stats, figures, pool=pool)
         if kv_map is not None:
             self.query_one(KVMapPanel).show(kv_map, stats)
         elif not pool:
