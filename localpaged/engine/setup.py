@@ -113,6 +113,7 @@ def open_kv_disk(
     shape = (2, hf_config.num_hidden_layers, config.block_size, hf_config.num_key_value_heads, head_dim)
     inv_freq, rope_scale = rope_frequencies(hf_config, head_dim, config.max_model_len)
     rope = inv_freq.numpy().tobytes() + (repr(rope_scale).encode() if rope_scale != 1.0 else b"")
+    native = cpu.runs(device, dtype)
     fields = {
         "format": "localpaged-kv-1",
         "weights_sha256": weights_digest(files.folder, files.gguf),
@@ -123,9 +124,9 @@ def open_kv_disk(
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "attention": attention.name,
         "weights": config.weights,
-        "native_cpu_kernels": cpu.runs(device, dtype),
+        "native_cpu_kernels": native,
         # A kernel edit may change how sums round: another source is another tier.
-        "cpu_kernels_sha256": hashlib.sha256(cpu.SOURCE.read_bytes()).hexdigest() if cpu.runs(device, dtype) else None,
+        "cpu_kernels_sha256": hashlib.sha256(cpu.SOURCE.read_bytes()).hexdigest() if native else None,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
     }
