@@ -271,11 +271,12 @@ class MainScreen(ChatActions):
     @work(thread=True, exclusive=True, group="figures")
     def refresh_figures(self) -> None:
         engine = self.engine  # one engine throughout, even if a restart swaps it meanwhile
-        if self.engine_lost:
-            return
+        panels = self.query(KVMapPanel)
+        if self.engine_lost or not panels:
+            return  # no engine to ask, or the screen was taken down (quit) before this thread ran
         chat = self.current
         capabilities = engine.capabilities
-        kv_visible = self.query_one(KVMapPanel).display and capabilities.kv_pool  # a remote pool is not in view
+        kv_visible = panels.first().display and capabilities.kv_pool  # a remote pool is not in view
         try:
             stats = engine.stats()
             tokens: list[int] | None = None
