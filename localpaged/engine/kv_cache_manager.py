@@ -27,8 +27,12 @@ class BlockMover(Protocol):
         """A private copy of each block's bytes, in the tier's block layout."""
         ...
 
-    def scatter_blocks(self, block_ids: list[int], payloads: list[memoryview]) -> None:
-        """Overwrite each block with the bytes of a payload from ``gather_blocks``' layout."""
+    def block_buffers(self, block_ids: list[int]) -> list[list[memoryview]]:
+        """Writable buffers of each block, in ``gather_blocks``' layout, for the disk tier to read into."""
+        ...
+
+    def commit_blocks(self, block_ids: list[int]) -> None:
+        """Make what was read into ``block_buffers``' first ``len(block_ids)`` blocks their contents."""
         ...
 
 
@@ -108,26 +112,21 @@ class KVCacheManager:
                 break
         reused_free = sum(1 for b in in_memory if self.pool.blocks[b].ref_count == 0)
         on_disk = on_disk[: max(self.pool.num_free_blocks - reused_free - 1, 0)]
-        payloads = []
-        for block_hash in on_disk:
-            payload = self.disk.read(block_hash)
-            if payload is None:
-                break  # the chain is broken here: the rest is computed
-            payloads.append(payload)
-        if not payloads:
+        if not on_disk:
             return 0
         self.pool.lock(in_memory)  # so that allocating cannot evict them
-        ids = self.pool.allocate(len(payloads))
+        ids = self.pool.allocate(len(on_disk))
         try:
-            self.mover.scatter_blocks(ids, payloads)
-            for block_id, block_hash in zip(ids, on_disk):
+            loaded = self.disk.read_chain(on_disk, self.mover.block_buffers(ids))  # the rest is computed
+            self.mover.commit_blocks(ids[:loaded])
+            for block_id, block_hash in zip(ids[:loaded], on_disk):
                 self.pool.insert(block_id, block_hash)
                 self._from_disk.add(block_hash)
         finally:
-            self.pool.unlock(reversed(in_memory + ids))
+            self.pool.unlock(reversed(in_memory + ids))  # the blocks not loaded go back to the free list
         if len(self._from_disk) > self.pool.num_blocks:  # forget hashes whose blocks were evicted unused
             self._from_disk &= self.pool.cached.keys()
-        return len(payloads)
+        return loaded
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int]) -> int:
         total = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens

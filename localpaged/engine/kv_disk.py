@@ -23,7 +23,8 @@ evicted since is simply a miss, and a file that fails any check is deleted and r
 run on one background thread so that decode never waits on the disk; the engine thread only copies
 the blocks out of the pool. The total size is bounded; the least recently used files go first.
 
-This module is torch-free, like the pool; the runner copies the bytes in and out of the KV tensor.
+This module is torch-free, like the pool; the runner hands it the pool's memory to read blocks into
+(``block_buffers``) and copies blocks out for the writer.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ STALE_TEMP_S = 3600.0
 # Blocks copied out of the pool but not yet on disk are held in memory up to this many bytes; beyond
 # it new writes are dropped (the tier is a cache) rather than letting a slow disk grow memory without bound.
 MAX_PENDING_BYTES = 256 << 20
+# Threads that read a chain's block files at once. Reading into the pool is bound by first-touch page
+# faults and the CRC, both of which run in parallel: the coding prompt's 157 blocks (115 MB) read
+# and checked in 100-114 ms on one thread, 54-68 ms on two, 51 ms on three (this 2-core machine).
+READ_THREADS = min(4, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -89,19 +94,13 @@ def encode_header(layout: BlockLayout, block_hash: bytes, payload: memoryview) -
     return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header
 
 
-def decode_block(data: bytes, layout: BlockLayout, block_hash: bytes) -> memoryview | None:
-    """The payload of a block file's bytes, or None if anything about them is not exactly as expected."""
-    if len(data) < _PREFIX.size:
-        return None
-    magic, version, header_len = _PREFIX.unpack_from(data)
-    if magic != MAGIC or version != FORMAT_VERSION or header_len > _MAX_HEADER:
-        return None
-    start = _PREFIX.size + header_len
+def payload_crc(header: bytes, layout: BlockLayout, block_hash: bytes) -> int | None:
+    """The payload's CRC-32 that a block file's header (the bytes after the prefix) declares, or None
+    if anything in it is not exactly as this tier's layout and the block's hash expect."""
     try:
-        header = json.loads(data[_PREFIX.size : start])
+        fields = json.loads(header)
     except ValueError:
         return None
-    payload = memoryview(data)[start:]
     expected = {
         "fingerprint": layout.fingerprint,
         "block_hash": block_hash.hex(),
@@ -109,11 +108,31 @@ def decode_block(data: bytes, layout: BlockLayout, block_hash: bytes) -> memoryv
         "dtype": layout.dtype,
         "payload_bytes": layout.nbytes,
     }
-    if not isinstance(header, dict) or any(header.get(k) != v for k, v in expected.items()):
+    if not isinstance(fields, dict) or any(fields.get(k) != v for k, v in expected.items()):
         return None
-    if payload.nbytes != layout.nbytes or header.get("crc32") != zlib.crc32(payload):
-        return None
-    return payload
+    crc = fields.get("crc32")
+    return crc if isinstance(crc, int) else None
+
+
+def read_block(fd: int, layout: BlockLayout, block_hash: bytes, buffers: list[memoryview]) -> bool:
+    """Read an open block file's payload into ``buffers`` (``layout.nbytes`` in all, in order) and
+    check it; False if anything about the file is not exactly as expected (the buffers then hold junk)."""
+    prefix = os.pread(fd, _PREFIX.size, 0)
+    if len(prefix) < _PREFIX.size:
+        return False
+    magic, version, header_len = _PREFIX.unpack(prefix)
+    if magic != MAGIC or version != FORMAT_VERSION or header_len > _MAX_HEADER:
+        return False
+    crc = payload_crc(os.pread(fd, header_len, _PREFIX.size), layout, block_hash)
+    if crc is None:
+        return False
+    beyond = bytearray(1)  # a file longer than its payload is as wrong as a shorter one
+    if os.preadv(fd, [*buffers, beyond], _PREFIX.size + header_len) != layout.nbytes:
+        return False
+    actual = 0
+    for buffer in buffers:
+        actual = zlib.crc32(buffer, actual)
+    return actual == crc
 
 
 class DiskIndex:
@@ -153,6 +172,11 @@ class DiskIndex:
         return next(iter(self._entries))
 
 
+def _zero(buffers: list[memoryview]) -> None:
+    for buffer in buffers:
+        buffer[:] = bytes(len(buffer))
+
+
 def _parse_name(name: str) -> bytes | None:
     if not name.endswith(SUFFIX) or len(name) != 64 + len(SUFFIX):
         return None
@@ -176,6 +200,7 @@ class KVDiskTier:
         self._pending: set[bytes] = set()
         self._pending_bytes = 0
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="localpaged-kv-disk")
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="localpaged-kv-read")
         self._warned = False
         self.blocks_written = 0
         self.bytes_written = 0
@@ -192,38 +217,53 @@ class KVDiskTier:
         with self._lock:
             return block_hash in self.index
 
-    def read(self, block_hash: bytes) -> memoryview | None:
-        """The block's payload, checked; None (and the file gone) if it is missing, corrupt or foreign."""
+    def read_chain(self, block_hashes: list[bytes], buffers: list[list[memoryview]]) -> int:
+        """Read each block into its buffers (as ``read_into``), several at once; how many of the
+        chain's first blocks were read: the chain breaks at the first missing or bad file."""
+        read = list(self._readers.map(self.read_into, block_hashes, buffers))
+        return read.index(False) if False in read else len(read)
+
+    def read_into(self, block_hash: bytes, buffers: list[memoryview]) -> bool:
+        """Read the block's payload into ``buffers`` (``layout.nbytes`` in all, in order), checked.
+
+        False, the buffers zeroed (no stray NaN may stay in a pool block) and the file gone, if it is
+        missing, corrupt or foreign. Reading into the caller's buffers, the pool's own memory on the
+        CPU, saves two copies of every byte against returning the payload.
+        """
         path = self.path(block_hash)
         try:
-            with open(path, "rb") as f:
-                data = f.read(self.layout.nbytes + _MAX_HEADER + _PREFIX.size + 1)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                ok = read_block(fd, self.layout, block_hash, buffers)
+            finally:
+                os.close(fd)
         except FileNotFoundError:  # evicted by another process: a miss
             with self._lock:
                 self.index.remove(block_hash)
-            return None
+            return False
         except OSError as exc:
+            _zero(buffers)
             self._warn_once(f"could not read the KV block file {path} ({exc}); its tokens are recomputed")
-            return None
-        payload = decode_block(data, self.layout, block_hash)
-        with self._lock:
-            if payload is None:
+            return False
+        if not ok:
+            _zero(buffers)
+            with self._lock:
                 self.index.remove(block_hash)
                 self.files_rejected += 1
-            elif block_hash in self.index:
-                self.index.touch(block_hash, time.time())
-        if payload is None:
             path.unlink(missing_ok=True)
             self._warn_once(
                 f"ignored a corrupt, truncated or foreign KV block file in {self.folder} (deleted; its tokens "
                 "are recomputed); further ones are deleted silently"
             )
-            return None
+            return False
+        with self._lock:
+            if block_hash in self.index:
+                self.index.touch(block_hash, time.time())
         try:
             os.utime(path)  # the last use, for the LRU order of a later start and of other processes
         except OSError:
             pass
-        return payload
+        return True
 
     def missing(self, block_hashes: list[bytes]) -> list[int]:
         """Indices of the hashes neither on disk nor being written, as many as the writer can take now.
@@ -251,8 +291,9 @@ class KVDiskTier:
         self._writer.submit(lambda: None).result()
 
     def close(self) -> None:
-        """Finish the pending writes and stop the writer thread."""
+        """Finish the pending writes and stop the writer and reader threads."""
         self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
 
     def stats(self) -> dict:
         with self._lock:

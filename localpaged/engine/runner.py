@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import mmap
 
-import numpy as np
 import torch
 
 from localpaged.attention import AttentionMetadata
@@ -53,6 +52,9 @@ class ModelRunner:
         cfg = model.config
         shape = (2, cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, model.head_dim)
         self.kv_cache = zeroed(shape, kv_dtype, device)
+        if device.type == "cpu":  # the pool as bytes, for block_buffers
+            self._pool_bytes = memoryview(self.kv_cache.view(-1).view(torch.uint8).numpy())
+        self._staging: torch.Tensor | None = None  # elsewhere, the host side of blocks read from disk
         for i, layer in enumerate(model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
@@ -77,14 +79,33 @@ class ModelRunner:
         blocks = self._by_block().index_select(0, index).cpu().view(torch.uint8).numpy()
         return [memoryview(block).cast("B") for block in blocks]
 
-    def scatter_blocks(self, block_ids: list[int], payloads: list[memoryview]) -> None:
-        """Overwrite each block with a payload in ``gather_blocks``' layout."""
-        staging = torch.empty((len(block_ids), *self.block_shape), dtype=self.kv_cache.dtype)
-        raw = staging.view(torch.uint8).numpy().reshape(len(block_ids), -1)
-        for row, payload in zip(raw, payloads):
-            row[:] = np.frombuffer(payload, dtype=np.uint8)
+    def block_buffers(self, block_ids: list[int]) -> list[list[memoryview]]:
+        """Writable bytes of each block, in ``gather_blocks``' layout, for the disk tier to read files into.
+
+        On the CPU these are the pool's own memory, one slice per layer's K and V (a block is
+        2 x layers runs of ``block_size * kv heads * head dim`` values there), so a block file is read
+        straight into place with one ``preadv``. Measured on the coding prompt in a new process (157
+        blocks, 115 MB, page cache warm): 216 ms through a bytes object, a staging tensor and an
+        indexed copy; 171 ms read in place on one thread, 62-87 ms on the disk tier's reader threads
+        (first-touch page faults of the pool and the CRC run in parallel). Elsewhere they are one row
+        each of a pinned host staging tensor that ``commit_blocks`` copies to the device.
+        """
+        if self.device.type == "cpu":
+            two, layers, num_blocks, *_ = self.kv_cache.shape
+            run = self.kv_cache[0, 0, 0].numel() * self.kv_cache.element_size()
+            starts = [(kv * layers + layer) * num_blocks * run for kv in range(two) for layer in range(layers)]
+            return [[self._pool_bytes[s + b * run : s + (b + 1) * run] for s in starts] for b in block_ids]
+        self._staging = torch.empty((len(block_ids), *self.block_shape), dtype=self.kv_cache.dtype, pin_memory=True)
+        rows = self._staging.view(torch.uint8).numpy().reshape(len(block_ids), -1)
+        return [[memoryview(row)] for row in rows]
+
+    def commit_blocks(self, block_ids: list[int]) -> None:
+        """Make what the disk tier read into the first ``len(block_ids)`` of the last ``block_buffers`` the blocks' contents."""
+        if self.device.type == "cpu" or not block_ids:
+            return
+        assert self._staging is not None, "block_buffers() comes first"
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self._by_block()[index] = staging.to(self.device)
+        self._by_block()[index] = self._staging[: len(block_ids)].to(self.device)
 
     @staticmethod
     def bytes_per_block(config, head_dim: int, block_size: int, kv_dtype: torch.dtype) -> int:

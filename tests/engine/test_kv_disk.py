@@ -26,6 +26,17 @@ def block(i: int) -> tuple[bytes, memoryview]:
     return hashlib.sha256(f"block {i}".encode()).digest(), memoryview(payload)
 
 
+def read(tier: KVDiskTier, block_hash: bytes) -> bytes | None:
+    """The block's payload read back into three buffers (as the pool's separate K/V runs take it), or None."""
+    buffer = bytearray(b"\xff" * tier.layout.nbytes)  # not zero: a failed read must zero it
+    cut = tier.layout.nbytes // 3
+    view = memoryview(buffer)
+    if tier.read_into(block_hash, [view[:cut], view[cut : 2 * cut], view[2 * cut :]]):
+        return bytes(buffer)
+    assert not any(buffer) or buffer == bytearray(b"\xff" * tier.layout.nbytes), "a failed read left junk"
+    return None
+
+
 def written(root: Path, blocks: range, capacity: int = 1 << 30, layout: BlockLayout = LAYOUT) -> KVDiskTier:
     tier = KVDiskTier(root, layout, capacity)
     tier.save([block(i) for i in blocks])
@@ -35,15 +46,15 @@ def written(root: Path, blocks: range, capacity: int = 1 << 30, layout: BlockLay
 
 def test_blocks_round_trip_through_private_files_and_a_rescan(tmp_path):
     tier = written(tmp_path, range(5))
-    assert [bytes(tier.read(block(i)[0]) or b"") for i in range(5)] == [bytes(block(i)[1]) for i in range(5)]
+    assert [bytes(read(tier, block(i)[0]) or b"") for i in range(5)] == [bytes(block(i)[1]) for i in range(5)]
     assert stat.S_IMODE(tier.folder.stat().st_mode) == 0o700
     files = sorted(tier.folder.iterdir())
     assert len(files) == 5 and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
     assert tier.stats()["disk_blocks"] == 5
     again = KVDiskTier(tmp_path, LAYOUT, 1 << 30)  # a restart: the index comes from the folder
     assert all(again.contains(block(i)[0]) for i in range(5))
-    assert bytes(again.read(block(3)[0]) or b"") == bytes(block(3)[1])
-    assert not again.contains(block(9)[0]) and again.read(block(9)[0]) is None
+    assert bytes(read(again, block(3)[0]) or b"") == bytes(block(3)[1])
+    assert not again.contains(block(9)[0]) and read(again, block(9)[0]) is None
 
 
 def test_another_layout_has_its_own_folder(tmp_path):
@@ -88,17 +99,26 @@ def test_a_damaged_or_foreign_file_is_a_miss_and_is_deleted(tmp_path, damage, ca
     for i in (1, 2):
         damage(tier.path(block(i)[0]))
     with caplog.at_level(logging.WARNING, logger="localpaged.engine.kv_disk"):
-        assert tier.read(block(1)[0]) is None and tier.read(block(2)[0]) is None
-        assert bytes(tier.read(block(3)[0]) or b"") == bytes(block(3)[1])
+        assert read(tier, block(1)[0]) is None and read(tier, block(2)[0]) is None
+        assert bytes(read(tier, block(3)[0]) or b"") == bytes(block(3)[1])
     assert not tier.path(block(1)[0]).exists() and not tier.contains(block(1)[0])
     assert tier.stats()["disk_files_rejected"] == 2
     assert len([r for r in caplog.records if "corrupt" in r.getMessage()]) == 1  # a warning at most once
 
 
+def test_a_chain_reads_up_to_its_first_bad_block(tmp_path):
+    tier = written(tmp_path, range(6))
+    _flip(tier.path(block(3)[0]))
+    buffers = [[memoryview(bytearray(NBYTES))] for _ in range(6)]
+    assert tier.read_chain([block(i)[0] for i in range(6)], buffers) == 3
+    assert [bytes(b[0]) for b in buffers[:3]] == [bytes(block(i)[1]) for i in range(3)]
+    assert not any(buffers[3][0])  # zeroed, not left half-read
+
+
 def test_a_file_another_process_evicted_is_a_miss(tmp_path):
     tier = written(tmp_path, range(3))
     tier.path(block(1)[0]).unlink()
-    assert tier.contains(block(1)[0]) and tier.read(block(1)[0]) is None
+    assert tier.contains(block(1)[0]) and read(tier, block(1)[0]) is None
     assert not tier.contains(block(1)[0])
 
 
@@ -106,7 +126,7 @@ def test_the_size_limit_evicts_the_least_recently_used(tmp_path):
     tier = written(tmp_path, range(4), capacity=1 << 30)
     size = max(f.stat().st_size for f in tier.folder.iterdir())  # a file: the payload and its header
     tier = KVDiskTier(tmp_path, LAYOUT, 5 * size)
-    tier.read(block(0)[0])  # used last: it outlives 1, 2, 3
+    read(tier, block(0)[0])  # used last: it outlives 1, 2, 3
     tier.save([block(i) for i in range(4, 8)])
     tier.flush()
     on_disk = sum(f.stat().st_size for f in tier.folder.iterdir())
@@ -157,7 +177,7 @@ def test_two_processes_writing_at_once_leave_a_readable_tier(tmp_path):
     assert files and not [f for f in tier.folder.iterdir() if f.suffix == ".tmp"]
     for f in files:
         block_hash = bytes.fromhex(f.name[:64])
-        assert tier.read(block_hash) is not None, f"{f.name} does not read back"
+        assert read(tier, block_hash) is not None, f"{f.name} does not read back"
     assert sum(f.stat().st_size for f in files) <= capacity  # the last to write saw the other's files too
 
 

@@ -13,7 +13,7 @@ some of its files are unreadable (a miss, as a corrupt file is), so chains break
 from __future__ import annotations
 
 import hashlib
-import json
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -58,13 +58,21 @@ class SimulatedDisk:
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self.files
 
-    def read(self, block_hash: bytes) -> memoryview | None:
+    def read_chain(self, block_hashes: list[bytes], buffers: list[list[memoryview]]) -> int:
+        for i, (block_hash, block_buffers) in enumerate(zip(block_hashes, buffers)):
+            if not self.read_into(block_hash, block_buffers):
+                return i
+        return len(block_hashes)
+
+    def read_into(self, block_hash: bytes, buffers: list[memoryview]) -> bool:
         if block_hash not in self.files or block_hash[0] % self.unreadable == 0:
             self.files.pop(block_hash, None)
-            return None
+            buffers[0][:] = bytes(len(buffers[0]))  # as the tier zeroes a block it could not read
+            return False
         self.files.move_to_end(block_hash)
         self.reads += 1
-        return memoryview(self.files[block_hash])
+        buffers[0][:] = self.files[block_hash]
+        return True
 
     def missing(self, block_hashes: list[bytes]) -> list[int]:
         return [i for i, h in enumerate(block_hashes) if h not in self.files]
@@ -83,14 +91,23 @@ class FakeEngine:
         self.kv = KVCacheManager(self.pool, disk, self)
         self.scheduler = Scheduler(self.kv, max_num_seqs, budget)
         self.slots = [None] * (num_blocks * BS)
+        self.staged: list[bytearray] = []  # what block_buffers handed out, until commit_blocks
         self.finished: dict[str, list[int]] = {}
 
+    # A block's bytes: its BS slots as int32, -1 for a slot never written.
     def gather_blocks(self, block_ids: list[int]) -> list[memoryview]:
-        return [memoryview(json.dumps(self.slots[b * BS : (b + 1) * BS]).encode()) for b in block_ids]
+        return [
+            memoryview(array("i", [-1 if t is None else t for t in self.slots[b * BS : (b + 1) * BS]]))
+            for b in block_ids
+        ]
 
-    def scatter_blocks(self, block_ids: list[int], payloads: list[memoryview]) -> None:
-        for b, payload in zip(block_ids, payloads):
-            self.slots[b * BS : (b + 1) * BS] = json.loads(bytes(payload))
+    def block_buffers(self, block_ids: list[int]) -> list[list[memoryview]]:
+        self.staged = [bytearray(BS * 4) for _ in block_ids]
+        return [[memoryview(buffer)] for buffer in self.staged]
+
+    def commit_blocks(self, block_ids: list[int]) -> None:
+        for b, buffer in zip(block_ids, self.staged):
+            self.slots[b * BS : (b + 1) * BS] = [None if t == -1 else t for t in array("i", buffer)]
 
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // BS] * BS + pos % BS
