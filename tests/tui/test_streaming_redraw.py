@@ -74,3 +74,34 @@ async def test_a_chat_off_screen_costs_no_drawing(make_app, engine, store, redra
         engine.release()
         await reply_done(pilot, screen, chat)
         assert screen.messages.bubbles[-1].text == FAST
+
+
+async def test_the_footer_is_rebuilt_only_when_what_it_shows_changes(make_app, engine, monkeypatch):
+    """Start (stop offered) and end (stop gone) change the footer; the first text of a reply does not."""
+    from textual.widgets import Footer
+
+    rebuilds: list[bool] = []
+    recompose = Footer.recompose
+
+    async def counted(footer: Footer) -> None:
+        rebuilds.append(footer.screen.check_action("stop", ()))
+        await recompose(footer)
+
+    monkeypatch.setattr(Footer, "recompose", counted)
+    engine.delay, engine.hold_at, engine.replies = 0.001, 1, {"go": FAST}
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await main_screen(pilot)
+        await send(pilot, "go")
+        chat = screen.current
+        await wait_for(pilot, lambda: screen.live_bubble is not None and screen.live_bubble.text == "w0")
+        await pilot.pause()
+        rebuilds.clear()  # the reply has started and shown its first text: stop is offered
+        assert screen.check_action("stop", ())
+        screen.refresh_bindings_if_changed()
+        await pilot.pause()
+        assert rebuilds == []  # nothing the footer shows changed
+        engine.release()
+        await reply_done(pilot, screen, chat)
+        await pilot.pause()
+        assert rebuilds and rebuilds[-1] is None  # the end dimmed stop, and the footer shows it

@@ -67,6 +67,7 @@ class MainScreen(ChatActions):
         self._first_open = open_id
         self._redraw: Timer  # made on mount; ticks every REDRAW_S while the open chat's reply grows
         self._redraw_due = False
+        self._bindings_shown: tuple = ()  # what the footer was last told (refresh_bindings_if_changed)
         self._last_encoded: tuple[object, list[int]] = (None, [])  # the latest chat counted, and its ids
 
     def compose(self) -> ComposeResult:
@@ -233,7 +234,26 @@ class MainScreen(ChatActions):
                 self.query_one(ChatInput).text = chat.unsent  # it was never stored: keep it for later
         self.show_title()  # a first message names the chat as its reply starts
         self.refresh_sidebar()
-        self.refresh_bindings()
+        self.refresh_bindings_if_changed()
+
+    def _bindings_on_show(self) -> tuple:
+        """What the footer shows: the bindings in reach, each enabled or not (and whether the app has focus)."""
+        active = self.active_bindings.items()
+        return self.app.app_focus, tuple((key, b.binding.action, b.binding.description, b.enabled) for key, b in active)
+
+    def refresh_bindings(self) -> None:
+        self._bindings_shown = self._bindings_on_show()
+        super().refresh_bindings()
+
+    def refresh_bindings_if_changed(self) -> None:
+        """Tell the footer about the bindings only if what it shows would change.
+
+        The footer rebuilds every key on each ``refresh_bindings``, and every reply's start, first text
+        and end would ask for one while most change nothing the footer shows; each rebuild re-lays out
+        the whole screen, CPU taken from the engine core on a 2-core machine.
+        """
+        if self._bindings_on_show() != self._bindings_shown:
+            self.refresh_bindings()
 
     def _queue_redraw(self) -> None:
         """Timer tick: draw in the screen's own message order, never two redraws queued."""

@@ -79,7 +79,7 @@ class MessageBubble(Vertical, can_focus=True):
         """Show live figures (tok/s, time to first token) next to the role."""
         self.note = note
         for header in self.query(".bubble-header").results(Label):  # none until composed
-            header.update(self._header())
+            header.update(self._header(), layout=False)  # one row of fixed size (app.tcss): a repaint
 
     async def grow(self, text: str) -> None:
         """Append what `text` has beyond what is shown; safe to call with the same text twice."""

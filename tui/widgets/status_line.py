@@ -85,4 +85,5 @@ class StatusLine(Static):
             if pool
             else Content("prefix cache on the server")
         )
-        self.update(Content("\n").join([engine, Content(" │ ").join([this, cache])]))
+        # Two rows of fixed height that never wrap (app.tcss): a repaint, not a re-layout of the screen.
+        self.update(Content("\n").join([engine, Content(" │ ").join([this, cache])]), layout=False)
