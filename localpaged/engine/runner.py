@@ -13,10 +13,10 @@ import mmap
 import numpy as np
 import torch
 
-from localpaged.attention import AttentionMetadata
 from localpaged.engine.cuda_graphs import DecodeGraphs
 from localpaged.engine.sampler import sample
 from localpaged.engine.scheduler import ScheduledBatch
+from localpaged.layers.attention import Attention, AttentionMetadata
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,9 +53,9 @@ class ModelRunner:
         cfg = model.config
         shape = (2, cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, model.head_dim)
         self.kv_cache = zeroed(shape, kv_dtype, device)
-        for i, layer in enumerate(model.layers):
-            layer.self_attn.k_cache = self.kv_cache[0, i]
-            layer.self_attn.v_cache = self.kv_cache[1, i]
+        for i, attn in enumerate(m for m in model.modules() if isinstance(m, Attention)):
+            attn.k_cache = self.kv_cache[0, i]
+            attn.v_cache = self.kv_cache[1, i]
         self.graphs = None
         if graph_batch_sizes:
             max_blocks = -(-max_model_len // block_size)
