@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from localpaged.attention import AttentionMetadata
+from localpaged.layers.attention import AttentionMetadata
 
 
 def batch_ladder(max_batch: int) -> list[int]:

@@ -12,10 +12,10 @@ import mmap
 
 import torch
 
-from localpaged.attention import AttentionMetadata
 from localpaged.engine.cuda_graphs import DecodeGraphs
 from localpaged.engine.sampler import sample
 from localpaged.engine.scheduler import ScheduledBatch
+from localpaged.layers.attention import Attention, AttentionMetadata
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -55,9 +55,9 @@ class ModelRunner:
         if device.type == "cpu":  # the pool as bytes, for block_buffers
             self._pool_bytes = memoryview(self.kv_cache.view(-1).view(torch.uint8).numpy())
         self._staging: torch.Tensor | None = None  # elsewhere, the host side of blocks read from disk
-        for i, layer in enumerate(model.layers):
-            layer.self_attn.k_cache = self.kv_cache[0, i]
-            layer.self_attn.v_cache = self.kv_cache[1, i]
+        for i, attn in enumerate(m for m in model.modules() if isinstance(m, Attention)):
+            attn.k_cache = self.kv_cache[0, i]
+            attn.v_cache = self.kv_cache[1, i]
         self.graphs = None
         if graph_batch_sizes:
             max_blocks = -(-max_model_len // block_size)

@@ -12,17 +12,18 @@ from pathlib import Path
 
 import torch
 
-from localpaged.attention import TorchAttention, TritonAttention, select_attention
 from localpaged.config import EngineConfig
 from localpaged.engine.kv_disk import BlockLayout, KVDiskTier, layout_fingerprint
 from localpaged.engine.runner import ModelRunner
 from localpaged.engine.tokenizer import load_tokenizer
 from localpaged.errors import ConfigError
 from localpaged.kernels import cpu
+from localpaged.layers.attention import AttentionPath, select_attention
+from localpaged.layers.rotary_embedding import rope_frequencies
 from localpaged.locations import kv_cache_dir
 from localpaged.models.gguf_file import GGUFFile
 from localpaged.models.gguf_weights import BlockQuantized, GGUFWeights
-from localpaged.models.llama import LlamaForCausalLM, head_dim_of, rope_frequencies
+from localpaged.models.llama import LlamaForCausalLM, head_dim_of
 from localpaged.models.loader import ModelFiles, load_config, load_state_dict, resolve_model
 from localpaged.models.quantized import swap_in_blocks
 from localpaged.models.weights_digest import weights_digest
@@ -38,7 +39,7 @@ class EngineParts:
     folder: Path
     model: LlamaForCausalLM
     tokenizer: object
-    attention: TorchAttention | TritonAttention
+    attention: AttentionPath
     device: torch.device
     kv_dtype: torch.dtype
     num_blocks: int
@@ -160,7 +161,7 @@ def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | 
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, attention, config.max_model_len)
     model = model.to_empty(device=device).to(dtype)
-    model.init_rope()
+    model.rotary_emb.init_tables()
     if files.gguf is None:
         config.weights = "float"
         model.load_hf_state_dict(load_state_dict(files.folder))

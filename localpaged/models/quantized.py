@@ -1,8 +1,9 @@
 """Projections and embeddings whose weights stay in a GGUF's blocks (runs of 32 or 16 weights), for the CPU.
 
 ``swap_in_blocks`` replaces each projection of a loaded model whose weights the file stored as
-blocks with a ``BlockLinear`` (native kernel, 0.75-1.5 bytes a weight instead of 4) and the token
-embedding with a ``BlockEmbedding`` (rows unpacked from the mapped file as tokens need them);
+blocks with a ``BlockLinear`` (layers/linear.py: native kernel, 0.75-1.5 bytes a weight instead of 4)
+and the token embedding with a ``BlockEmbedding`` (rows unpacked from the mapped file as tokens need
+them; it stays here, beside the loader, because it decodes the GGUF's own bytes);
 everything else loads as floats. The values used are exactly the fp32 ones a float32 load would
 hold, so greedy output still matches Hugging Face's float32 run.
 """
@@ -13,24 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from localpaged.kernels import cpu
-from localpaged.models.gguf_weights import BLOCK_FIELDS, BlockQuantized, GGUFWeights, unpack
-
-
-class BlockLinear(nn.Module):
-    """A projection on the native kernel, its weight packed into 16-row tiles (kernels/cpu.py)."""
-
-    def __init__(self, weight: BlockQuantized, bias: nn.Parameter | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.q.shape
-        self.packed = cpu.pack_blocks(weight.q, weight.scale, weight.minimum)
-        for name in BLOCK_FIELDS:  # registered too, so the model's memory counts them
-            self.register_buffer(name, getattr(self.packed, name))
-        self.bias = bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = cpu.qgemm(x, self.packed)
-        return out + self.bias if self.bias is not None else out
+from localpaged.layers.linear import BlockLinear
+from localpaged.models.gguf_weights import BlockQuantized, GGUFWeights, unpack
 
 
 class BlockEmbedding(nn.Module):
@@ -73,7 +58,9 @@ def swap_in_blocks(model: nn.Module, weights: GGUFWeights) -> dict[str, torch.Te
         if leaf == "embed_tokens":
             new: nn.Module = BlockEmbedding(weights.rows(hf[0]), weights.info(hf[0]).kind)
         else:
-            new = BlockLinear(BlockQuantized.cat([weights.read(n) for n in hf]), module.bias)
+            blocks = BlockQuantized.cat([weights.read(n) for n in hf])
+            new = BlockLinear(blocks.q, blocks.scale, blocks.minimum, module.bias)
+            del blocks  # the unpacked weight goes before the next one is read
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
         consumed.update(hf)
     # A block shard nobody took (its projection's other shards are floats) loads as floats.

@@ -72,7 +72,8 @@ def _check_parity(llm, hf, label: str) -> None:
 def test_tiny_mixed_quant_llama_runs_its_blocks_and_matches_transformers_on_the_same_file(mixed_llama, mixed_llama_hf):
     from localpaged.kernels import cpu
 
-    from localpaged.models.quantized import BlockEmbedding, BlockLinear
+    from localpaged.layers.linear import BlockLinear
+    from localpaged.models.quantized import BlockEmbedding
 
     with pytest.warns(UserWarning, match=r"Q2_K tensors have no native kernel"):
         llm = _llm(mixed_llama)
@@ -132,7 +133,8 @@ def test_default_model_blocks_equal_transformers_weights_from_the_same_file(defa
 def test_default_model_on_the_cpu_runs_on_its_blocks(default_llm):
     from localpaged.kernels import cpu
 
-    from localpaged.models.quantized import BlockEmbedding, BlockLinear
+    from localpaged.layers.linear import BlockLinear
+    from localpaged.models.quantized import BlockEmbedding
 
     if cpu.library() is None or default_llm.device.type != "cpu":
         pytest.skip("the native CPU kernels are not built here")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from localpaged import LLM, SamplingParams
-from localpaged.models.llama import rope_frequencies
+from localpaged.layers.rotary_embedding import rope_frequencies
 from tests.conftest import save_hf_folder
 from tests.gguf_models import tiny_hf_model, write_gguf
 from tests.oracle import assert_same_greedy, hf_greedy

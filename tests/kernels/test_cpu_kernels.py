@@ -94,7 +94,7 @@ def test_paged_decode_matches_reference(context_lens, num_kv_heads, gqa, head_di
 
 def test_small_row_kernels_equal_torch():
     """Norm and silu match torch closely; RoPE and the cache writes match it bit for bit."""
-    from localpaged.models.llama import apply_rope
+    from localpaged.layers.rotary_embedding import apply_rope
 
     gen = torch.Generator().manual_seed(3)
     x, res, w = torch.randn(7, 64, generator=gen), torch.randn(7, 64, generator=gen), torch.randn(64, generator=gen)

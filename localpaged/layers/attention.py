@@ -1,0 +1,148 @@
+"""Paged attention: the path of a step (Triton on CUDA, torch and native kernels on the CPU) and the layer.
+
+``select_attention`` picks one path for the engine; every ``Attention`` layer of the model shares
+it, and the runner binds each layer to its slice of the KV pool. The metadata of a step travels as
+an explicit ``AttentionMetadata`` argument through the model's forward, never through a
+module-global. ``prepare`` runs once per step, before the layers, so whatever a path derives from
+the block tables (the torch path's gather plan) is built once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from localpaged.kernels import cpu, reference
+from localpaged.layers.rotary_embedding import apply_rope
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes; -1 skips
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [B+1] int32: each sequence's rows in the flat batch
+    context_lens: torch.Tensor  # [B] int32: KV length after this step's tokens
+    max_q_len: int
+    block_size: int
+    plan: reference.GatherPlan | None = None  # torch path only
+
+
+class TorchAttention:
+    """The CPU path: torch over the block pool, and the native decode kernel for all-decode fp32 steps."""
+
+    name = "torch"
+
+    def __init__(self, native_decode: bool = False) -> None:
+        self.native_decode = native_decode
+
+    def _use_native(self, meta: AttentionMetadata) -> bool:
+        return self.native_decode and meta.max_q_len == 1
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if not self._use_native(meta):
+            meta.plan = reference.build_plan(meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.block_size)
+
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        reference.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self._use_native(meta):
+            return cpu.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        assert meta.plan is not None, "prepare() was not called for this step"
+        return reference.paged_attention(q, k_cache, v_cache, meta.plan, scale)
+
+
+class TritonAttention:
+    name = "triton"
+
+    def __init__(self) -> None:
+        from localpaged.kernels import kv_write, paged_decode, paged_prefill
+
+        self._write = kv_write.write_kv
+        self._decode = paged_decode.paged_decode
+        self._prefill = paged_prefill.paged_prefill
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        pass
+
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        self._write(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)  # kernels want dense rows
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        q = q.contiguous()
+        if meta.max_q_len == 1:
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return self._prefill(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            scale,
+            max_q_len=meta.max_q_len,
+        )
+
+
+AttentionPath = TorchAttention | TritonAttention
+
+
+def select_attention(name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionPath:
+    """``name`` ("triton"/"torch") forces a path; otherwise Triton on CUDA and torch elsewhere.
+
+    On the CPU in float32, all-decode steps go to the native kernel where it builds (it reads heads
+    in runs of 8 floats).
+    """
+    if name == "triton" or (name is None and device.type == "cuda"):
+        return TritonAttention()
+    return TorchAttention(native_decode=cpu.runs(device, dtype) and head_dim % 8 == 0)
+
+
+class Attention(nn.Module):
+    """One layer's attention over the paged KV cache: rotates q and k, writes k and v, attends through the path.
+
+    Float32 KV on the CPU with every dimension rotated and a head_dim a multiple of 16 runs RoPE and
+    the K/V write in one native pass (cpu.rope_write_kv), bit for bit what the torch route gives:
+    per layer that route splits qkv, rotates q and k with ~8 elementwise ops, checks the slots for -1
+    and runs two index_copy_ calls. Any other case rotates with ``apply_rope`` and writes through
+    the path.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, path: AttentionPath) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.path = path
+        self.k_cache: torch.Tensor | None = None  # bound by the runner to this layer's slice of the pool
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The output ``[N, heads * head_dim]`` of ``qkv`` ``[N, (heads + 2 kv heads) * head_dim]``, unrotated."""
+        n = qkv.shape[0]
+        full_rotary = 2 * cos.shape[-1] == self.head_dim
+        if (
+            cpu.runs(qkv.device, qkv.dtype)
+            and full_rotary
+            and self.head_dim % 16 == 0
+            and self.k_cache.dtype == torch.float32
+        ):
+            q = cpu.rope_write_kv(qkv, cos, sin, meta.slot_mapping, self.k_cache, self.v_cache, self.num_heads)
+        else:
+            q = self.rope_and_write_kv(qkv, cos, sin, meta)
+        out = self.path.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+        return out.reshape(n, self.num_heads * self.head_dim)
+
+    def rope_and_write_kv(self, qkv, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        """Rotate q and k, store k and v in the cache; returns q ``[N, heads, head_dim]``."""
+        n = qkv.shape[0]
+        qk, v = qkv.split(
+            [(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1
+        )
+        qk = apply_rope(qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # q and k in one go
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        self.path.write_kv(k, v.reshape(n, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, meta)
+        return q
