@@ -160,7 +160,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = self.norm_heads(qkv)
         full_rotary = 2 * cos.shape[-1] == self.head_dim
-        if native(qkv) and full_rotary and self.head_dim % 16 == 0 and self.k_cache.dtype == torch.float32:  # one pass
+        if native(qkv) and full_rotary and self.head_dim % 16 == 0 and self.k_cache.dtype in cpu.KV_DTYPES:  # one pass
             q = cpu.rope_write_kv(qkv, cos, sin, meta.slot_mapping, self.k_cache, self.v_cache, self.num_heads)
         else:
             q = self.rope_and_write_kv(qkv, cos, sin, meta)
