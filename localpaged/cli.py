@@ -256,8 +256,8 @@ def _add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         choices=("auto", "float32", "bfloat16", "float16"),
-        help="type of the KV cache's values: 16 bits halve its memory and speed up many long chats, at a small "
-        "change in output (default: auto, the model's: float32 on the CPU)",
+        help="type of the KV cache's values: 16 bits halve its memory and speed up long chats; float32 is the "
+        "exact path (default: auto, float16 on the CPU's native kernels, else the model's dtype)",
     )
 
 

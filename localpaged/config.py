@@ -33,7 +33,8 @@ class EngineConfig:
         "auto"  # GGUF on the CPU in float32: "auto" keeps the file's blocks (native kernels); "float" dequantises
     )
     kv_cache_memory: int | str | None = None  # bytes for the block pool; None sizes it from free memory
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "float32", "bfloat16", "float16": the KV pool's values
+    kv_cache_dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16": the KV pool's values (auto: float16
+    # where the native CPU kernels run a float32 model, else the model's dtype; float32 is the exact path)
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # token budget per step; None picks one for the device
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
@@ -53,7 +54,7 @@ class EngineConfig:
             raise ConfigError(f"dtype={self.dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r}: use 'auto' (the model's dtype), 'float32', 'bfloat16' "
+                f"kv_cache_dtype={self.kv_cache_dtype!r}: use 'auto', 'float32' (the exact path), 'bfloat16' "
                 "or 'float16' (16 bits halve the KV cache's memory; attention still computes in float32)"
             )
         if self.weights not in ("auto", "float"):

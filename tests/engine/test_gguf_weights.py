@@ -47,7 +47,15 @@ def mixed_llama(tmp_path_factory, gguf_tokenizer) -> Path:
 def _llm(path: Path, **config):
     from localpaged import LLM
 
-    return LLM(str(path), dtype="float32", device="cpu", kv_cache_memory="64MiB", max_model_len=512, **config)
+    return LLM(
+        str(path),
+        dtype="float32",
+        kv_cache_dtype="float32",
+        device="cpu",
+        kv_cache_memory="64MiB",
+        max_model_len=512,
+        **config,
+    )
 
 
 @pytest.fixture(scope="module")

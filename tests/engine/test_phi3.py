@@ -33,7 +33,14 @@ def longrope_phi3():
 
 
 def _llm(path, max_model_len: int) -> LLM:
-    return LLM(str(path), dtype="float32", device="cpu", kv_cache_memory="64MiB", max_model_len=max_model_len)
+    return LLM(
+        str(path),
+        dtype="float32",
+        kv_cache_dtype="float32",
+        device="cpu",
+        kv_cache_memory="64MiB",
+        max_model_len=max_model_len,
+    )
 
 
 def _check(llm: LLM, hf, prompts: list[list[int]], label: str) -> None:
