@@ -107,9 +107,9 @@ def open_kv_disk(
 ) -> KVDiskTier:
     """The disk tier for this model and KV layout, in a folder named for everything that makes KV values differ.
 
-    Kernels are part of it wherever they may round differently (native CPU kernels or torch, the
-    attention backend, GGUF blocks or dequantised weights, the torch version, the GPU): when unsure,
-    a separate folder costs one cold prefill, a shared one would cost wrong answers.
+    Kernels are part of it wherever they may round differently (native CPU kernels or torch, their
+    instruction-set path, the attention backend, GGUF blocks or dequantised weights, the torch version,
+    the GPU): when unsure, a separate folder costs one cold prefill, a shared one would cost wrong answers.
     """
     shape = (2, hf_config.num_hidden_layers, config.block_size, hf_config.num_key_value_heads, head_dim)
     inv_freq, rope_scale = rope_frequencies(hf_config, head_dim, config.max_model_len)
@@ -126,8 +126,10 @@ def open_kv_disk(
         "attention": attention.name,
         "weights": config.weights,
         "native_cpu_kernels": native,
-        # A kernel edit may change how sums round: another source is another tier.
-        "cpu_kernels_sha256": hashlib.sha256(cpu.SOURCE.read_bytes()).hexdigest() if native else None,
+        # The instruction-set path (avx512, avx2, portable) and a kernel edit may change how sums round:
+        # another path or another source is another tier.
+        "cpu_kernels_path": cpu.chosen_path().name if native else None,
+        "cpu_kernels_sha256": cpu.sources_sha256(cpu.chosen_path()) if native else None,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
     }

@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/cpu_kernels.c) against float64 torch, on random inputs.
+"""The native CPU kernels (each instruction-set path this CPU runs: kernel_path) against float64 torch, on random inputs.
 
 qgemm over row counts that take each path (1-4 rows expand weights in registers, more go through a
 panel: every tail of its 6-row register kernel), padded weight tiles and
@@ -14,9 +14,10 @@ from localpaged.kernels import cpu, reference
 
 from localpaged.models.gguf_weights import BlockQuantized
 
-pytestmark = pytest.mark.skipif(
-    cpu.library() is None, reason="no C compiler or no AVX2 CPU: the torch path runs instead"
-)
+pytestmark = [
+    pytest.mark.skipif(cpu.library() is None, reason="no C compiler or no 64-bit CPU: the torch path runs instead"),
+    pytest.mark.usefixtures("kernel_path"),
+]
 
 
 def random_blocks(
@@ -119,3 +120,15 @@ def test_small_row_kernels_equal_torch():
     assert torch.equal(k_cache.view(-1, kv_heads, d)[slots[keep]], want[keep, heads:])
     assert torch.equal(v_cache.view(-1, kv_heads, d)[slots[keep]], v.reshape(n, kv_heads, d)[keep])
     assert k_cache.view(-1, kv_heads, d).abs().sum(dim=(1, 2)).count_nonzero() == 4  # slot -1 wrote nothing
+
+
+@pytest.mark.parametrize("m", [1, 16])  # weights expanded in registers, and into a panel
+@pytest.mark.parametrize("q_range", [Q4_1, Q5_1])
+def test_qgemm_uses_exactly_the_dequantised_weights(m, q_range):
+    """scale * q and + min rounded one by one (gguf-py's values), never fused: one-hot rows read weights back."""
+    gen = torch.Generator().manual_seed(7)
+    weight = random_blocks(32, 64, q_range, gen)
+    packed = cpu.pack_blocks(weight.q, weight.scale, weight.minimum)
+    columns = torch.randint(64, (m,), generator=gen)
+    out = cpu.qgemm(torch.nn.functional.one_hot(columns, 64).float(), packed)
+    assert torch.equal(out, weight.dequantize().T[columns])
