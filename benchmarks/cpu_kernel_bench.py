@@ -1,14 +1,16 @@
 """The native CPU kernels' instruction-set paths (AVX-512, AVX2, portable) side by side, in one run.
 
 Times each path this CPU runs on the default model's decode shapes (SmolLM2-135M: Q4_1 projections 576 -> 3072
-and 1536 -> 576, the Q8_0 head 576 -> 49152, paged decode of 9 query / 3 KV heads of 64 at 512 tokens) for one
-sequence and for 16. The machines this runs on are shared and drift, so each figure is the best of several
-rounds, the paths interleaved round by round. ``--engine`` measures the engine on the default model instead,
-each path in a process of its own (LOCALPAGED_CPU_KERNELS set): one chat's decode tok/s after its first token
-(256 tokens) and 16 sessions' aggregate tok/s (benchmarks/throughput.py's sessions, 128 tokens each).
+and 1536 -> 576, the Q8_0 head 576 -> 49152, paged decode of 9 query / 3 KV heads of 64 at 512 tokens over a
+float32, bfloat16 and float16 cache) for one sequence and for 16. The machines this runs on are shared and
+drift, so each figure is the best of several rounds, the paths interleaved round by round. ``--engine``
+measures the engine on the default model instead, each path in a process of its own (LOCALPAGED_CPU_KERNELS
+set), its KV cache of ``--kv-cache-dtype`` (default auto: float16 on the native kernels): one chat's decode
+tok/s after its first token (256 tokens) and 16 sessions' aggregate tok/s (benchmarks/throughput.py's
+sessions, 128 tokens each).
 
     python benchmarks/cpu_kernel_bench.py [--rounds 5] [--context 512]
-    python benchmarks/cpu_kernel_bench.py --engine [--rounds 3]
+    python benchmarks/cpu_kernel_bench.py --engine [--rounds 3] [--kv-cache-dtype auto|float32|bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -36,17 +38,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--engine", action="store_true", help="the engine's tok/s per path, not the kernels'")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV cache type (EngineConfig.kv_cache_dtype)")
     p.add_argument("--engine-path", help=argparse.SUPPRESS)  # the child process of --engine: one path
     return p.parse_args()
 
 
-def engine_figures() -> dict[str, float]:
+def engine_figures(kv_cache_dtype: str) -> dict[str, float]:
     """One chat's decode tok/s and 16 sessions' aggregate tok/s on the default model, on this process's path."""
     from throughput import conversations, run_ours
 
     from localpaged import LLM, SamplingParams
 
-    llm = LLM()
+    llm = LLM(kv_cache_dtype=kv_cache_dtype)
     prompts = [llm.encode_chat(c) for c in conversations(16)]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
     out = llm.generate(prompts[:1], SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True))[0]
@@ -54,17 +57,19 @@ def engine_figures() -> dict[str, float]:
     return {"one_chat_decode_tok_s": out.metrics.decode_tokens_per_s, "sessions16_tok_s": sessions}
 
 
-def compare_engines(names: list[str], rounds: int) -> None:
+def compare_engines(names: list[str], rounds: int, kv_cache_dtype: str) -> None:
     """Each path's engine figures, each measured in a child process of its own; the best of ``rounds``, interleaved."""
     best: dict[str, dict[str, float]] = {}
     for _ in range(rounds):
         for name in names:
             env = {**os.environ, cpu_isa.ENV: name}
-            child = [sys.executable, __file__, "--engine-path", name]
+            child = [sys.executable, __file__, "--engine-path", name, "--kv-cache-dtype", kv_cache_dtype]
             result = subprocess.run(child, env=env, check=True, capture_output=True, text=True)
             row = json.loads(result.stdout.strip().splitlines()[-1])
             best[name] = {key: max(value, best.get(name, {}).get(key, 0.0)) for key, value in row.items()}
-    print(f"{torch.get_num_threads()} threads; default model, greedy, EOS ignored; best of {rounds} rounds")
+    print(
+        f"{torch.get_num_threads()} threads; default model, greedy, EOS ignored, KV {kv_cache_dtype}; best of {rounds}"
+    )
     print(f"{'path':10}{'one chat decode tok/s':>24}{'16 sessions tok/s':>20}")
     for name, row in best.items():
         print(f"{name:10}{row['one_chat_decode_tok_s']:24.1f}{row['sessions16_tok_s']:20.1f}")
@@ -108,20 +113,21 @@ def cases(context: int) -> dict[str, Callable[[], object]]:
         tables = torch.randperm(blocks, generator=gen).to(torch.int32).reshape(b, -1)
         lens = torch.full((b,), context, dtype=torch.int32)
         q = torch.randn(b, heads, d, generator=gen)
-        calls[f"paged_decode {context} tokens, {b} seq{'s' * (b > 1)}"] = (
-            lambda q=q, k=k_cache, v=v_cache, t=tables, n=lens: cpu.paged_decode(q, k, v, t, n, d**-0.5)
-        )
+        for dtype in cpu.KV_DTYPES:
+            k, v = k_cache.to(dtype), v_cache.to(dtype)
+            name = f"paged_decode {context} tok, {b} seq{'s' * (b > 1)}, {str(dtype).removeprefix('torch.')}"
+            calls[name] = lambda q=q, k=k, v=v, t=tables, n=lens: cpu.paged_decode(q, k, v, t, n, d**-0.5)
     return calls
 
 
 def main() -> None:
     args = parse_args()
     if args.engine_path:
-        print(json.dumps(engine_figures()))
+        print(json.dumps(engine_figures(args.kv_cache_dtype)))
         return
     names = [path.name for path in cpu_isa.PATHS if path.cpu_flags <= cpu_isa.cpu_flags()]
     if args.engine:
-        compare_engines(names, args.rounds)
+        compare_engines(names, args.rounds, args.kv_cache_dtype)
         return
     use_path(names[0])
     calls = cases(args.context)  # packed once: every path reads the same layout

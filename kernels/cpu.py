@@ -43,15 +43,18 @@ from localpaged.errors import ConfigError, KernelArgumentError, KernelError
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
-ABI_VERSION = 1  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
+ABI_VERSION = 2  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
 BITS = (4, 5, 8)  # packed widths of q (pack_blocks)
-# Statuses the kernels return (cpu_kernels.c's LP_* codes); any other is LP_BAD_ARGUMENT, sizes refused.
+# Statuses the kernels return (cpu_kernels.h's LP_* codes); any other is LP_BAD_ARGUMENT, sizes refused.
 OK, OUT_OF_MEMORY, BAD_INDEX = 0, 1, 2
 POINTER, SIZE, INT, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 INDEX_DTYPES = (torch.int32, torch.int64)  # block tables, lengths and slots: converted to what C reads
+# KV cache element types the attention kernels of every path read and write (fp32 math on each), numbered as
+# cpu_kernels.h's LP_KV_*.
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 KERNELS: list[Kernel] = []  # every binding, declared on the library when it loads
 
@@ -104,7 +107,7 @@ def _load(compiler: str, path: KernelPath) -> ctypes.CDLL:
 
     A library whose sha256 matches its record may still be of another version (a cache folder copied
     from an older install); it is set aside and built again. A fresh build of another version means
-    cpu.py and cpu_kernels.c disagree, which no rebuild mends: a KernelError.
+    cpu.py and cpu_kernels.h disagree, which no rebuild mends: a KernelError.
     """
     folder = _library_folder(compiler, path)
     lib = ctypes.CDLL(str(folder / LIBRARY))
@@ -196,16 +199,20 @@ class Kernel:
         raise KernelArgumentError(f"{self.name} rejected its sizes, bits or group (status {status})")
 
 
-def _expect(name: str, t: object, dtype: torch.dtype, dims: int | None, *, contiguous: bool = False) -> None:
-    """Raise KernelArgumentError naming ``name`` unless ``t`` is a CPU tensor of ``dtype`` with ``dims`` dimensions.
+def _expect(
+    name: str, t: object, dtype: torch.dtype | tuple[torch.dtype, ...], dims: int | None, *, contiguous: bool = False
+) -> None:
+    """Raise KernelArgumentError naming ``name`` unless ``t`` is a CPU tensor of ``dtype`` (or one of several) with
+    ``dims`` dimensions.
 
     ``contiguous`` where the kernel writes the tensor in place or the caller keeps it (caches, weights):
     a contiguous copy made here would read stale values or drop the writes. Inputs are copied instead.
     """
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
     if (
         isinstance(t, torch.Tensor)
         and t.is_cpu
-        and t.dtype == dtype
+        and t.dtype in dtypes
         and (dims is None or t.dim() == dims)
         and (t.is_contiguous() or not contiguous)
     ):
@@ -215,8 +222,8 @@ def _expect(name: str, t: object, dtype: torch.dtype, dims: int | None, *, conti
     problems = []
     if not t.is_cpu:
         problems.append(f"is on {t.device}, not the CPU")
-    if t.dtype != dtype:
-        problems.append(f"is {t.dtype}, not {dtype}")
+    if t.dtype not in dtypes:
+        problems.append(f"is {t.dtype}, not {' or '.join(map(str, dtypes))}")
     if dims is not None and t.dim() != dims:
         problems.append(f"has {t.dim()} dimensions {tuple(t.shape)}, not {dims}")
     if contiguous and not t.is_contiguous():
@@ -236,19 +243,22 @@ def _expect_index(name: str, t: object, dims: int, rows: int) -> None:
     raise KernelArgumentError(f"{name} has shape {tuple(t.shape)}, expected {wanted}")
 
 
-def _expect_cache(k_cache: object, v_cache: object) -> tuple[int, int, int]:
-    """``(num_blocks, kv_heads, head_dim)`` of float32 caches ``[blocks, 16, KVH, D]``, written in place."""
-    _expect("k_cache", k_cache, torch.float32, 4, contiguous=True)
-    _expect("v_cache", v_cache, torch.float32, 4, contiguous=True)
+def _expect_cache(k_cache: object, v_cache: object) -> tuple[int, int, int, int]:
+    """``(num_blocks, kv_heads, head_dim, kv_dtype)`` of caches ``[blocks, 16, KVH, D]`` of one of KV_DTYPES,
+    written in place; ``kv_dtype`` is that type's number in KV_DTYPES, which picks the kernel's variant."""
+    _expect("k_cache", k_cache, KV_DTYPES, 4, contiguous=True)
+    _expect("v_cache", v_cache, KV_DTYPES, 4, contiguous=True)
     if v_cache.shape != k_cache.shape:
         raise KernelArgumentError(f"v_cache has shape {tuple(v_cache.shape)}, k_cache {tuple(k_cache.shape)}")
+    if v_cache.dtype != k_cache.dtype:
+        raise KernelArgumentError(f"v_cache is {v_cache.dtype}, k_cache {k_cache.dtype}: one cache type for both")
     blocks, page, kv_heads, head_dim = k_cache.shape
     if page != PAGE:
         raise KernelArgumentError(
             f"k_cache holds blocks of {page} tokens; the CPU kernels read blocks of {PAGE}: "
             "[blocks, 16, kv_heads, head_dim]"
         )
-    return blocks, kv_heads, head_dim
+    return blocks, kv_heads, head_dim, KV_DTYPES.index(k_cache.dtype)
 
 
 @dataclass(frozen=True)
@@ -368,7 +378,7 @@ def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
 
 _lp_paged_decode = Kernel(
     "lp_paged_decode",
-    [POINTER, POINTER, POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE, SIZE, FLOAT, POINTER],
+    [POINTER, POINTER, POINTER, INT, POINTER, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE, SIZE, FLOAT, POINTER],
     bad_index="a context length is below 1, longer than its block table row, or a block id is outside the cache",
 )
 
@@ -381,9 +391,10 @@ def paged_decode(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence over its paged context (as ``reference.paged_decode``), float32 only."""
+    """One query per sequence over its paged context (as ``reference.paged_decode``): ``q`` float32, the caches
+    of any of KV_DTYPES (16-bit values are widened as they are read; the math is float32), the output float32."""
     _expect("q", q, torch.float32, 3)
-    num_blocks, kv_heads, head_dim = _expect_cache(k_cache, v_cache)
+    num_blocks, kv_heads, head_dim, kv_dtype = _expect_cache(k_cache, v_cache)
     b, h, d = q.shape
     if d != head_dim or d % 8 or h % kv_heads:
         raise KernelArgumentError(
@@ -402,6 +413,7 @@ def paged_decode(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        kv_dtype,
         tables.data_ptr(),
         lens.data_ptr(),
         b,
@@ -465,7 +477,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 _lp_rope_write_kv = Kernel(
     "lp_rope_write_kv",
-    [POINTER, POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE, POINTER, POINTER, POINTER],
+    [POINTER, POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE, POINTER, POINTER, INT, POINTER],
     bad_index="a slot_mapping entry is below -1 or past the end of the cache; its K/V was not written",
 )
 
@@ -481,10 +493,11 @@ def rope_write_kv(
 ) -> torch.Tensor:
     """RoPE on q and k of ``qkv`` [N, (H + 2 KVH) * D], k and v stored in their slots; returns rotated q [N, H, D].
 
-    ``cos``/``sin`` hold [N, D/2] values (any shape of that many, e.g. [N, 1, D/2]); caches are float32
-    ``[blocks, 16, KVH, D]``, D a multiple of 16.
+    ``cos``/``sin`` hold [N, D/2] values (any shape of that many, e.g. [N, 1, D/2]); caches are
+    ``[blocks, 16, KVH, D]`` of any of KV_DTYPES (rounded to nearest even, as ``Tensor.to`` rounds), D a
+    multiple of 16.
     """
-    num_blocks, kv_heads, d = _expect_cache(k_cache, v_cache)
+    num_blocks, kv_heads, d, kv_dtype = _expect_cache(k_cache, v_cache)
     _expect("qkv", qkv, torch.float32, 2)
     _expect("cos", cos, torch.float32, None)
     _expect("sin", sin, torch.float32, None)
@@ -514,6 +527,7 @@ def rope_write_kv(
         num_blocks * PAGE,
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        kv_dtype,
         q.data_ptr(),
     )
     return q

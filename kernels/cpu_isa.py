@@ -7,12 +7,13 @@ machine that reports no flags, gets the portable path, which every 64-bit CPU wi
 ``LOCALPAGED_CPU_KERNELS=avx512|avx2|portable`` forces one (``auto``, or unset, chooses).
 
 The AVX-512 path is the portable source built with AVX-512 flags (each 16-float tile column one register);
-no hand-written AVX-512 source is kept. Measured on this project's 2-core AMD EPYC (Zen 4, whose 512-bit
-instructions run as two 256-bit halves), one thread, best of 3 (benchmarks/cpu_kernel_bench.py), against the
-hand-written AVX2 kernels: one row of a Q4_1 projection 0.96x, of the Q8_0 head 1.33x, 16 rows 1.00x, paged
-decode 0.95-1.09x; the engine on the default model, one chat 55.0 against 55.7 tok/s, 16 sessions 194 against
-191: even here, within the machine's noise. It is the default where the CPU has it: CPUs with full-width
-AVX-512 units have more to gain, and the path costs no source of its own.
+no hand-written AVX-512 kernel is kept, only F16C's conversions for fp16 KV (cpu_kernels_avx512.c). Measured
+on this project's 2-core AMD EPYC (Zen 4, whose 512-bit instructions run as two 256-bit halves), one thread,
+best of 3 (benchmarks/cpu_kernel_bench.py), against the hand-written AVX2 kernels: one row of a Q4_1
+projection 0.96x, of the Q8_0 head 1.33x, 16 rows 1.00x, paged decode 0.95-1.09x; the engine on the default
+model, one chat 55.0 against 55.7 tok/s, 16 sessions 194 against 191: even here, within the machine's noise.
+It is the default where the CPU has it: CPUs with full-width AVX-512 units have more to gain, and the path
+costs no kernel source of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from localpaged.errors import ConfigError
 HERE = Path(__file__).parent
 HEADER = HERE / "cpu_kernels.h"  # the interface every build exports
 QGEMM_INSTANCES = HERE / "cpu_qgemm_instances.h"  # lp_qgemm's dispatch, included by both kernel sources
+KV_DISPATCH = HERE / "cpu_kv_dispatch.h"  # lp_paged_decode's and lp_rope_write_kv's, included by both as well
 PACK = HERE / "cpu_pack.c"
 ENV = "LOCALPAGED_CPU_KERNELS"
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
@@ -40,6 +42,7 @@ class KernelPath:
     source: Path  # the kernels; PACK and the headers go into every build
     flags: tuple[str, ...]
     cpu_flags: frozenset[str]
+    includes: tuple[Path, ...] = ()  # other sources the kernels' file includes
 
     @property
     def sources(self) -> tuple[Path, ...]:
@@ -49,7 +52,7 @@ class KernelPath:
     @property
     def inputs(self) -> tuple[Path, ...]:
         """Every file whose bytes decide the library: the sources and the headers they include."""
-        return (*self.sources, HEADER, QGEMM_INSTANCES)
+        return (*self.sources, *self.includes, HEADER, QGEMM_INSTANCES, KV_DISPATCH)
 
 
 # Widest first: "auto" takes the first one the CPU runs. The AVX2 source is built with contraction off (its
@@ -57,15 +60,16 @@ class KernelPath:
 PATHS = (
     KernelPath(
         "avx512",
-        HERE / "cpu_kernels_portable.c",
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-ffp-contract=fast", *COMMON_FLAGS),
-        frozenset({"avx512f", "avx512bw", "avx512vl", "avx2", "fma"}),
+        HERE / "cpu_kernels_avx512.c",
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=fast", *COMMON_FLAGS),
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}),
+        includes=(HERE / "cpu_kernels_portable.c",),
     ),
     KernelPath(
         "avx2",
         HERE / "cpu_kernels.c",
-        ("-mavx2", "-mfma", "-ffp-contract=off", *COMMON_FLAGS),
-        frozenset({"avx2", "fma"}),
+        ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", *COMMON_FLAGS),
+        frozenset({"avx2", "fma", "f16c"}),
     ),
     KernelPath("portable", HERE / "cpu_kernels_portable.c", ("-ffp-contract=fast", *COMMON_FLAGS), frozenset()),
 )

@@ -1,4 +1,4 @@
-/* Native CPU kernels for decode-sized batches (AVX2 + FMA, OpenMP), loaded by kernels/cpu.py.
+/* Native CPU kernels for decode-sized batches (AVX2 + FMA + F16C, OpenMP), loaded by kernels/cpu.py.
  *
  * qgemm: Y[M, N] = X[M, K] @ W[N, K]^T where W is kept as a GGUF file stores it, in runs ("groups")
  * of 32 weights along each row (16 for Q6_K, whose sub-blocks are that short): w = scale * q + min,
@@ -219,18 +219,51 @@ static inline __m256 sum8x8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* o[0 : 8*VECS] = inv * sum over the context of p[t] * V row t (columns from v's offset on). VECS is a
- * constant after inlining, so the accumulators stay in registers. Rows of a block are `stride` apart. */
-static inline __attribute__((always_inline)) void weighted_rows(
-    const int VECS, const float *p, long ctx, const int32_t *table, const float *v, long stride, __m256 inv, float *o) {
+/* 16-bit caches (the LP_KV_* types of cpu_kernels.h) are widened to fp32 as they are loaded; fp16 goes through
+ * F16C, which every AVX2 CPU has. */
+
+/* Cache values i .. i + 7 of p, as fp32. KV is a constant after inlining. */
+static inline __attribute__((always_inline)) __m256 load_kv8(const int KV, const void *p, long i) {
+    if (KV == LP_KV_F32) return _mm256_loadu_ps((const float *)p + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (KV == LP_KV_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); /* bf16: an fp32's top half */
+}
+
+/* x into cache values i .. i + 7 of p, rounded to nearest even as torch's .to() rounds, so the cache holds what
+ * the torch path writes: fp16 by F16C; bf16 by adding 0x7FFF plus the lowest kept bit, then dropping the low half
+ * (a NaN is stored as the quiet NaN 0x7FC0: rounding would carry some NaNs into an infinity). */
+static inline __attribute__((always_inline)) void store_kv8(const int KV, void *p, long i, __m256 x) {
+    if (KV == LP_KV_F32) {
+        _mm256_storeu_ps((float *)p + i, x);
+        return;
+    }
+    __m128i h;
+    if (KV == LP_KV_F16) {
+        h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    } else {
+        const __m256i u = _mm256_castps_si256(x);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+        h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08)); /* 8 halves, in order */
+    }
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
+}
+
+/* o[0 : 8*VECS] = inv * sum over the context of p[t] * V row t, from column col of each row on. VECS and KV are
+ * constants after inlining, so the accumulators stay in registers. Rows of a block are `stride` values apart. */
+static inline __attribute__((always_inline)) void weighted_rows(const int KV, const int VECS, const float *p, long ctx,
+                                                                const int32_t *table, const void *v, long col,
+                                                                long stride, __m256 inv, float *o) {
     __m256 a[8];
     for (int i = 0; i < VECS; i++) a[i] = _mm256_setzero_ps();
     for (long blk = 0; blk * 16 < ctx; blk++) {
-        const float *vb = v + (long)table[blk] * 16 * stride;
+        const long vb = (long)table[blk] * 16 * stride + col;
         const long n = ctx - blk * 16 < 16 ? ctx - blk * 16 : 16;
         for (long t = 0; t < n; t++) {
             const __m256 w = _mm256_set1_ps(p[blk * 16 + t]);
-            for (int i = 0; i < VECS; i++) a[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + t * stride + 8 * i), a[i]);
+            for (int i = 0; i < VECS; i++) a[i] = _mm256_fmadd_ps(w, load_kv8(KV, v, vb + t * stride + 8 * i), a[i]);
         }
     }
     for (int i = 0; i < VECS; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(a[i], inv));
@@ -239,94 +272,79 @@ static inline __attribute__((always_inline)) void weighted_rows(
 static __thread float *scores = NULL; /* [G, context] per OpenMP thread */
 static __thread long scores_floats = 0;
 
-/* One query per sequence over its paged context, fp32: q [B, H, D], caches [num_blocks, 16, KVH, D],
- * out [B, H, D]. One task per (sequence, KV head) takes that head's G = H / KVH query heads, so each
- * K and V row is read once for all of them. D is a multiple of 8. A sequence whose context does not fit
- * its table or the cache is skipped (its output left unwritten) and reported as LP_BAD_INDEX. */
-int lp_paged_decode(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
-                    const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
-                    int64_t num_blocks, float scale, float *out) {
-    if (B < 0 || KVH <= 0 || H % KVH || D <= 0 || D % 8) return LP_BAD_ARGUMENT;
-    const long G = H / KVH, BS = 16;
-    int status = LP_OK;
-#pragma omp parallel for schedule(dynamic)
-    for (long task = 0; task < B * KVH; task++) {
-        const long b = task / KVH, kvh = task % KVH, ctx = context_lens[b];
-        const int32_t *table = block_tables + b * max_blocks;
-        if (!context_fits(table, ctx, max_blocks, num_blocks)) {
-#pragma omp atomic write
-            status = LP_BAD_INDEX;
-            continue;
-        }
-        if (scores_floats < G * ctx) {
-            free(scores);
-            scores = malloc(G * ctx * sizeof(float));
-            scores_floats = scores ? G * ctx : 0;
-            if (!scores) {
-#pragma omp atomic write
-                status = LP_OUT_OF_MEMORY;
-                continue;
+/* Sequence b's G = H / KVH query heads of KV head kvh over its context (see lp_paged_decode in cpu_kv_dispatch.h):
+ * LP_OK, or the status saying why nothing was written. KV is a constant after inlining. */
+static inline __attribute__((always_inline)) int decode_task(
+    const int KV, long b, long kvh, const float *q, const void *k_cache, const void *v_cache,
+    const int32_t *block_tables, const int32_t *context_lens, long H, long KVH, long D, long max_blocks,
+    long num_blocks, float scale, float *out) {
+    const long G = H / KVH, BS = 16, ctx = context_lens[b];
+    const int32_t *table = block_tables + b * max_blocks;
+    if (!context_fits(table, ctx, max_blocks, num_blocks)) return LP_BAD_INDEX;
+    if (scores_floats < G * ctx) {
+        free(scores);
+        scores = malloc(G * ctx * sizeof(float));
+        scores_floats = scores ? G * ctx : 0;
+        if (!scores) return LP_OUT_OF_MEMORY;
+    }
+    const float *qh = q + (b * H + kvh * G) * D;
+#define KROW(j) ((((long)table[(j) / BS] * BS + (j) % BS) * KVH + kvh) * D) /* where token j's K starts */
+    for (long g = 0; g < G; g++) {
+        const float *qg = qh + g * D;
+        long j = 0;
+        for (; j + 8 <= ctx; j += 8) { /* 8 tokens at a time: 8 independent FMA chains */
+            long k[8];
+            __m256 acc[8];
+            for (int t = 0; t < 8; t++) { k[t] = KROW(j + t); acc[t] = _mm256_setzero_ps(); }
+            for (long d = 0; d < D; d += 8) {
+                const __m256 qd = _mm256_loadu_ps(qg + d);
+                for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qd, load_kv8(KV, k_cache, k[t] + d), acc[t]);
             }
+            _mm256_storeu_ps(scores + g * ctx + j, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
         }
-        const float *qh = q + (b * H + kvh * G) * D;
-#define KROW(j) (k_cache + (((long)table[(j) / BS] * BS + (j) % BS) * KVH + kvh) * D)
-        for (long g = 0; g < G; g++) {
-            const float *qg = qh + g * D;
-            long j = 0;
-            for (; j + 8 <= ctx; j += 8) { /* 8 tokens at a time: 8 independent FMA chains */
-                const float *k[8];
-                __m256 acc[8];
-                for (int t = 0; t < 8; t++) { k[t] = KROW(j + t); acc[t] = _mm256_setzero_ps(); }
-                for (long d = 0; d < D; d += 8) {
-                    const __m256 qd = _mm256_loadu_ps(qg + d);
-                    for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[t] + d), acc[t]);
-                }
-                _mm256_storeu_ps(scores + g * ctx + j, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
-            }
-            for (; j < ctx; j++) {
-                const float *k = KROW(j);
-                __m256 acc = _mm256_setzero_ps();
-                for (long d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), acc);
-                scores[g * ctx + j] = sum8(acc) * scale;
-            }
+        for (; j < ctx; j++) {
+            const long k = KROW(j);
+            __m256 acc = _mm256_setzero_ps();
+            for (long d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load_kv8(KV, k_cache, k + d), acc);
+            scores[g * ctx + j] = sum8(acc) * scale;
         }
+    }
 #undef KROW
-        for (long g = 0; g < G; g++) {
-            float *s = scores + g * ctx, mx = s[0], total = 0.0f;
-            for (long j = 1; j < ctx; j++) mx = s[j] > mx ? s[j] : mx;
-            long j = 0;
-            __m256 sum = _mm256_setzero_ps();
-            for (; j + 8 <= ctx; j += 8) {
-                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx)));
-                _mm256_storeu_ps(s + j, e);
-                sum = _mm256_add_ps(sum, e);
-            }
-            total = sum8(sum);
-            if (j < ctx) {
-                float tail[8] = {0};
-                for (long t = j; t < ctx; t++) tail[t - j] = s[t] - mx;
-                __m256 e = exp8(_mm256_loadu_ps(tail));
-                _mm256_storeu_ps(tail, e);
-                for (long t = j; t < ctx; t++) { s[t] = tail[t - j]; total += tail[t - j]; }
-            }
-            const __m256 inv = _mm256_set1_ps(1.0f / total);
-            float *o = out + (b * H + kvh * G + g) * D;
-            for (long d0 = 0; d0 < D; d0 += 64) { /* up to 64 columns per walk over the tokens */
-                const float *v = v_cache + kvh * D + d0;
-                switch ((D - d0 < 64 ? D - d0 : 64) / 8) {
-                    case 8: weighted_rows(8, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 7: weighted_rows(7, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 6: weighted_rows(6, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 5: weighted_rows(5, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 4: weighted_rows(4, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 3: weighted_rows(3, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 2: weighted_rows(2, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 1: weighted_rows(1, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                }
+    for (long g = 0; g < G; g++) {
+        float *s = scores + g * ctx, mx = s[0], total = 0.0f;
+        for (long j = 1; j < ctx; j++) mx = s[j] > mx ? s[j] : mx;
+        long j = 0;
+        __m256 sum = _mm256_setzero_ps();
+        for (; j + 8 <= ctx; j += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx)));
+            _mm256_storeu_ps(s + j, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        total = sum8(sum);
+        if (j < ctx) {
+            float tail[8] = {0};
+            for (long t = j; t < ctx; t++) tail[t - j] = s[t] - mx;
+            __m256 e = exp8(_mm256_loadu_ps(tail));
+            _mm256_storeu_ps(tail, e);
+            for (long t = j; t < ctx; t++) { s[t] = tail[t - j]; total += tail[t - j]; }
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / total);
+        float *o = out + (b * H + kvh * G + g) * D;
+        for (long d0 = 0; d0 < D; d0 += 64) { /* up to 64 columns per walk over the tokens */
+            const long col = kvh * D + d0, stride = KVH * D;
+            switch ((D - d0 < 64 ? D - d0 : 64) / 8) {
+                case 8: weighted_rows(KV, 8, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 7: weighted_rows(KV, 7, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 6: weighted_rows(KV, 6, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 5: weighted_rows(KV, 5, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 4: weighted_rows(KV, 4, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 3: weighted_rows(KV, 3, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 2: weighted_rows(KV, 2, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 1: weighted_rows(KV, 1, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
             }
         }
     }
-    return status;
+    return LP_OK;
 }
 
 /* The small per-layer steps of a decode batch, each one pass over a few KiB instead of several torch
@@ -372,38 +390,33 @@ int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
     return LP_OK;
 }
 
-/* RoPE (halves layout) on the q and k heads of qkv [N, (H + 2 KVH) * D], then k and v into their cache
- * slots (slot -1: skipped; caches [num_slots / 16, 16, KVH, D]) and the rotated q into q_out [N, H, D].
- * Products and sums are rounded one by one, as torch's elementwise ops do, so the result equals the torch
- * path bit for bit. D % 16 == 0. A slot outside the cache is not written and reported as LP_BAD_INDEX. */
-int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slots, int64_t N, int64_t H,
-                     int64_t KVH, int64_t D, int64_t num_slots, float *k_cache, float *v_cache, float *q_out) {
-    if (N < 0 || H < 0 || KVH < 0 || D <= 0 || D % 16) return LP_BAD_ARGUMENT;
+/* Token n of lp_rope_write_kv: its q and k heads rotated, q into q_out, k and v into slot `slot` of the caches
+ * (none where slot is -1). KV is a constant after inlining. */
+static inline __attribute__((always_inline)) void rope_write_row(
+    const int KV, long n, long slot, const float *qkv, const float *cos, const float *sin, long H, long KVH, long D,
+    void *k_cache, void *v_cache, float *q_out) {
     const long half = D / 2, width = (H + 2 * KVH) * D;
-    int status = LP_OK;
-#pragma omp parallel for if (N >= 64)
-    for (long n = 0; n < N; n++) {
-        const float *row = qkv + n * width, *c = cos + n * half, *s = sin + n * half;
-        long slot = slots[n];
-        if (slot < -1 || slot >= num_slots) {
-#pragma omp atomic write
-            status = LP_BAD_INDEX;
-            slot = -1; /* q is still rotated; nothing is written outside the cache */
-        }
-        for (long h = 0; h < H + KVH; h++) {
-            float *dst = h < H ? q_out + (n * H + h) * D : (slot >= 0 ? k_cache + (slot * KVH + h - H) * D : NULL);
-            if (!dst) continue;
-            const float *x = row + h * D;
-            for (long i = 0; i < half; i += 8) {
-                __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
-                __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
-                _mm256_storeu_ps(dst + i, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
-                _mm256_storeu_ps(dst + half + i, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
+    const float *row = qkv + n * width, *c = cos + n * half, *s = sin + n * half;
+    for (long h = 0; h < H + KVH; h++) {
+        if (h >= H && slot < 0) break;
+        const float *x = row + h * D;
+        for (long i = 0; i < half; i += 8) {
+            __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+            __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+            __m256 lo = _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv));
+            __m256 hi = _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv));
+            if (h < H) {
+                _mm256_storeu_ps(q_out + (n * H + h) * D + i, lo);
+                _mm256_storeu_ps(q_out + (n * H + h) * D + half + i, hi);
+            } else {
+                const long k = (slot * KVH + h - H) * D;
+                store_kv8(KV, k_cache, k + i, lo);
+                store_kv8(KV, k_cache, k + half + i, hi);
             }
         }
-        if (slot >= 0)
-            for (long i = 0; i < KVH * D; i += 8)
-                _mm256_storeu_ps(v_cache + slot * KVH * D + i, _mm256_loadu_ps(row + (H + KVH) * D + i));
     }
-    return status;
+    if (slot >= 0)
+        for (long i = 0; i < KVH * D; i += 8) store_kv8(KV, v_cache, slot * KVH * D + i, _mm256_loadu_ps(row + (H + KVH) * D + i));
 }
+
+#include "cpu_kv_dispatch.h" /* lp_paged_decode and lp_rope_write_kv, over decode_task and rope_write_row */

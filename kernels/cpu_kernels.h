@@ -1,6 +1,7 @@
 /* The interface every build of the native CPU kernels exports (kernels/cpu.py binds it): the AVX2 source
- * (cpu_kernels.c), the portable one (cpu_kernels_portable.c, also built with AVX-512 flags) and the packer
- * they share (cpu_pack.c). Declared once here, so a definition that drifts from it fails to compile.
+ * (cpu_kernels.c), the portable one (cpu_kernels_portable.c, also built with AVX-512 flags through
+ * cpu_kernels_avx512.c) and the packer they share (cpu_pack.c). Declared once here, so a definition that drifts
+ * from it fails to compile.
  *
  * Every exported kernel returns a status (LP_OK or why it did nothing useful) instead of crashing on a failed
  * allocation or an index past a cache, sizes are int64_t, and lp_abi_version() reports LP_ABI_VERSION, which
@@ -13,7 +14,7 @@
 #include <stdint.h>
 
 #define TILE 16 /* weight rows per packed tile */
-#define LP_ABI_VERSION 1
+#define LP_ABI_VERSION 2
 
 enum {
     LP_OK = 0,
@@ -22,18 +23,25 @@ enum {
     LP_BAD_ARGUMENT = 3,  /* bits, group or a size outside what the kernel supports; nothing computed */
 };
 
+/* KV cache element types, numbered as kernels/cpu.py's KV_DTYPES; every build reads and writes all three. A 16-bit
+ * cache halves the pool's memory and the bytes each decode step reads; values are widened to fp32 as they are loaded
+ * (exactly, for both types) and every product and sum stays fp32. Stores round to nearest even, as torch's .to()
+ * does, and keep a NaN a NaN. */
+enum { LP_KV_F32 = 0, LP_KV_BF16 = 1, LP_KV_F16 = 2 };
+
 int lp_abi_version(void);
 int lp_qgemm(const float *X, int64_t M, int64_t K, const int8_t *q, const float *scale, const float *min,
              int64_t N_padded, int bits, int offset, int group, float *Y);
 int lp_pack_q(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out);
-int lp_paged_decode(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
-                    const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
-                    int64_t num_blocks, float scale, float *out);
+int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
+                    const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH,
+                    int64_t D, int64_t max_blocks, int64_t num_blocks, float scale, float *out);
 int lp_add_rms_norm(const float *x, const float *residual, const float *weight, int64_t M, int64_t D, float eps,
                     float *sum, float *out);
 int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out);
 int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slots, int64_t N, int64_t H,
-                     int64_t KVH, int64_t D, int64_t num_slots, float *k_cache, float *v_cache, float *q_out);
+                     int64_t KVH, int64_t D, int64_t num_slots, void *k_cache, void *v_cache, int kv_dtype,
+                     float *q_out);
 
 /* Whether a context of ctx tokens (at least one) fits its table row of max_blocks entries, each a block of the cache. */
 static inline int context_fits(const int32_t *table, long ctx, long max_blocks, long num_blocks) {

@@ -1,7 +1,8 @@
 /* Native CPU kernels in plain C: GCC/Clang vector extensions and OpenMP, no intrinsics (kernels/cpu.py's
  * "portable" path on ARM and on x86 CPUs without AVX2, and its "avx512" path: this source built with AVX-512
- * flags, where each 16-float vector below is one register). Same interface (cpu_kernels.h), packed layout and
- * numbers as the AVX2 kernels of cpu_kernels.c: read that file for how each kernel works; here only what differs.
+ * flags, where each 16-float vector below is one register, included by cpu_kernels_avx512.c for F16C's fp16
+ * conversions). Same interface (cpu_kernels.h), packed layout and numbers as the AVX2 kernels of cpu_kernels.c:
+ * read that file for how each kernel works; here only what differs.
  *
  * Built with -ffp-contract=fast, so a product and a sum fuse into one FMA wherever the CPU has it (dot products,
  * exp's polynomial). Where the result must be rounded step by step, the product goes through ROUNDED, which no
@@ -39,6 +40,8 @@ typedef int8_t bytes8 __attribute__((vector_size(8)));
 typedef float floats8 __attribute__((vector_size(32))); /* attention and row kernels: widths are multiples of 8 */
 typedef int32_t ints8 __attribute__((vector_size(32)));
 typedef float floats4 __attribute__((vector_size(16)));
+typedef uint32_t uints8 __attribute__((vector_size(32))); /* 16-bit cache values, worked on as 32-bit bit patterns */
+typedef uint16_t halves8 __attribute__((vector_size(16)));
 
 /* Unaligned loads and stores: memcpy is what compilers turn into one vector move, without aliasing doubts. */
 static ALWAYS_INLINE floats16 load16(const float *p) {
@@ -230,17 +233,95 @@ static ALWAYS_INLINE float sum8(floats8 v) {
     return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
-/* o[0 : 8*VECS] = inv * sum over the context of p[t] * V row t, as weighted_rows in cpu_kernels.c. */
-static ALWAYS_INLINE void weighted_rows(const int VECS, const float *p, long ctx, const int32_t *table, const float *v,
-                                        long stride, float inv, float *o) {
+/* 8 16-bit values as 32-bit lanes and back, written the way GCC 12 turns into one instruction each (vpmovzxwd and
+ * vpmovdw, uxtl and uzp1); its __builtin_convertvector takes 5 instructions on AVX-512 for the first. */
+static ALWAYS_INLINE uints8 widen_halves(halves8 h) { return (uints8){h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]}; }
+static ALWAYS_INLINE halves8 narrow_halves(uints8 w) {
+    return (halves8){w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]};
+}
+
+static ALWAYS_INLINE uints8 select_bits(ints8 mask, uints8 yes, uints8 no) {
+    return ((uints8)mask & yes) | (~(uints8)mask & no);
+}
+
+/* fp16 <-> fp32, 8 values at a time: F16_TO_F32(halves8) exactly, F32_TO_F16(floats8) rounded to nearest even as
+ * torch's .to() rounds (overflow to infinity, subnormals kept, a NaN a NaN). By the hardware where the compiler
+ * gives its vector conversions: F16C in cpu_kernels_avx512.c, which defines both and includes this file, and
+ * _Float16 on AArch64 (fcvtl; narrowing goes a lane at a time, only on the KV write). Elsewhere, GCC 12 converts
+ * _Float16 a lane at a time (x86) or has no such type, so integer ops do it. */
+#if defined(F16_TO_F32)
+#elif defined(__aarch64__)
+typedef _Float16 float16s8 __attribute__((vector_size(16)));
+#define F16_TO_F32(h) __builtin_convertvector((float16s8)(h), floats8)
+#define F32_TO_F16(x) ((halves8)__builtin_convertvector((x), float16s8))
+#else
+/* A normal number's exponent is rebased by 112 (127 - 15); infinity and NaN (exponent 31) by 224, to fp32's 255,
+ * the payload kept; a subnormal, m * 2^-24, is m converted and scaled: normal fp32 arithmetic, which no
+ * flush-to-zero mode changes. */
+static ALWAYS_INLINE floats8 widen_f16(halves8 half) {
+    const uints8 h = widen_halves(half);
+    const ints8 exponent = (ints8)(h & 0x7C00);
+    uints8 bits = ((h & 0x7FFF) << 13) + (112u << 23);
+    bits = select_bits(exponent == 0x7C00, bits + (112u << 23), bits);
+    bits = select_bits(exponent == 0, (uints8)(__builtin_convertvector((ints8)(h & 0x3FF), floats8) * 0x1p-24f), bits);
+    return (floats8)(bits | (h & 0x8000) << 16);
+}
+
+/* A result of 2^-14 or more: the exponent rebased, then 0xFFF plus the lowest kept bit added before the low 13 bits
+ * are dropped (a carry out of 65504 makes the infinity 0x7C00). Below 2^-14, |x| + 0.5 in fp32 leaves |x| rounded
+ * to a multiple of 2^-24, the subnormal's bits, in its mantissa. Past 65535 the result is infinity, and a NaN is the
+ * quiet NaN 0x7E00, each with x's sign, as torch's scalar conversion gives. */
+static ALWAYS_INLINE halves8 narrow_f16(floats8 x) {
+    const uints8 u = (uints8)x, magnitude = u & 0x7FFFFFFF, half = (uints8)((floats8){0} + 0.5f);
+    uints8 h = (magnitude - (112u << 23) + 0xFFF + (magnitude >> 13 & 1)) >> 13;
+    h = select_bits((ints8)(magnitude < (113u << 23)), (uints8)((floats8)magnitude + 0.5f) - half, h);
+    h = select_bits((ints8)(magnitude >= (143u << 23)), (uints8){0} + 0x7C00, h);
+    h = select_bits((ints8)(magnitude > 0x7F800000), (uints8){0} + 0x7E00, h);
+    return narrow_halves(h | (u >> 16 & 0x8000));
+}
+#define F16_TO_F32(h) widen_f16(h)
+#define F32_TO_F16(x) narrow_f16(x)
+#endif
+
+/* Cache values i .. i + 7 of p, as fp32 (exactly, for every type): bf16 is an fp32's top half. KV is a constant
+ * after inlining. */
+static ALWAYS_INLINE floats8 load_kv8(const int KV, const void *p, long i) {
+    if (KV == LP_KV_F32) return load8((const float *)p + i);
+    halves8 h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    return KV == LP_KV_F16 ? F16_TO_F32(h) : (floats8)(widen_halves(h) << 16);
+}
+
+/* x into cache values i .. i + 7 of p, rounded to nearest even as torch's .to() rounds; bf16 by adding 0x7FFF plus
+ * the lowest kept bit, then dropping the low half (a NaN is stored as the quiet NaN 0x7FC0: rounding would carry
+ * some NaNs into an infinity). */
+static ALWAYS_INLINE void store_kv8(const int KV, void *p, long i, floats8 x) {
+    if (KV == LP_KV_F32) {
+        store8((float *)p + i, x);
+        return;
+    }
+    halves8 h;
+    if (KV == LP_KV_F16) {
+        h = F32_TO_F16(x);
+    } else {
+        const uints8 u = (uints8)x, rounded = (u + 0x7FFF + (u >> 16 & 1)) >> 16;
+        h = narrow_halves(select_bits((ints8)((u & 0x7FFFFFFF) > 0x7F800000), (uints8){0} + 0x7FC0, rounded));
+    }
+    memcpy((uint16_t *)p + i, &h, sizeof h);
+}
+
+/* o[0 : 8*VECS] = inv * sum over the context of p[t] * V row t, from column col of each row on, as weighted_rows in
+ * cpu_kernels.c. */
+static ALWAYS_INLINE void weighted_rows(const int KV, const int VECS, const float *p, long ctx, const int32_t *table,
+                                        const void *v, long col, long stride, float inv, float *o) {
     floats8 a[8];
     for (int i = 0; i < VECS; i++) a[i] = (floats8){0};
     for (long blk = 0; blk * 16 < ctx; blk++) {
-        const float *vb = v + (long)table[blk] * 16 * stride;
+        const long vb = (long)table[blk] * 16 * stride + col;
         const long n = ctx - blk * 16 < 16 ? ctx - blk * 16 : 16;
         for (long t = 0; t < n; t++) {
             const float w = p[blk * 16 + t];
-            for (int i = 0; i < VECS; i++) a[i] += w * load8(vb + t * stride + 8 * i);
+            for (int i = 0; i < VECS; i++) a[i] += w * load_kv8(KV, v, vb + t * stride + 8 * i);
         }
     }
     for (int i = 0; i < VECS; i++) store8(o + 8 * i, a[i] * inv);
@@ -249,90 +330,77 @@ static ALWAYS_INLINE void weighted_rows(const int VECS, const float *p, long ctx
 static __thread float *scores = NULL; /* [G, context] per OpenMP thread */
 static __thread long scores_floats = 0;
 
-/* As lp_paged_decode in cpu_kernels.c: one task per (sequence, KV head), its G query heads together. D % 8 == 0. */
-int lp_paged_decode(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
-                    const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
-                    int64_t num_blocks, float scale, float *out) {
-    if (B < 0 || KVH <= 0 || H % KVH || D <= 0 || D % 8) return LP_BAD_ARGUMENT;
-    const long G = H / KVH, BS = 16;
-    int status = LP_OK;
-#pragma omp parallel for schedule(dynamic)
-    for (long task = 0; task < B * KVH; task++) {
-        const long b = task / KVH, kvh = task % KVH, ctx = context_lens[b];
-        const int32_t *table = block_tables + b * max_blocks;
-        if (!context_fits(table, ctx, max_blocks, num_blocks)) {
-#pragma omp atomic write
-            status = LP_BAD_INDEX;
-            continue;
-        }
-        if (scores_floats < G * ctx) {
-            free(scores);
-            scores = malloc(G * ctx * sizeof(float));
-            scores_floats = scores ? G * ctx : 0;
-            if (!scores) {
-#pragma omp atomic write
-                status = LP_OUT_OF_MEMORY;
-                continue;
+/* Sequence b's G = H / KVH query heads of KV head kvh over its context, as decode_task in cpu_kernels.c. */
+static ALWAYS_INLINE int decode_task(const int KV, long b, long kvh, const float *q, const void *k_cache,
+                                     const void *v_cache, const int32_t *block_tables, const int32_t *context_lens,
+                                     long H, long KVH, long D, long max_blocks, long num_blocks, float scale,
+                                     float *out) {
+    const long G = H / KVH, BS = 16, ctx = context_lens[b];
+    const int32_t *table = block_tables + b * max_blocks;
+    if (!context_fits(table, ctx, max_blocks, num_blocks)) return LP_BAD_INDEX;
+    if (scores_floats < G * ctx) {
+        free(scores);
+        scores = malloc(G * ctx * sizeof(float));
+        scores_floats = scores ? G * ctx : 0;
+        if (!scores) return LP_OUT_OF_MEMORY;
+    }
+    const float *qh = q + (b * H + kvh * G) * D;
+#define KROW(j) ((((long)table[(j) / BS] * BS + (j) % BS) * KVH + kvh) * D) /* where token j's K starts */
+    for (long g = 0; g < G; g++) {
+        const float *qg = qh + g * D;
+        long j = 0;
+        for (; j + 8 <= ctx; j += 8) { /* 8 tokens at a time: 8 independent chains */
+            long k[8];
+            floats8 acc[8];
+            for (int t = 0; t < 8; t++) k[t] = KROW(j + t), acc[t] = (floats8){0};
+            for (long d = 0; d < D; d += 8) {
+                const floats8 qd = load8(qg + d);
+                for (int t = 0; t < 8; t++) acc[t] += qd * load_kv8(KV, k_cache, k[t] + d);
             }
+            for (int t = 0; t < 8; t++) scores[g * ctx + j + t] = sum8(acc[t]) * scale;
         }
-        const float *qh = q + (b * H + kvh * G) * D;
-#define KROW(j) (k_cache + (((long)table[(j) / BS] * BS + (j) % BS) * KVH + kvh) * D)
-        for (long g = 0; g < G; g++) {
-            const float *qg = qh + g * D;
-            long j = 0;
-            for (; j + 8 <= ctx; j += 8) { /* 8 tokens at a time: 8 independent chains */
-                const float *k[8];
-                floats8 acc[8];
-                for (int t = 0; t < 8; t++) k[t] = KROW(j + t), acc[t] = (floats8){0};
-                for (long d = 0; d < D; d += 8) {
-                    const floats8 qd = load8(qg + d);
-                    for (int t = 0; t < 8; t++) acc[t] += qd * load8(k[t] + d);
-                }
-                for (int t = 0; t < 8; t++) scores[g * ctx + j + t] = sum8(acc[t]) * scale;
-            }
-            for (; j < ctx; j++) {
-                const float *k = KROW(j);
-                floats8 acc = {0};
-                for (long d = 0; d < D; d += 8) acc += load8(qg + d) * load8(k + d);
-                scores[g * ctx + j] = sum8(acc) * scale;
-            }
+        for (; j < ctx; j++) {
+            const long k = KROW(j);
+            floats8 acc = {0};
+            for (long d = 0; d < D; d += 8) acc += load8(qg + d) * load_kv8(KV, k_cache, k + d);
+            scores[g * ctx + j] = sum8(acc) * scale;
         }
+    }
 #undef KROW
-        for (long g = 0; g < G; g++) {
-            float *s = scores + g * ctx, mx = s[0], total = 0.0f;
-            for (long j = 1; j < ctx; j++) mx = s[j] > mx ? s[j] : mx;
-            long j = 0;
-            floats8 sum = {0};
-            for (; j + 8 <= ctx; j += 8) {
-                const floats8 e = exp8(load8(s + j) - mx);
-                store8(s + j, e);
-                sum += e;
-            }
-            total = sum8(sum);
-            if (j < ctx) {
-                float tail[8] = {0};
-                for (long t = j; t < ctx; t++) tail[t - j] = s[t] - mx;
-                const floats8 e = exp8(load8(tail));
-                for (long t = j; t < ctx; t++) s[t] = e[t - j], total += e[t - j];
-            }
-            const float inv = 1.0f / total;
-            float *o = out + (b * H + kvh * G + g) * D;
-            for (long d0 = 0; d0 < D; d0 += 64) { /* up to 64 columns per walk over the tokens */
-                const float *v = v_cache + kvh * D + d0;
-                switch ((D - d0 < 64 ? D - d0 : 64) / 8) {
-                    case 8: weighted_rows(8, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 7: weighted_rows(7, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 6: weighted_rows(6, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 5: weighted_rows(5, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 4: weighted_rows(4, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 3: weighted_rows(3, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 2: weighted_rows(2, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                    case 1: weighted_rows(1, s, ctx, table, v, KVH * D, inv, o + d0); break;
-                }
+    for (long g = 0; g < G; g++) {
+        float *s = scores + g * ctx, mx = s[0], total = 0.0f;
+        for (long j = 1; j < ctx; j++) mx = s[j] > mx ? s[j] : mx;
+        long j = 0;
+        floats8 sum = {0};
+        for (; j + 8 <= ctx; j += 8) {
+            const floats8 e = exp8(load8(s + j) - mx);
+            store8(s + j, e);
+            sum += e;
+        }
+        total = sum8(sum);
+        if (j < ctx) {
+            float tail[8] = {0};
+            for (long t = j; t < ctx; t++) tail[t - j] = s[t] - mx;
+            const floats8 e = exp8(load8(tail));
+            for (long t = j; t < ctx; t++) s[t] = e[t - j], total += e[t - j];
+        }
+        const float inv = 1.0f / total;
+        float *o = out + (b * H + kvh * G + g) * D;
+        for (long d0 = 0; d0 < D; d0 += 64) { /* up to 64 columns per walk over the tokens */
+            const long col = kvh * D + d0, stride = KVH * D;
+            switch ((D - d0 < 64 ? D - d0 : 64) / 8) {
+                case 8: weighted_rows(KV, 8, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 7: weighted_rows(KV, 7, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 6: weighted_rows(KV, 6, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 5: weighted_rows(KV, 5, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 4: weighted_rows(KV, 4, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 3: weighted_rows(KV, 3, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 2: weighted_rows(KV, 2, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 1: weighted_rows(KV, 1, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
             }
         }
     }
-    return status;
+    return LP_OK;
 }
 
 /* The small per-layer steps, as in cpu_kernels.c: rows to OpenMP threads only when there are many. */
@@ -371,32 +439,32 @@ int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
     return LP_OK;
 }
 
-/* As lp_rope_write_kv in cpu_kernels.c; each product ROUNDED, so the result equals torch's bit for bit. */
-int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slots, int64_t N, int64_t H,
-                     int64_t KVH, int64_t D, int64_t num_slots, float *k_cache, float *v_cache, float *q_out) {
-    if (N < 0 || H < 0 || KVH < 0 || D <= 0 || D % 16) return LP_BAD_ARGUMENT;
+/* Token n of lp_rope_write_kv, as rope_write_row in cpu_kernels.c; each product ROUNDED, so q and k equal torch's
+ * bit for bit before the cache's rounding. */
+static ALWAYS_INLINE void rope_write_row(const int KV, long n, long slot, const float *qkv, const float *cos,
+                                         const float *sin, long H, long KVH, long D, void *k_cache, void *v_cache,
+                                         float *q_out) {
     const long half = D / 2, width = (H + 2 * KVH) * D;
-    int status = LP_OK;
-#pragma omp parallel for if (N >= 64)
-    for (long n = 0; n < N; n++) {
-        const float *row = qkv + n * width, *c = cos + n * half, *s = sin + n * half;
-        long slot = slots[n];
-        if (slot < -1 || slot >= num_slots) {
-#pragma omp atomic write
-            status = LP_BAD_INDEX;
-            slot = -1; /* q is still rotated; nothing is written outside the cache */
-        }
-        for (long h = 0; h < H + KVH; h++) {
-            float *dst = h < H ? q_out + (n * H + h) * D : (slot >= 0 ? k_cache + (slot * KVH + h - H) * D : NULL);
-            if (!dst) continue;
-            const float *x = row + h * D;
-            for (long i = 0; i < half; i += 8) {
-                const floats8 x1 = load8(x + i), x2 = load8(x + half + i), cv = load8(c + i), sv = load8(s + i);
-                store8(dst + i, ROUNDED(x1 * cv) - ROUNDED(x2 * sv));
-                store8(dst + half + i, ROUNDED(x2 * cv) + ROUNDED(x1 * sv));
+    const float *row = qkv + n * width, *c = cos + n * half, *s = sin + n * half;
+    for (long h = 0; h < H + KVH; h++) {
+        if (h >= H && slot < 0) break;
+        const float *x = row + h * D;
+        for (long i = 0; i < half; i += 8) {
+            const floats8 x1 = load8(x + i), x2 = load8(x + half + i), cv = load8(c + i), sv = load8(s + i);
+            const floats8 lo = ROUNDED(x1 * cv) - ROUNDED(x2 * sv), hi = ROUNDED(x2 * cv) + ROUNDED(x1 * sv);
+            if (h < H) {
+                store8(q_out + (n * H + h) * D + i, lo);
+                store8(q_out + (n * H + h) * D + half + i, hi);
+            } else {
+                const long k = (slot * KVH + h - H) * D;
+                store_kv8(KV, k_cache, k + i, lo);
+                store_kv8(KV, k_cache, k + half + i, hi);
             }
         }
-        if (slot >= 0) memcpy(v_cache + slot * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(float));
     }
-    return status;
+    if (slot >= 0)
+        for (long i = 0; i < KVH * D; i += 8)
+            store_kv8(KV, v_cache, slot * KVH * D + i, load8(row + (H + KVH) * D + i));
 }
+
+#include "cpu_kv_dispatch.h"

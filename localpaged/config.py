@@ -33,6 +33,8 @@ class EngineConfig:
         "auto"  # GGUF on the CPU in float32: "auto" keeps the file's blocks (native kernels); "float" dequantises
     )
     kv_cache_memory: int | str | None = None  # bytes for the block pool; None sizes it from free memory
+    kv_cache_dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16": the KV pool's values (auto: float16
+    # where the native CPU kernels run a float32 model, else the model's dtype; float32 is the exact path)
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # token budget per step; None picks one for the device
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
@@ -50,6 +52,11 @@ class EngineConfig:
             raise ConfigError(f"device={self.device!r}: use 'auto', 'cpu' or 'cuda'")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype={self.dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r}: use 'auto', 'float32' (the exact path), 'bfloat16' "
+                "or 'float16' (16 bits halve the KV cache's memory; attention still computes in float32)"
+            )
         if self.weights not in ("auto", "float"):
             raise ConfigError(
                 f"weights={self.weights!r}: use 'auto' (a GGUF's own blocks where the CPU kernels run) or 'float'"
@@ -85,6 +92,7 @@ class EngineConfig:
             "device": ((str,), False, "text, e.g. 'cpu'"),
             "dtype": ((str,), False, "text, e.g. 'float32'"),
             "weights": ((str,), False, "text, 'auto' or 'float'"),
+            "kv_cache_dtype": ((str,), False, "text, e.g. 'bfloat16'"),
             "max_num_seqs": ((int,), False, "a whole number"),
             "max_num_batched_tokens": ((int,), True, "a whole number"),
             "max_model_len": ((int,), True, "a whole number"),

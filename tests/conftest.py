@@ -140,10 +140,18 @@ def tiny_llm(tiny_model_path):
 
 @pytest.fixture(scope="session")
 def default_llm():
-    """The real default model in float32 on the CPU, shared by the tests marked ``model``."""
+    """The real default model in float32 on the CPU with float32 KV (the exact path, which the parity
+    tests compare with Hugging Face), shared by the tests marked ``model``."""
     from localpaged import LLM
 
-    return LLM(DEFAULT_MODEL, dtype="float32", device=DEVICE, kv_cache_memory="1GiB", max_model_len=2048)
+    return LLM(
+        DEFAULT_MODEL,
+        dtype="float32",
+        kv_cache_dtype="float32",
+        device=DEVICE,
+        kv_cache_memory="1GiB",
+        max_model_len=2048,
+    )
 
 
 @pytest.fixture

@@ -44,3 +44,18 @@ def assert_same_greedy(ours: list[int], theirs: list[int], gaps: list[float], la
             )
             return
     assert len(ours) == len(theirs), f"{label}: {len(ours)} tokens vs HF {len(theirs)}"
+
+
+def exact_llm(path: Path, max_model_len: int = 512, **config):
+    """Our engine on the exact path (float32 weights and KV, on the CPU): the one compared with transformers."""
+    from localpaged import LLM
+
+    return LLM(
+        str(path),
+        dtype="float32",
+        kv_cache_dtype="float32",
+        device="cpu",
+        kv_cache_memory="64MiB",
+        max_model_len=max_model_len,
+        **config,
+    )

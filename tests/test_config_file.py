@@ -106,6 +106,8 @@ def test_flag_beats_file_beats_built_in(config: Path) -> None:
         ("\n\n[engine]\nmax_num_seqs = 0\n", ["line 4", "[engine] max_num_seqs", "at least 1"]),
         ('[engine]\nmax_model_len = "8k"\n', ["line 2", "[engine] max_model_len", "whole number"]),
         ('[engine]\nkv_cache_memory = "lots"\n', ["line 2", "[engine] kv_cache_memory", "'2GiB'"]),
+        ('[engine]\nkv_cache_dtype = "fp8"\n', ["line 2", "[engine] kv_cache_dtype", "'bfloat16'"]),
+        ("[engine]\nkv_cache_dtype = 16\n", ["line 2", "[engine] kv_cache_dtype", "type name"]),
         ("model = 3\n", ["line 1", "model", "non-empty string"]),
         ('prompt = "no-such-prompt"\n', ["line 1", "prompt", "no-such-prompt"]),
         ('theme = "neon-pink"\n', ["line 1", "theme", "not a theme", "nord"]),
@@ -216,14 +218,20 @@ def test_serve_takes_the_model_and_engine_settings_from_the_file(config: Path, m
     assert opened == [{"model": "/m.gguf", "max_num_seqs": 8, "kv_cache_memory": "1GiB"}]
 
 
-def test_no_kv_disk_beats_the_files_kv_disk_for_serve_run_and_chat(config: Path, monkeypatch) -> None:
-    opened: list[dict] = []
+@pytest.fixture
+def opened(monkeypatch) -> list[dict]:
+    """The engine settings each command opens an engine with; the command then stops with a ConfigError (exit 2)."""
+    settings: list[dict] = []
 
     def open_engine(model: str | None, **engine_config: object) -> AsyncLLM:
-        opened.append(engine_config)
+        settings.append(engine_config)
         raise ConfigError("stop before serving")
 
     monkeypatch.setattr(cli, "open_engine", open_engine)
+    return settings
+
+
+def test_no_kv_disk_beats_the_files_kv_disk_for_serve_run_and_chat(config: Path, opened: list[dict]) -> None:
     write(config, '[engine]\nkv_disk = true\nkv_disk_bytes = "1GiB"\n')
     assert cli.main(["serve", "--port", "0", "--no-kv-disk"]) == 2
     assert cli.main(["run", "--no-store", "--no-kv-disk", "hi"]) == 2
@@ -231,6 +239,18 @@ def test_no_kv_disk_beats_the_files_kv_disk_for_serve_run_and_chat(config: Path,
     assert opened == [{"kv_disk": False, "kv_disk_bytes": "1GiB"}] * 2 + [{"kv_disk": True, "kv_disk_bytes": "1GiB"}]
     settings = cli._settings(cli.build_parser().parse_args(["chat", "--no-kv-disk"]))
     assert settings.engine.kv_disk is False and settings.origin("engine.kv_disk") == "flag --no-kv-disk"
+
+
+def test_kv_cache_dtype_comes_from_the_flag_over_the_file_for_serve_run_and_chat(
+    config: Path, opened: list[dict]
+) -> None:
+    write(config, '[engine]\nkv_cache_dtype = "float16"\n')
+    assert cli.main(["serve", "--port", "0", "--kv-cache-dtype", "bfloat16"]) == 2
+    assert cli.main(["run", "--no-store", "hi"]) == 2
+    assert opened == [{"kv_cache_dtype": "bfloat16"}, {"kv_cache_dtype": "float16"}]
+    settings = cli._settings(cli.build_parser().parse_args(["chat", "--kv-cache-dtype", "float32"]))
+    assert settings.engine.kv_cache_dtype == "float32"
+    assert settings.origin("engine.kv_cache_dtype") == "flag --kv-cache-dtype"
 
 
 def test_a_bad_kv_disk_setting_names_the_key(config: Path) -> None:

@@ -103,8 +103,9 @@ def select_attention(name: str | None, device: torch.device, dtype: torch.dtype,
 class Attention(nn.Module):
     """One layer's attention over the paged KV cache: rotates q and k, writes k and v, attends through the path.
 
-    Float32 KV on the CPU with every dimension rotated and a head_dim a multiple of 16 runs RoPE and
-    the K/V write in one native pass (cpu.rope_write_kv), bit for bit what the torch route gives:
+    KV the native kernels take (float32, bfloat16, float16) on the CPU, with every dimension rotated
+    and a head_dim a multiple of 16, runs RoPE and the K/V write in one native pass
+    (cpu.rope_write_kv), bit for bit what the torch route gives (16-bit stores round to nearest even):
     per layer that route splits qkv, rotates q and k with ~8 elementwise ops, checks the slots for -1
     and runs two index_copy_ calls. Any other case rotates with ``apply_rope`` and writes through
     the path.
@@ -128,7 +129,7 @@ class Attention(nn.Module):
             cpu.runs(qkv.device, qkv.dtype)
             and full_rotary
             and self.head_dim % 16 == 0
-            and self.k_cache.dtype == torch.float32
+            and self.k_cache.dtype in cpu.KV_DTYPES
         ):
             q = cpu.rope_write_kv(qkv, cos, sin, meta.slot_mapping, self.k_cache, self.v_cache, self.num_heads)
         else:

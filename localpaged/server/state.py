@@ -170,7 +170,9 @@ class Run:
             self._ended("error")
             raise APIError(500, f"the server failed ({type(exc).__name__}: {exc})", type="server_error") from None
         self._observe(out)
-        if out.finish_reason == "abort":
+        # Stopping (SIGTERM, Ctrl-C) ends every open stream now: a fast engine may have generated the
+        # whole reply before the abort reached it, and draining it to the client would hold the stop.
+        if out.finish_reason == "abort" or self.state.stopping:
             raise APIError(503, "the server is shutting down; the reply was cut short", type="server_error")
         if out.finish_reason == "error":  # an engine that reports a failure as an output rather than raising
             raise APIError(500, out.error or "the request failed in the engine", type="server_error")

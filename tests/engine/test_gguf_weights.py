@@ -15,7 +15,7 @@ from localpaged.errors import InvalidModelError, UnsupportedModelError
 from localpaged.models.gguf_file import GGUFFile
 from localpaged.models.gguf_weights import NATIVE_TYPES, BlockQuantized, GGUFWeights, unpack
 from tests.gguf_models import MIXED_TYPES, quantize_any, tiny_hf_model, write_gguf
-from tests.oracle import assert_same_greedy, hf_greedy, load_hf
+from tests.oracle import assert_same_greedy, exact_llm, hf_greedy, load_hf
 
 
 @pytest.mark.parametrize("kind", NATIVE_TYPES)
@@ -44,12 +44,6 @@ def mixed_llama(tmp_path_factory, gguf_tokenizer) -> Path:
     return write_gguf(path, tiny_hf_model("llama"), "llama", MIXED_TYPES, gguf_tokenizer)
 
 
-def _llm(path: Path, **config):
-    from localpaged import LLM
-
-    return LLM(str(path), dtype="float32", device="cpu", kv_cache_memory="64MiB", max_model_len=512, **config)
-
-
 @pytest.fixture(scope="module")
 def mixed_llama_hf(mixed_llama):
     return load_hf(mixed_llama)
@@ -76,7 +70,7 @@ def test_tiny_mixed_quant_llama_runs_its_blocks_and_matches_transformers_on_the_
     from localpaged.models.quantized import BlockEmbedding
 
     with pytest.warns(UserWarning, match=r"Q2_K tensors have no native kernel"):
-        llm = _llm(mixed_llama)
+        llm = exact_llm(mixed_llama)
     model = llm.runner.model
     if cpu.library() is not None:
         assert isinstance(model.embed_tokens, BlockEmbedding) and isinstance(model.lm_head, BlockLinear)
@@ -93,7 +87,7 @@ def test_tiny_mixed_quant_llama_runs_its_blocks_and_matches_transformers_on_the_
 def test_float_weights_of_a_gguf_match_transformers_too(mixed_llama, mixed_llama_hf):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        llm = _llm(mixed_llama, weights="float")
+        llm = exact_llm(mixed_llama, weights="float")
     assert llm.config.weights == "float"
     _check_parity(llm, mixed_llama_hf, "mixed llama, float weights")
 
@@ -101,7 +95,7 @@ def test_float_weights_of_a_gguf_match_transformers_too(mixed_llama, mixed_llama
 def test_tiny_tied_qwen2_gguf_matches_transformers(tmp_path, gguf_tokenizer):
     types = {"token_embd.weight": "Q4_K", "blk.0.ffn_down.weight": "Q6_K", "blk.1.attn_q.weight": "Q5_K"}
     path = write_gguf(tmp_path / "tiny-qwen2.gguf", tiny_hf_model("qwen2", tie=True), "qwen2", types, gguf_tokenizer)
-    llm = _llm(path)
+    llm = exact_llm(path)
     assert llm.runner.model.config.tie_word_embeddings
     _check_parity(llm, load_hf(path), "tied qwen2")
 
@@ -109,7 +103,7 @@ def test_tiny_tied_qwen2_gguf_matches_transformers(tmp_path, gguf_tokenizer):
 def test_tiny_qwen3_gguf_with_q_and_k_norms_matches_transformers(tmp_path, gguf_tokenizer):
     types = {"blk.0.attn_q.weight": "Q4_K", "blk.1.attn_k.weight": "Q6_K"}
     path = write_gguf(tmp_path / "tiny-qwen3.gguf", tiny_hf_model("qwen3"), "qwen3", types, gguf_tokenizer)
-    llm = _llm(path)
+    llm = exact_llm(path)
     assert llm.runner.model.layers[0].self_attn.q_norm is not None
     _check_parity(llm, load_hf(path), "qwen3")
 

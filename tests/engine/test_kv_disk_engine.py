@@ -13,7 +13,7 @@ from localpaged.errors import ConfigError
 from localpaged.models import weights_digest
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
-SMALL_POOL = {"kv_cache_memory": "640KiB", "max_model_len": 1024}  # 80 blocks of 8 KiB
+SMALL_POOL = {"kv_cache_memory": "640KiB", "kv_cache_dtype": "float32", "max_model_len": 1024}  # 80 blocks of 8 KiB
 
 
 def prompt(i: int, n: int = 160) -> list[int]:
@@ -25,7 +25,7 @@ def disk_files(llm) -> list:
 
 
 def test_the_size_limit_holds_after_many_chats(tiny_llm):
-    block_file = 8192 + 400  # the tiny model's block and its header
+    block_file = tiny_llm().block_bytes + 400  # the tiny model's block (default KV dtype) and its header
     llm = tiny_llm(kv_disk_bytes=12 * block_file)
     for i in range(0, 24, 4):
         llm.generate([prompt(i + k, 60) for k in range(4)], GREEDY)
@@ -122,6 +122,7 @@ def test_each_cpu_kernel_path_has_its_own_disk_tier(tiny_model_path, monkeypatch
                 types.SimpleNamespace(name="torch"),
                 torch.device("cpu"),
                 torch.float32,
+                torch.float16,  # the KV type "auto" gives on the native kernels
             )
             folders[name] = tier.folder
             tier.close()

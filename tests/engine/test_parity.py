@@ -62,7 +62,7 @@ def _staggered(llm, prompts) -> list[list[int]]:
 
 
 def test_tiny_llama_matches_hf(tiny_llm, tiny_model_path):
-    llm = tiny_llm(max_num_batched_tokens=64)  # small budget: long prompts are chunked
+    llm = tiny_llm(max_num_batched_tokens=64, kv_cache_dtype="float32")  # the exact path; long prompts are chunked
     _check_modes(llm, load_hf(tiny_model_path), _prompts(llm.tokenizer), "tiny llama")
     assert llm.stats()["blocks_used"] == 0
 
@@ -70,7 +70,14 @@ def test_tiny_llama_matches_hf(tiny_llm, tiny_model_path):
 def test_tiny_qwen2_matches_hf(tiny_qwen2_path):
     from localpaged import LLM
 
-    llm = LLM(str(tiny_qwen2_path), dtype="float32", device=DEVICE, kv_cache_memory="64MiB", max_model_len=1024)
+    llm = LLM(
+        str(tiny_qwen2_path),
+        dtype="float32",
+        kv_cache_dtype="float32",
+        device=DEVICE,
+        kv_cache_memory="64MiB",
+        max_model_len=1024,
+    )
     _check_modes(llm, load_hf(tiny_qwen2_path), _prompts(llm.tokenizer), "tiny qwen2")
 
 

@@ -30,7 +30,14 @@ def test_second_chat_reuses_system_prompt_blocks_and_matches_a_cold_run(default_
     warm = default_llm.chat(second, GREEDY)[0]
     assert warm.metrics.cached_tokens == shared // 16 * 16
 
-    cold_engine = LLM(DEFAULT_MODEL, dtype="float32", device=DEVICE, kv_cache_memory="256MiB", max_model_len=2048)
+    cold_engine = LLM(
+        DEFAULT_MODEL,
+        dtype="float32",
+        kv_cache_dtype="float32",  # as default_llm's
+        device=DEVICE,
+        kv_cache_memory="256MiB",
+        max_model_len=2048,
+    )
     cold = cold_engine.chat(second, GREEDY)[0]
     assert cold.metrics.cached_tokens == 0
     assert warm.token_ids == cold.token_ids and warm.text == cold.text

@@ -159,6 +159,7 @@ def test_half_precision_engine_runs(tiny_model_path):
     [
         ({"weights": "int4"}, "weights='int4'"),
         ({"dtype": "float64"}, "dtype='float64'"),
+        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype='int8': use 'auto'"),
         ({"device": "tpu"}, "device='tpu'"),
     ],
 )

@@ -58,7 +58,7 @@ def test_tiny_llama_with_llama3_scaling_matches_transformers_past_the_original_c
     tmp_path, llama3_model, default_model_folder
 ):
     llm = LLM(str(save_hf_folder(llama3_model, tmp_path / "llama3", default_model_folder)), dtype="float32",
-              device="cpu", kv_cache_memory="64MiB", max_model_len=512)  # fmt: skip
+              kv_cache_dtype="float32", device="cpu", kv_cache_memory="64MiB", max_model_len=512)  # fmt: skip
     for i, (out, prompt) in enumerate(zip(llm.generate(PROMPTS, GREEDY), PROMPTS)):
         want, gaps = hf_greedy(llama3_model, prompt, GREEDY.max_tokens)
         assert_same_greedy(out.token_ids, want, gaps, f"llama3 prompt {i}")
@@ -71,7 +71,9 @@ def test_a_gguf_rope_freqs_tensor_divides_the_frequencies_as_llama_cpp_does(tmp_
     types = {"token_embd.weight": "F32", "output.weight": "F32"}
     types.update({f"blk.{i}.{n}.weight": "F32" for i in range(2) for n in names})
     path = write_gguf(tmp_path / "llama3.gguf", llama3_model, "llama", types, gguf_tokenizer)
-    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory="64MiB", max_model_len=512)
+    llm = LLM(
+        str(path), dtype="float32", kv_cache_dtype="float32", device="cpu", kv_cache_memory="64MiB", max_model_len=512
+    )
     config = llm.runner.model.config
     assert len(config.rope_freq_factors) == 32
     torch.testing.assert_close(rope_frequencies(config, 64, 512)[0], _hf_frequencies(llama3_model.config)[0])

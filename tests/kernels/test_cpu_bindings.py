@@ -136,7 +136,14 @@ def test_rope_write_kv_checks_every_argument(change, match):
             r"block_tables has shape \(2, 2\), expected \[1, ...\] of 2",
         ),
         ({"context_lens": torch.tensor([5.0])}, "context_lens must be an int32 or int64 tensor"),
-        ({"k_cache": torch.zeros(3, 16, 2, 32, dtype=torch.float64)}, "k_cache is torch.float64"),
+        (
+            {"k_cache": torch.zeros(3, 16, 2, 32, dtype=torch.float64)},
+            "k_cache is torch.float64, not torch.float32 or torch.bfloat16 or torch.float16",
+        ),
+        (
+            {"k_cache": torch.zeros(3, 16, 2, 32, dtype=torch.bfloat16)},
+            "v_cache is torch.float32, k_cache torch.bfloat16: one cache type for both",
+        ),
     ],
 )
 def test_paged_decode_checks_every_argument(change, match):

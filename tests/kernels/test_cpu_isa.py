@@ -19,8 +19,8 @@ CHECK = Path(__file__).with_name("cpu_kernels_check.c")
 CROSS = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64")
 NATIVE = shutil.which("gcc") or shutil.which("cc")
-ZEN4 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
-HASWELL = frozenset({"avx", "avx2", "fma"})
+ZEN4 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+HASWELL = frozenset({"avx", "avx2", "fma", "f16c"})
 needs_cross = pytest.mark.skipif(
     CROSS is None, reason="no aarch64 cross compiler: apt-get install gcc-aarch64-linux-gnu to run this check"
 )
@@ -49,7 +49,7 @@ def test_a_forced_path_the_cpu_runs_is_taken(name, monkeypatch):
     [
         ("sse", ZEN4, r"LOCALPAGED_CPU_KERNELS='sse' is not a kernel path: choose one of auto, avx512, avx2, portable"),
         ("avx512", HASWELL, r"this CPU lacks avx512bw, avx512f, avx512vl.*choose one of auto, avx2, portable"),
-        ("avx2", frozenset(), r"this CPU lacks avx2, fma.*choose one of auto, portable"),
+        ("avx2", frozenset(), r"this CPU lacks avx2, f16c, fma.*choose one of auto, portable"),
     ],
 )
 def test_a_forced_path_that_cannot_run_here_is_a_clear_error(name, flags, match, monkeypatch):

@@ -3,7 +3,9 @@
 qgemm over row counts that take each path (1-4 rows expand weights in registers, more go through a
 panel: every tail of its 6-row register kernel), padded weight tiles and
 Q4_1-like (0..15 plus a min) or Q8_0-like (signed, no min) blocks, in runs of 32 or (Q6_K) 16; paged decode over ragged
-lengths, shuffled block tables, GQA ratios and NaN wherever the kernel must not read.
+lengths, shuffled block tables, GQA ratios and NaN wherever the kernel must not read, over float32,
+bfloat16 and float16 caches; the fused RoPE + KV write against torch, bit for bit, into each cache type;
+every 16-bit value widened, and every kind of float32 rounded, exactly as torch converts them.
 """
 
 from __future__ import annotations
@@ -81,11 +83,17 @@ CASES = [  # (context_lens, num_kv_heads, gqa ratio, head_dim)
 ]
 
 
+@pytest.mark.parametrize("kv_dtype", cpu.KV_DTYPES)
 @pytest.mark.parametrize("context_lens,num_kv_heads,gqa,head_dim", CASES)
-def test_paged_decode_matches_reference(context_lens, num_kv_heads, gqa, head_dim, make_paged_kv, assert_close):
+def test_paged_decode_matches_reference(
+    context_lens, num_kv_heads, gqa, head_dim, kv_dtype, make_paged_kv, assert_close
+):
+    """The float64 reference reads the very values the cache holds (``k_ref`` is the 16-bit cache widened), and
+    the kernel widens 16-bit values exactly, so every cache type meets float32's 1e-5: what is left is the
+    rounding of float32 sums. Storing K/V in 16 bits changes the values themselves; the engine tests measure that."""
     gen = torch.Generator().manual_seed(sum(context_lens) + head_dim + gqa)
     k_cache, v_cache, tables, k_ref, v_ref = (
-        t.cpu() for t in make_paged_kv(context_lens, num_kv_heads, head_dim, torch.float32, gen)
+        t.cpu() for t in make_paged_kv(context_lens, num_kv_heads, head_dim, kv_dtype, gen)
     )
     q = torch.randn(len(context_lens), num_kv_heads * gqa, head_dim, generator=gen)
     lens = torch.tensor(context_lens, dtype=torch.int32)
@@ -132,3 +140,89 @@ def test_qgemm_uses_exactly_the_dequantised_weights(m, q_range):
     columns = torch.randint(64, (m,), generator=gen)
     out = cpu.qgemm(torch.nn.functional.one_hot(columns, 64).float(), packed)
     assert torch.equal(out, weight.dequantize().T[columns])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_rope_write_kv_rounds_into_a_16_bit_cache_as_torch_does(kv_dtype):
+    """q stays float32 and equals the float32 cache's; K and V hold exactly what ``Tensor.to`` makes of them
+    (nearest, ties to even, overflow to infinity, subnormals), so the native and torch paths fill one cache."""
+    from localpaged.layers.rotary_embedding import apply_rope
+
+    gen = torch.Generator().manual_seed(5)
+    n, heads, kv_heads, d = 70, 4, 2, 32  # 64 tokens or more: the kernel's rows go to OpenMP threads
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen)
+    special = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-11), 3.4e38, 7e4, 65519.0, 65520.0, 1e-6, 3e-8, -0.0, 1e-40]
+    qkv[0, -len(special) :] = torch.tensor(special)  # ties and limits of both types, in token 0's V
+    angles = torch.rand(n, d // 2, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.randperm(5 * 16, generator=gen)[:n]
+    slots[3] = -1
+    k_cache, v_cache = torch.zeros(5, 16, kv_heads, d, dtype=kv_dtype), torch.zeros(5, 16, kv_heads, d, dtype=kv_dtype)
+    q = cpu.rope_write_kv(qkv, cos, sin, slots, k_cache, v_cache, heads)
+    qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
+    want = apply_rope(qk.reshape(n, heads + kv_heads, d), cos[:, None], sin[:, None])
+    keep = slots >= 0
+    assert q.dtype == torch.float32 and torch.equal(q, want[:, :heads])
+    bits = torch.int16
+    got_k, got_v = k_cache.view(-1, kv_heads, d)[slots[keep]], v_cache.view(-1, kv_heads, d)[slots[keep]]
+    assert torch.equal(got_k.view(bits), want[keep, heads:].to(kv_dtype).view(bits))
+    assert torch.equal(got_v.view(bits), v.reshape(n, kv_heads, d)[keep].to(kv_dtype).view(bits))
+    assert k_cache.view(-1, kv_heads, d).float().abs().sum(dim=(1, 2)).count_nonzero() == n - 1  # slot -1: nothing
+
+
+def test_a_nan_stays_a_nan_in_a_bfloat16_cache():
+    """Rounding by integer addition would carry a NaN whose payload sits in the dropped half into an infinity."""
+    d = 16
+    qkv = torch.zeros(1, 3 * d)
+    nans = torch.tensor([0x7F800001, 0xFF80FFFF, 0x7FC00000, 0x7FFFFFFF] * 4)  # payloads low, high and full
+    qkv[0, 2 * d :] = nans.to(torch.int32).view(torch.float32)  # int64 -> int32 keeps the low 32 bits
+    k_cache = torch.zeros(1, 16, 1, d, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    cpu.rope_write_kv(qkv, torch.ones(1, d // 2), torch.zeros(1, d // 2), torch.tensor([0]), k_cache, v_cache, 1)
+    assert v_cache[0, 0].isnan().all()
+
+
+def sixteen_bit_values(kv_dtype: torch.dtype) -> torch.Tensor:
+    """Every value of ``kv_dtype``'s 65,536 bit patterns (zeros, subnormals, infinities and NaNs among them)."""
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_paged_decode_widens_every_16_bit_value_exactly(kv_dtype):
+    """Each bit pattern as the V of a one-token context, whose softmax weight is exactly 1 (q and K zero): the output
+    is the value as the kernel widened it, which must be ``Tensor.float()``'s."""
+    d = 64
+    values = sixteen_bit_values(kv_dtype).view(-1, 1, d)
+    n = len(values)  # sequences of one token, each in its own block
+    v_cache = torch.zeros(n, 16, 1, d, dtype=kv_dtype)
+    v_cache[:, 0] = values
+    tables, lens = torch.arange(n, dtype=torch.int32)[:, None], torch.ones(n, dtype=torch.int32)
+    out = cpu.paged_decode(torch.zeros(n, 1, d), torch.zeros_like(v_cache), v_cache, tables, lens, 1.0)
+    want = values.float()
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_rope_write_kv_rounds_every_kind_of_float32_as_torch_does(kv_dtype):
+    """V (stored as it comes) over 2^20 random float32 bit patterns, and over each 16-bit value, the midpoint to the
+    next one (a tie) and the float32 values either side of both: the cache's bits are ``Tensor.to``'s, every NaN a
+    NaN (its payload is not compared: torch's vector and scalar conversions keep different ones)."""
+    gen = torch.Generator().manual_seed(11)
+    random_bits = torch.randint(-(2**31), 2**31, (2**20,), generator=gen, dtype=torch.int64).to(torch.int32)
+    exact = sixteen_bit_values(kv_dtype).float()
+    exact = exact[exact.isfinite()].sort().values
+    near = torch.cat([exact, (exact[:-1].double() + exact[1:].double()).div(2).float()])  # and the ties between
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    values = torch.cat([random_bits.view(torch.float32), near, near.nextafter(up), near.nextafter(down)])
+    d = 64
+    values = torch.cat([values, torch.zeros(-len(values) % d)]).view(-1, d)
+    n = len(values)
+    qkv = torch.cat([torch.zeros(n, d), values], dim=1)  # no q heads, one K head of zeros, V
+    k_cache = torch.zeros(-(-n // 16), 16, 1, d, dtype=kv_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.arange(n)
+    cpu.rope_write_kv(qkv, torch.ones(n, d // 2), torch.zeros(n, d // 2), slots, k_cache, v_cache, 0)
+    got, want = v_cache.view(-1, d)[:n], values.to(kv_dtype)
+    nan = values.isnan()
+    assert got[nan].isnan().all()
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
