@@ -1,15 +1,17 @@
-"""The native CPU kernels (cpu_kernels.c): compiled once with the system's C compiler, called through ctypes.
+"""The native CPU kernels: compiled once with the system's C compiler, called through ctypes.
 
-Like Triton on CUDA, the kernel source ships with the package and is built on first use: the
-shared library lands in ``locations.kernels_cache_dir()``, in a folder whose name hashes the source,
-the flags and the compiler, so an edit or an upgrade rebuilds it and nothing else does. Before it is
+Like Triton on CUDA, the kernel source ships with the package and is built on first use, for the
+instruction sets this CPU has (``cpu_isa``: AVX-512, AVX2 or portable C, or the one
+``LOCALPAGED_CPU_KERNELS`` forces): the shared library lands in ``locations.kernels_cache_dir()``, in a
+folder whose name hashes the sources, the flags and the compiler, so an edit, an upgrade or another
+path builds its own and nothing else does. Before it is
 loaded (dlopen runs its constructors) ``cache_folders.cached_folder`` checks that the folder and the
 library are the user's and writable by no one else, and the library's sha256 against the one recorded
 beside it at build time; a library failing either is rebuilt, never loaded. Builds happen in a private
 folder renamed into place, so concurrent first starts neither race nor load a half-written file. It
 links the OpenMP runtime that torch has already loaded (the same soname), so both share one thread
-pool. Where no compiler, no x86-64 AVX2 CPU or no working build is found, ``library()`` returns None
-and callers use torch.
+pool. Where no compiler, no 64-bit CPU or no working build is found, ``library()`` returns None and
+callers use torch; a forced path this CPU cannot run is a ConfigError.
 
 The ctypes boundary is checked on both sides, since a wrong pointer there is a crash or silently wrong
 numbers rather than an exception: each wrapper checks the device, dtype, dimensions, layout and sizes
@@ -27,7 +29,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import warnings
@@ -35,39 +36,42 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from localpaged.kernels.cpu_isa import KernelPath, choose_path
 
 from localpaged.cache_folders import cached_folder, set_aside
 from localpaged.errors import ConfigError, KernelArgumentError, KernelError
 from localpaged.locations import kernels_cache_dir
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the source and flags
-ABI_VERSION = 2  # what lp_abi_version() must report: cpu_kernels.c's LP_ABI_VERSION, bumped with it
+LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
+ABI_VERSION = 2  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
 BITS = (4, 5, 8)  # packed widths of q (pack_blocks)
-# Statuses the kernels return (cpu_kernels.c's LP_* codes); any other is LP_BAD_ARGUMENT, sizes refused.
+# Statuses the kernels return (cpu_kernels.h's LP_* codes); any other is LP_BAD_ARGUMENT, sizes refused.
 OK, OUT_OF_MEMORY, BAD_INDEX = 0, 1, 2
 POINTER, SIZE, INT, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 INDEX_DTYPES = (torch.int32, torch.int64)  # block tables, lengths and slots: converted to what C reads
-# KV cache element types the attention kernels read and write (fp32 math on each), numbered as cpu_kernels.c's LP_KV_*.
+# KV cache element types the attention kernels of every path read and write (fp32 math on each), numbered as
+# cpu_kernels.h's LP_KV_*.
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 KERNELS: list[Kernel] = []  # every binding, declared on the library when it loads
 
 
 @functools.cache
+def chosen_path() -> KernelPath:
+    """The instruction-set path this process builds and loads (``cpu_isa.choose_path``), decided once."""
+    return choose_path()
+
+
+@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None where it cannot run (see the module's docstring)."""
-    # A 32-bit Python on an x86-64 machine cannot load the 64-bit library, nor pass its pointers.
-    if (
-        platform.machine().lower() not in ("x86_64", "amd64")
-        or ctypes.sizeof(ctypes.c_void_p) != 8
-        or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
-    ):
+    """The loaded kernel library of ``chosen_path()``, or None where it cannot run (see the module's docstring)."""
+    # The kernels index with C longs and pass 64-bit pointers: a 32-bit process (or Windows' 32-bit long) cannot.
+    if ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_long) != 8:
         return None
+    path = chosen_path()
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         warnings.warn(
@@ -75,7 +79,7 @@ def library() -> ctypes.CDLL | None:
         )
         return None
     try:
-        return _load(compiler)
+        return _load(compiler, path)
     except (OSError, subprocess.CalledProcessError, ConfigError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         warnings.warn(
@@ -89,27 +93,36 @@ def runs(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and library() is not None
 
 
-def _load(compiler: str) -> ctypes.CDLL:
-    """The checked library built from SOURCE by ``compiler``, loaded, of ABI_VERSION, its kernels declared.
+def sources_sha256(path: KernelPath) -> str:
+    """sha256 over the path's C files and flags: two libraries that may round differently never share it."""
+    digest = hashlib.sha256()
+    for source in path.inputs:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(path.flags).encode())
+    return digest.hexdigest()
+
+
+def _load(compiler: str, path: KernelPath) -> ctypes.CDLL:
+    """The checked library built from ``path``'s sources by ``compiler``, loaded, of ABI_VERSION, kernels declared.
 
     A library whose sha256 matches its record may still be of another version (a cache folder copied
     from an older install); it is set aside and built again. A fresh build of another version means
-    cpu.py and cpu_kernels.c disagree, which no rebuild mends: a KernelError.
+    cpu.py and cpu_kernels.h disagree, which no rebuild mends: a KernelError.
     """
-    folder = _library_folder(compiler)
+    folder = _library_folder(compiler, path)
     lib = ctypes.CDLL(str(folder / LIBRARY))
     reason = _abi_reason(lib)
     if reason is not None:
         # Unloaded first: dlopen of a path already loaded would hand back this library, not the rebuilt one.
         _ctypes.dlclose(lib._handle)
         set_aside(folder, reason)
-        lib = ctypes.CDLL(str(_library_folder(compiler) / LIBRARY))
+        lib = ctypes.CDLL(str(_library_folder(compiler, path) / LIBRARY))
         reason = _abi_reason(lib)
         if reason is not None:
             raise KernelError(
-                f"the CPU kernels just built from {SOURCE} are not the version kernels/cpu.py binds ({reason}); "
+                f"the CPU kernels just built from {path.source} are not the version kernels/cpu.py binds ({reason}); "
                 "this installation of localpaged is inconsistent: reinstall it (a developer: bump ABI_VERSION "
-                "in kernels/cpu.py and LP_ABI_VERSION in kernels/cpu_kernels.c together)"
+                "in kernels/cpu.py and LP_ABI_VERSION in kernels/cpu_kernels.h together)"
             )
     for kernel in KERNELS:
         function = getattr(lib, kernel.name)
@@ -130,16 +143,19 @@ def _abi_reason(lib: ctypes.CDLL) -> str | None:
     )
 
 
-def _library_folder(compiler: str) -> Path:
-    """The cache folder holding the library built from SOURCE by ``compiler``, checked, built here where needed."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    return cached_folder(kernels_cache_dir() / f"cpu_kernels-{digest}", lambda f: _build(compiler, f), _hash_reason)
+def _library_folder(compiler: str, path: KernelPath) -> Path:
+    """The cache folder holding ``path``'s library built by ``compiler``, checked, built here where needed."""
+    digest = hashlib.sha256((sources_sha256(path) + compiler).encode()).hexdigest()[:16]
+    return cached_folder(
+        kernels_cache_dir() / f"cpu_kernels-{path.name}-{digest}", lambda f: _build(compiler, path, f), _hash_reason
+    )
 
 
-def _build(compiler: str, folder: Path) -> None:
-    """Compile the library into ``folder`` and record its sha256 beside it (cache_folders publishes the folder)."""
+def _build(compiler: str, path: KernelPath, folder: Path) -> None:
+    """Compile ``path``'s library into ``folder``, its sha256 recorded beside it (cache_folders publishes the folder)."""
     library_path = folder / LIBRARY
-    subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(library_path)], check=True, capture_output=True, text=True)
+    command = [compiler, *path.flags, *map(str, path.sources), "-o", str(library_path)]
+    subprocess.run(command, check=True, capture_output=True, text=True)
     (folder / HASH).write_text(hashlib.sha256(library_path.read_bytes()).hexdigest())
 
 

@@ -1,4 +1,4 @@
-/* Native CPU kernels for decode-sized batches (AVX2 + FMA, OpenMP), loaded by kernels/cpu.py.
+/* Native CPU kernels for decode-sized batches (AVX2 + FMA + F16C, OpenMP), loaded by kernels/cpu.py.
  *
  * qgemm: Y[M, N] = X[M, K] @ W[N, K]^T where W is kept as a GGUF file stores it, in runs ("groups")
  * of 32 weights along each row (16 for Q6_K, whose sub-blocks are that short): w = scale * q + min,
@@ -19,25 +19,16 @@
  *   scale[t][k/G][j] fp32,  min[t][k/G][j] fp32     (G: the group, 32 or 16; min NULL where every min is 0:
  *                                                    Q4_0, Q5_0, Q8_0, Q6_K, whose weights are scale * q alone)
  *
- * The interface kernels/cpu.py binds: every exported kernel returns a status (LP_OK or why it did nothing
- * useful) instead of crashing on a failed allocation or an index past a cache, sizes are int64_t, and
- * lp_abi_version() reports LP_ABI_VERSION, which the loader compares with its own ABI_VERSION before any
- * kernel runs. Change an exported signature or a status, and bump both.
+ * The interface kernels/cpu.py binds (statuses, ABI version, signatures) is declared in cpu_kernels.h; lp_pack_q,
+ * plain C, is cpu_pack.c, built into every path's library. kernels/cpu.py picks this AVX2 build, the AVX-512 or the
+ * portable one (cpu_kernels_portable.c) by what the CPU reports.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define TILE 16
-#define LP_ABI_VERSION 2
-
-enum {
-    LP_OK = 0,
-    LP_OUT_OF_MEMORY = 1, /* a scratch buffer could not be allocated; the output is incomplete */
-    LP_BAD_INDEX = 2,     /* a block table entry, context length or slot points outside the cache; skipped */
-    LP_BAD_ARGUMENT = 3,  /* bits, group or a size outside what the kernel supports; nothing computed */
-};
+#include "cpu_kernels.h"
 
 int lp_abi_version(void) { return LP_ABI_VERSION; }
 
@@ -195,60 +186,7 @@ static inline __attribute__((always_inline)) int qgemm_tile(
         }                                                                                                             \
         return status;                                                                                                \
     }
-#define QGEMM_FNS(BITS, HAS_OFFSET) \
-    QGEMM_FN(BITS, HAS_OFFSET, 16, 0) QGEMM_FN(BITS, HAS_OFFSET, 16, 1) QGEMM_FN(BITS, HAS_OFFSET, 32, 0) QGEMM_FN(BITS, HAS_OFFSET, 32, 1)
-QGEMM_FNS(4, 0)
-QGEMM_FNS(4, 1)
-QGEMM_FNS(5, 0)
-QGEMM_FNS(5, 1)
-QGEMM_FNS(8, 0) /* 8-bit values are stored as they are: never an offset */
-
-/* X: [M, K] contiguous; N_padded a multiple of 16; Y: [M, N_padded] contiguous; bits (8, 4 or 5), offset, group
- * (32 or 16, dividing K) and min (or NULL): see the layout above. Each (bits, offset or not, group, min or not) is its own
- * instance, so the inner loops keep constant bounds and no dead work. */
-#define QGEMM_CALL(BITS, HAS_OFFSET, GROUP, HAS_MIN) \
-    qgemm_##BITS##_##HAS_OFFSET##_##GROUP##_##HAS_MIN(X, M, K, q, offset, scale, min, N_padded, Y)
-#define QGEMM_BY_MIN(BITS, HAS_OFFSET, GROUP) \
-    (min ? QGEMM_CALL(BITS, HAS_OFFSET, GROUP, 1) : QGEMM_CALL(BITS, HAS_OFFSET, GROUP, 0))
-#define QGEMM_BY_GROUP(BITS, HAS_OFFSET) \
-    (group == 16 ? QGEMM_BY_MIN(BITS, HAS_OFFSET, 16) : QGEMM_BY_MIN(BITS, HAS_OFFSET, 32))
-int lp_qgemm(const float *X, int64_t M, int64_t K, const int8_t *q, const float *scale, const float *min,
-             int64_t N_padded, int bits, int offset, int group, float *Y) {
-    if ((bits != 4 && bits != 5 && bits != 8) || (group != 16 && group != 32) || K % group || N_padded % TILE ||
-        M < 0 || K <= 0)
-        return LP_BAD_ARGUMENT;
-    if (bits == 4) return offset ? QGEMM_BY_GROUP(4, 1) : QGEMM_BY_GROUP(4, 0);
-    if (bits == 5) return offset ? QGEMM_BY_GROUP(5, 1) : QGEMM_BY_GROUP(5, 0);
-    return QGEMM_BY_GROUP(8, 0);
-}
-
-/* q [N, K] int8, row-major (a GGUF tensor's rows, unpacked) -> out: the tiles of the layout above, 2 * bits bytes per
- * tile column; rows past N (padding up to a whole tile) hold 0. One pass, in place of a dozen torch ops over the
- * whole weight (measured on a busy 2-core machine, a Q4_K_M file's 121 projections: 3.6 s -> 0.5 s). */
-int lp_pack_q(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out) {
-    if ((bits != 4 && bits != 5 && bits != 8) || N < 0 || K < 0) return LP_BAD_ARGUMENT;
-    const long tiles = (N + TILE - 1) / TILE;
-#pragma omp parallel for schedule(static)
-    for (long t = 0; t < tiles; t++) {
-        uint8_t *o = out + t * K * 2 * bits;
-        for (long k = 0; k < K; k++) {
-            int v[TILE];
-            for (int j = 0; j < TILE; j++) v[j] = (t * TILE + j < N ? q[(t * TILE + j) * K + k] : 0) + offset;
-            if (bits == 8) {
-                for (int j = 0; j < TILE; j++) o[k * TILE + j] = (uint8_t)v[j];
-                continue;
-            }
-            for (int j = 0; j < TILE / 2; j++) o[k * TILE / 2 + j] = (uint8_t)((v[j] & 15) | ((v[j + 8] & 15) << 4));
-            if (bits == 5) {
-                unsigned word = 0;
-                for (int j = 0; j < TILE; j++) word |= (unsigned)((v[j] >> 4) & 1) << j;
-                o[K * TILE / 2 + 2 * k] = (uint8_t)word;
-                o[K * TILE / 2 + 2 * k + 1] = (uint8_t)(word >> 8);
-            }
-        }
-    }
-    return LP_OK;
-}
+#include "cpu_qgemm_instances.h" /* every (bits, offset, group, min) instance, and lp_qgemm */
 
 /* exp for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial), ~1-2 ulp.
  * Inputs are clamped to [-87.3, 88.3]: below, about 1e-38 rather than 0; above, about 2e38. */
@@ -281,10 +219,8 @@ static inline __m256 sum8x8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* KV cache element types, numbered as kernels/cpu.py's KV_DTYPES. A 16-bit cache halves the pool's memory and
- * the bytes each decode step reads; values are widened to fp32 as they are loaded (exactly, for both types) and
- * every product and sum stays fp32. fp16 goes through F16C, which every AVX2 CPU has. */
-enum { LP_KV_F32 = 0, LP_KV_BF16 = 1, LP_KV_F16 = 2 };
+/* 16-bit caches (the LP_KV_* types of cpu_kernels.h) are widened to fp32 as they are loaded; fp16 goes through
+ * F16C, which every AVX2 CPU has. */
 
 /* Cache values i .. i + 7 of p, as fp32. KV is a constant after inlining. */
 static inline __attribute__((always_inline)) __m256 load_kv8(const int KV, const void *p, long i) {
@@ -336,16 +272,8 @@ static inline __attribute__((always_inline)) void weighted_rows(const int KV, co
 static __thread float *scores = NULL; /* [G, context] per OpenMP thread */
 static __thread long scores_floats = 0;
 
-/* Whether a context of ctx tokens (at least one) fits its table row of max_blocks entries, each a block of the cache. */
-static int context_fits(const int32_t *table, long ctx, long max_blocks, long num_blocks) {
-    if (ctx < 1 || ctx > max_blocks * 16) return 0;
-    for (long blk = 0; blk * 16 < ctx; blk++)
-        if (table[blk] < 0 || table[blk] >= num_blocks) return 0;
-    return 1;
-}
-
-/* Sequence b's G = H / KVH query heads of KV head kvh over its context (see lp_paged_decode): LP_OK, or the status
- * saying why nothing was written. KV is a constant after inlining. */
+/* Sequence b's G = H / KVH query heads of KV head kvh over its context (see lp_paged_decode in cpu_kv_dispatch.h):
+ * LP_OK, or the status saying why nothing was written. KV is a constant after inlining. */
 static inline __attribute__((always_inline)) int decode_task(
     const int KV, long b, long kvh, const float *q, const void *k_cache, const void *v_cache,
     const int32_t *block_tables, const int32_t *context_lens, long H, long KVH, long D, long max_blocks,
@@ -417,38 +345,6 @@ static inline __attribute__((always_inline)) int decode_task(
         }
     }
     return LP_OK;
-}
-
-/* One query per sequence over its paged context: q [B, H, D] fp32, caches [num_blocks, 16, KVH, D] of kv_dtype
- * (an LP_KV_* type), out [B, H, D] fp32. One task per (sequence, KV head) takes that head's G = H / KVH query
- * heads, so each K and V row is read once for all of them. D is a multiple of 8. A sequence whose context does
- * not fit its table or the cache is skipped (its output left unwritten) and reported as LP_BAD_INDEX. Each cache
- * type is its own inlined instance, picked per task (a branch per task costs nothing beside the task). */
-int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
-                    const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH,
-                    int64_t D, int64_t max_blocks, int64_t num_blocks, float scale, float *out) {
-    if (B < 0 || KVH <= 0 || H % KVH || D <= 0 || D % 8 || kv_dtype < LP_KV_F32 || kv_dtype > LP_KV_F16)
-        return LP_BAD_ARGUMENT;
-    int status = LP_OK;
-#pragma omp parallel for schedule(dynamic)
-    for (long task = 0; task < B * KVH; task++) {
-        const long b = task / KVH, kvh = task % KVH;
-        int s;
-        if (kv_dtype == LP_KV_BF16)
-            s = decode_task(LP_KV_BF16, b, kvh, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D,
-                            max_blocks, num_blocks, scale, out);
-        else if (kv_dtype == LP_KV_F16)
-            s = decode_task(LP_KV_F16, b, kvh, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D,
-                            max_blocks, num_blocks, scale, out);
-        else
-            s = decode_task(LP_KV_F32, b, kvh, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D,
-                            max_blocks, num_blocks, scale, out);
-        if (s != LP_OK) {
-#pragma omp atomic write
-            status = s;
-        }
-    }
-    return status;
 }
 
 /* The small per-layer steps of a decode batch, each one pass over a few KiB instead of several torch
@@ -523,31 +419,4 @@ static inline __attribute__((always_inline)) void rope_write_row(
         for (long i = 0; i < KVH * D; i += 8) store_kv8(KV, v_cache, slot * KVH * D + i, _mm256_loadu_ps(row + (H + KVH) * D + i));
 }
 
-/* RoPE (halves layout) on the q and k heads of qkv [N, (H + 2 KVH) * D], then k and v into their cache
- * slots (slot -1: skipped; caches [num_slots / 16, 16, KVH, D] of kv_dtype, an LP_KV_* type) and the rotated
- * q into q_out [N, H, D]. Products and sums are rounded one by one, as torch's elementwise ops do, and the
- * cache's rounding is torch's, so the result equals the torch path bit for bit. D % 16 == 0. A slot outside
- * the cache is not written and reported as LP_BAD_INDEX. */
-int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slots, int64_t N, int64_t H,
-                     int64_t KVH, int64_t D, int64_t num_slots, void *k_cache, void *v_cache, int kv_dtype,
-                     float *q_out) {
-    if (N < 0 || H < 0 || KVH < 0 || D <= 0 || D % 16 || kv_dtype < LP_KV_F32 || kv_dtype > LP_KV_F16)
-        return LP_BAD_ARGUMENT;
-    int status = LP_OK;
-#pragma omp parallel for if (N >= 64)
-    for (long n = 0; n < N; n++) {
-        long slot = slots[n];
-        if (slot < -1 || slot >= num_slots) {
-#pragma omp atomic write
-            status = LP_BAD_INDEX;
-            slot = -1; /* q is still rotated; nothing is written outside the cache */
-        }
-        if (kv_dtype == LP_KV_BF16)
-            rope_write_row(LP_KV_BF16, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out);
-        else if (kv_dtype == LP_KV_F16)
-            rope_write_row(LP_KV_F16, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out);
-        else
-            rope_write_row(LP_KV_F32, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out);
-    }
-    return status;
-}
+#include "cpu_kv_dispatch.h" /* lp_paged_decode and lp_rope_write_kv, over decode_task and rope_write_row */

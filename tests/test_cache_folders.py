@@ -34,7 +34,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def built_library(cache: Path) -> Path:
     from localpaged.kernels import cpu
 
-    folder = cpu._library_folder(COMPILER)
+    folder = cpu._library_folder(COMPILER, cpu.chosen_path())
     assert folder.parent == cache / "kernels"
     return folder / cpu.LIBRARY
 
@@ -122,7 +122,7 @@ def test_a_kernel_library_of_another_abi_version_is_rebuilt(cache: Path, tmp_pat
     library = built_library(cache)
     replace_with_a_recorded_build(library, source, tmp_path)
     with pytest.warns(UserWarning, match=reason):
-        lib = cpu._load(COMPILER)
+        lib = cpu._load(COMPILER, cpu.chosen_path())
     assert lib.lp_abi_version() == cpu.ABI_VERSION and cpu._hash_reason(library.parent) is None
     gate_up, out = (ctypes.c_float * 16)(*range(16)), (ctypes.c_float * 8)()
     assert lib.lp_silu_mul(gate_up, 1, 8, out) == cpu.OK and out[1] > 0  # the rebuilt library, its kernels declared
@@ -136,7 +136,7 @@ def test_a_fresh_build_of_another_abi_version_is_refused(cache: Path, monkeypatc
     monkeypatch.setattr(cpu, "ABI_VERSION", cpu.ABI_VERSION + 1)
     stale = f"reports ABI version {cpu.ABI_VERSION - 1}, kernels/cpu.py binds"
     with pytest.warns(UserWarning, match=stale), pytest.raises(KernelError, match="cpu.py binds.*reinstall it"):
-        cpu._load(COMPILER)
+        cpu._load(COMPILER, cpu.chosen_path())
 
 
 @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="chown needs root")

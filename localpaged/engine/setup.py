@@ -66,8 +66,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV pool's element type: the one named, or for "auto" float16 where the native CPU kernels
-    run the model in float32, else the model's ``dtype``.
+    """The KV pool's element type: the one named, or for "auto" float16 where the AVX2 or AVX-512
+    kernels run the model in float32, else the model's ``dtype``.
 
     float16 KV (float32 math) by measurement, default model, 2 cores, best of five interleaved runs:
     16 sessions with the 2,500-token coding prompt 154.9 against 135.2 tok/s with float32 KV, one chat
@@ -75,10 +75,14 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> tor
     the disk tier's bytes. Over the parity prompts (8 x 64 greedy tokens) it gave the very tokens of
     float32 KV, which stays the exact path (``kv_cache_dtype="float32"``) that the parity tests run.
     llama.cpp's default KV type is float16 as well. bfloat16 agreed on 84.6% only (8 significant bits).
+    The portable kernels keep float32 KV: on x86 they convert float16 with integer operations, and
+    there the engine ran one chat at 25.4 tok/s against 28.8 with float32 KV, 16 sessions at 42.9
+    against 60.0 (ARM's float16 conversion is native, but unmeasured here).
     """
     if name != "auto":
         return getattr(torch, name)
-    return torch.float16 if dtype == torch.float32 and cpu.runs(device, dtype) else dtype
+    fast_float16 = cpu.runs(device, dtype) and cpu.chosen_path().name != "portable"
+    return torch.float16 if dtype == torch.float32 and fast_float16 else dtype
 
 
 def use_block_weights(config: EngineConfig, files, device: torch.device, dtype: torch.dtype) -> bool:
@@ -125,9 +129,9 @@ def open_kv_disk(
 ) -> KVDiskTier:
     """The disk tier for this model and KV layout, in a folder named for everything that makes KV values differ.
 
-    Kernels are part of it wherever they may round differently (native CPU kernels or torch, the
-    attention backend, GGUF blocks or dequantised weights, the torch version, the GPU): when unsure,
-    a separate folder costs one cold prefill, a shared one would cost wrong answers.
+    Kernels are part of it wherever they may round differently (native CPU kernels or torch, their
+    instruction-set path, the attention backend, GGUF blocks or dequantised weights, the torch version,
+    the GPU): when unsure, a separate folder costs one cold prefill, a shared one would cost wrong answers.
     """
     shape = (2, hf_config.num_hidden_layers, config.block_size, hf_config.num_key_value_heads, head_dim)
     inv_freq, rope_scale = rope_frequencies(hf_config, head_dim, config.max_model_len)
@@ -144,8 +148,10 @@ def open_kv_disk(
         "attention": attention.name,
         "weights": config.weights,
         "native_cpu_kernels": native,
-        # A kernel edit may change how sums round: another source is another tier.
-        "cpu_kernels_sha256": hashlib.sha256(cpu.SOURCE.read_bytes()).hexdigest() if native else None,
+        # The instruction-set path (avx512, avx2, portable) and a kernel edit may change how sums round:
+        # another path or another source is another tier.
+        "cpu_kernels_path": cpu.chosen_path().name if native else None,
+        "cpu_kernels_sha256": cpu.sources_sha256(cpu.chosen_path()) if native else None,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
     }

@@ -66,7 +66,7 @@ def test_16_bit_kv_halves_the_pool_and_parts_from_float32_kv_only_at_near_ties(
 def test_16_bit_kv_takes_the_native_kernels(tiny_llm, monkeypatch):
     """Where the kernels build, a bfloat16 cache is written by the fused RoPE kernel and read by native decode."""
     if cpu.library() is None:
-        pytest.skip("no C compiler or no AVX2 CPU: the torch path runs instead")
+        pytest.skip("no C compiler or no 64-bit CPU: the torch path runs instead")
     calls = {"rope_write_kv": 0, "paged_decode": 0}
     for name in calls:
         real = getattr(cpu, name)
@@ -81,10 +81,11 @@ def test_16_bit_kv_takes_the_native_kernels(tiny_llm, monkeypatch):
     assert calls["rope_write_kv"] > 0 and calls["paged_decode"] > 0
 
 
-def test_auto_is_float16_on_the_native_cpu_kernels_else_the_models_dtype(tiny_llm):
+def test_auto_is_float16_on_the_avx_cpu_kernels_else_the_models_dtype(tiny_llm):
     from tests.conftest import DEVICE
 
-    want = torch.float16 if cpu.library() is not None and DEVICE == "cpu" else torch.float32
+    vector_kernels = cpu.library() is not None and cpu.chosen_path().name != "portable"
+    want = torch.float16 if vector_kernels and DEVICE == "cpu" else torch.float32
     llm = tiny_llm()
     assert llm.runner.kv_cache.dtype == want and llm.config.kv_cache_dtype == str(want).removeprefix("torch.")
     assert tiny_llm(dtype="bfloat16").runner.kv_cache.dtype == torch.bfloat16  # no native kernels: the model's
@@ -97,9 +98,14 @@ def test_the_default_float16_kv_repeats_the_exact_path_on_the_default_model(defa
     from localpaged import LLM
     from tests.conftest import DEFAULT_MODEL, DEVICE
 
-    llm = LLM(DEFAULT_MODEL, dtype="float32", device=DEVICE, kv_cache_memory="256MiB", max_model_len=2048)
-    if cpu.library() is not None and DEVICE == "cpu":
-        assert llm.config.kv_cache_dtype == "float16"  # what "auto" became
+    llm = LLM(
+        DEFAULT_MODEL,
+        dtype="float32",
+        kv_cache_dtype="float16",
+        device=DEVICE,
+        kv_cache_memory="256MiB",
+        max_model_len=2048,
+    )
     prompts = _prompts(llm.tokenizer)
     exact = [o.token_ids for o in default_llm.generate(prompts, GREEDY)]
     ours = [o.token_ids for o in llm.generate(prompts, GREEDY)]

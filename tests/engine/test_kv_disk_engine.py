@@ -92,3 +92,41 @@ def test_a_weight_files_digest_is_remembered_until_the_file_changes(tmp_path, mo
     monkeypatch.setattr(weights_digest, "hashlib", real)
     weights.write_bytes(b"b" * 1000)  # same size, new content (and mtime)
     assert weights_digest.file_sha256(weights) != first
+
+
+def test_each_cpu_kernel_path_has_its_own_disk_tier(tiny_model_path, monkeypatch):
+    """The AVX-512, AVX2 and portable kernels may round the last bits differently: KV one wrote, another never reads."""
+    import torch
+    from localpaged.kernels import cpu, cpu_isa
+
+    from localpaged.engine.setup import open_kv_disk
+    from localpaged.models.loader import load_config, resolve_model
+
+    names = [path.name for path in cpu_isa.PATHS if path.cpu_flags <= cpu_isa.cpu_flags()]
+    if cpu.library() is None or len(names) < 2:
+        pytest.skip("fewer than two native kernel paths run here")
+    files = resolve_model(str(tiny_model_path))
+    hf_config = load_config(files.folder)
+    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    folders = {}
+    try:
+        for name in names:
+            monkeypatch.setenv(cpu_isa.ENV, name)
+            cpu.chosen_path.cache_clear()
+            cpu.library.cache_clear()
+            tier = open_kv_disk(
+                EngineConfig(),
+                files,
+                hf_config,
+                head_dim,
+                types.SimpleNamespace(name="torch"),
+                torch.device("cpu"),
+                torch.float32,
+                torch.float16,  # the KV type "auto" gives on the native kernels
+            )
+            folders[name] = tier.folder
+            tier.close()
+    finally:
+        cpu.chosen_path.cache_clear()  # the next caller chooses again, once the variable is restored
+        cpu.library.cache_clear()
+    assert len(set(folders.values())) == len(names)

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from localpaged.kernels import cpu, cpu_isa
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -89,3 +90,14 @@ def nan_empty(monkeypatch):
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.fixture(params=[path.name for path in cpu_isa.PATHS if path.cpu_flags <= cpu_isa.cpu_flags()])
+def kernel_path(request, monkeypatch) -> str:
+    """Each instruction-set build of the native kernels this CPU runs, forced as LOCALPAGED_CPU_KERNELS does."""
+    monkeypatch.setenv(cpu_isa.ENV, request.param)
+    cpu.chosen_path.cache_clear()
+    cpu.library.cache_clear()
+    yield request.param
+    cpu.chosen_path.cache_clear()  # the next caller chooses again, once the variable is restored
+    cpu.library.cache_clear()

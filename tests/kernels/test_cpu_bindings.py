@@ -3,7 +3,8 @@
 A tensor the C code cannot read raises KernelArgumentError naming the argument, before any pointer
 crosses (also under ``python -O``); what only the C side can see (an index outside the cache, a
 failed allocation) comes back as a status that becomes the same kind of error; every exported
-kernel has its binding. The ABI version check is tested with the kernel cache in test_cache_folders.py.
+kernel has its binding, on every instruction-set path this CPU runs. The ABI version check is tested with
+the kernel cache in test_cache_folders.py.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import sys
 
 import pytest
 import torch
-from localpaged.kernels import cpu
+from localpaged.kernels import cpu, cpu_isa
 
 from localpaged.errors import KernelArgumentError, KernelError
 
 needs_library = pytest.mark.skipif(
-    cpu.library() is None, reason="no C compiler or no AVX2 CPU: the torch path runs instead"
+    cpu.library() is None, reason="no C compiler or no 64-bit CPU: the torch path runs instead"
 )
+# What the C side checks runs on every path this CPU runs (the argument checks above it are Python's: once).
+on_every_path = pytest.mark.usefixtures("kernel_path")
 
 
 def packed_weight(rows: int = 32, cols: int = 64) -> cpu.PackedBlocks:
@@ -149,6 +152,7 @@ def test_paged_decode_checks_every_argument(change, match):
 
 
 @needs_library
+@on_every_path
 @pytest.mark.parametrize(
     "context_lens,table,match",
     [
@@ -166,6 +170,7 @@ def test_an_index_outside_the_cache_comes_back_from_c_as_an_error(context_lens, 
 
 
 @needs_library
+@on_every_path
 @pytest.mark.parametrize("slot", [3 * 16, -2])
 def test_a_slot_outside_the_cache_is_not_written(slot):
     args = rope_args()
@@ -176,6 +181,7 @@ def test_a_slot_outside_the_cache_is_not_written(slot):
 
 
 @needs_library
+@on_every_path
 def test_a_failed_allocation_in_c_is_a_kernel_error_and_the_kernel_still_works():
     """Paged decode's scratch is (query heads per KV head) x context floats: here 2^46 of them (256 TiB, more
     than a 47-bit address space), from a cache of one block that every table entry points at."""
@@ -208,8 +214,9 @@ def test_the_checks_hold_under_python_dash_o():
 
 
 @needs_library
+@on_every_path
 def test_every_exported_kernel_has_its_binding_and_returns_a_status():
-    exported = set(re.findall(r"^int (lp_\w+)\(", cpu.SOURCE.read_text(), flags=re.MULTILINE))
+    exported = set(re.findall(r"^int (lp_\w+)\(", cpu_isa.HEADER.read_text(), flags=re.MULTILINE))
     assert exported == {kernel.name for kernel in cpu.KERNELS} | {"lp_abi_version"}
     lib = cpu.library()
     assert lib.lp_abi_version() == cpu.ABI_VERSION

@@ -1,10 +1,11 @@
-"""The native CPU kernels (kernels/cpu_kernels.c) against float64 torch, on random inputs.
+"""The native CPU kernels (each instruction-set path this CPU runs: kernel_path) against float64 torch, on random inputs.
 
 qgemm over row counts that take each path (1-4 rows expand weights in registers, more go through a
 panel: every tail of its 6-row register kernel), padded weight tiles and
 Q4_1-like (0..15 plus a min) or Q8_0-like (signed, no min) blocks, in runs of 32 or (Q6_K) 16; paged decode over ragged
 lengths, shuffled block tables, GQA ratios and NaN wherever the kernel must not read, over float32,
-bfloat16 and float16 caches; the fused RoPE + KV write against torch, bit for bit, into each cache type.
+bfloat16 and float16 caches; the fused RoPE + KV write against torch, bit for bit, into each cache type;
+every 16-bit value widened, and every kind of float32 rounded, exactly as torch converts them.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from localpaged.kernels import cpu, reference
 
 from localpaged.models.gguf_weights import BlockQuantized
 
-pytestmark = pytest.mark.skipif(
-    cpu.library() is None, reason="no C compiler or no AVX2 CPU: the torch path runs instead"
-)
+pytestmark = [
+    pytest.mark.skipif(cpu.library() is None, reason="no C compiler or no 64-bit CPU: the torch path runs instead"),
+    pytest.mark.usefixtures("kernel_path"),
+]
 
 
 def random_blocks(
@@ -128,6 +130,18 @@ def test_small_row_kernels_equal_torch():
     assert k_cache.view(-1, kv_heads, d).abs().sum(dim=(1, 2)).count_nonzero() == 4  # slot -1 wrote nothing
 
 
+@pytest.mark.parametrize("m", [1, 16])  # weights expanded in registers, and into a panel
+@pytest.mark.parametrize("q_range", [Q4_1, Q5_1])
+def test_qgemm_uses_exactly_the_dequantised_weights(m, q_range):
+    """scale * q and + min rounded one by one (gguf-py's values), never fused: one-hot rows read weights back."""
+    gen = torch.Generator().manual_seed(7)
+    weight = random_blocks(32, 64, q_range, gen)
+    packed = cpu.pack_blocks(weight.q, weight.scale, weight.minimum)
+    columns = torch.randint(64, (m,), generator=gen)
+    out = cpu.qgemm(torch.nn.functional.one_hot(columns, 64).float(), packed)
+    assert torch.equal(out, weight.dequantize().T[columns])
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 def test_rope_write_kv_rounds_into_a_16_bit_cache_as_torch_does(kv_dtype):
     """q stays float32 and equals the float32 cache's; K and V hold exactly what ``Tensor.to`` makes of them
@@ -166,3 +180,49 @@ def test_a_nan_stays_a_nan_in_a_bfloat16_cache():
     v_cache = torch.zeros_like(k_cache)
     cpu.rope_write_kv(qkv, torch.ones(1, d // 2), torch.zeros(1, d // 2), torch.tensor([0]), k_cache, v_cache, 1)
     assert v_cache[0, 0].isnan().all()
+
+
+def sixteen_bit_values(kv_dtype: torch.dtype) -> torch.Tensor:
+    """Every value of ``kv_dtype``'s 65,536 bit patterns (zeros, subnormals, infinities and NaNs among them)."""
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_paged_decode_widens_every_16_bit_value_exactly(kv_dtype):
+    """Each bit pattern as the V of a one-token context, whose softmax weight is exactly 1 (q and K zero): the output
+    is the value as the kernel widened it, which must be ``Tensor.float()``'s."""
+    d = 64
+    values = sixteen_bit_values(kv_dtype).view(-1, 1, d)
+    n = len(values)  # sequences of one token, each in its own block
+    v_cache = torch.zeros(n, 16, 1, d, dtype=kv_dtype)
+    v_cache[:, 0] = values
+    tables, lens = torch.arange(n, dtype=torch.int32)[:, None], torch.ones(n, dtype=torch.int32)
+    out = cpu.paged_decode(torch.zeros(n, 1, d), torch.zeros_like(v_cache), v_cache, tables, lens, 1.0)
+    want = values.float()
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_rope_write_kv_rounds_every_kind_of_float32_as_torch_does(kv_dtype):
+    """V (stored as it comes) over 2^20 random float32 bit patterns, and over each 16-bit value, the midpoint to the
+    next one (a tie) and the float32 values either side of both: the cache's bits are ``Tensor.to``'s, every NaN a
+    NaN (its payload is not compared: torch's vector and scalar conversions keep different ones)."""
+    gen = torch.Generator().manual_seed(11)
+    random_bits = torch.randint(-(2**31), 2**31, (2**20,), generator=gen, dtype=torch.int64).to(torch.int32)
+    exact = sixteen_bit_values(kv_dtype).float()
+    exact = exact[exact.isfinite()].sort().values
+    near = torch.cat([exact, (exact[:-1].double() + exact[1:].double()).div(2).float()])  # and the ties between
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    values = torch.cat([random_bits.view(torch.float32), near, near.nextafter(up), near.nextafter(down)])
+    d = 64
+    values = torch.cat([values, torch.zeros(-len(values) % d)]).view(-1, d)
+    n = len(values)
+    qkv = torch.cat([torch.zeros(n, d), values], dim=1)  # no q heads, one K head of zeros, V
+    k_cache = torch.zeros(-(-n // 16), 16, 1, d, dtype=kv_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.arange(n)
+    cpu.rope_write_kv(qkv, torch.ones(n, d // 2), torch.zeros(n, d // 2), slots, k_cache, v_cache, 0)
+    got, want = v_cache.view(-1, d)[:n], values.to(kv_dtype)
+    nan = values.isnan()
+    assert got[nan].isnan().all()
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))

@@ -1,0 +1,151 @@
+"""The native CPU kernels' instruction-set paths (AVX-512, AVX2, portable) side by side, in one run.
+
+Times each path this CPU runs on the default model's decode shapes (SmolLM2-135M: Q4_1 projections 576 -> 3072
+and 1536 -> 576, the Q8_0 head 576 -> 49152, paged decode of 9 query / 3 KV heads of 64 at 512 tokens over a
+float32, bfloat16 and float16 cache) for one sequence and for 16. The machines this runs on are shared and
+drift, so each figure is the best of several rounds, the paths interleaved round by round. ``--engine``
+measures the engine on the default model instead, each path in a process of its own (LOCALPAGED_CPU_KERNELS
+set), its KV cache of ``--kv-cache-dtype`` (default auto: float16 on the native kernels): one chat's decode
+tok/s after its first token (256 tokens) and 16 sessions' aggregate tok/s (benchmarks/throughput.py's
+sessions, 128 tokens each).
+
+    python benchmarks/cpu_kernel_bench.py [--rounds 5] [--context 512]
+    python benchmarks/cpu_kernel_bench.py --engine [--rounds 3] [--kv-cache-dtype auto|float32|bfloat16|float16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from localpaged.kernels import cpu, cpu_isa
+
+PROJECTIONS = {  # name: (rows out, columns in, q range, group)
+    "gate_up 576->3072 Q4_1": (3072, 576, (0, 16)),
+    "down 1536->576 Q4_1": (576, 1536, (0, 16)),
+    "head 576->49152 Q8_0": (49152, 576, (-128, 128)),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--engine", action="store_true", help="the engine's tok/s per path, not the kernels'")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV cache type (EngineConfig.kv_cache_dtype)")
+    p.add_argument("--engine-path", help=argparse.SUPPRESS)  # the child process of --engine: one path
+    return p.parse_args()
+
+
+def engine_figures(kv_cache_dtype: str) -> dict[str, float]:
+    """One chat's decode tok/s and 16 sessions' aggregate tok/s on the default model, on this process's path."""
+    from throughput import conversations, run_ours
+
+    from localpaged import LLM, SamplingParams
+
+    llm = LLM(kv_cache_dtype=kv_cache_dtype)
+    prompts = [llm.encode_chat(c) for c in conversations(16)]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    out = llm.generate(prompts[:1], SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True))[0]
+    sessions, _ = run_ours(llm, prompts, 128)
+    return {"one_chat_decode_tok_s": out.metrics.decode_tokens_per_s, "sessions16_tok_s": sessions}
+
+
+def compare_engines(names: list[str], rounds: int, kv_cache_dtype: str) -> None:
+    """Each path's engine figures, each measured in a child process of its own; the best of ``rounds``, interleaved."""
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(rounds):
+        for name in names:
+            env = {**os.environ, cpu_isa.ENV: name}
+            child = [sys.executable, __file__, "--engine-path", name, "--kv-cache-dtype", kv_cache_dtype]
+            result = subprocess.run(child, env=env, check=True, capture_output=True, text=True)
+            row = json.loads(result.stdout.strip().splitlines()[-1])
+            best[name] = {key: max(value, best.get(name, {}).get(key, 0.0)) for key, value in row.items()}
+    print(
+        f"{torch.get_num_threads()} threads; default model, greedy, EOS ignored, KV {kv_cache_dtype}; best of {rounds}"
+    )
+    print(f"{'path':10}{'one chat decode tok/s':>24}{'16 sessions tok/s':>20}")
+    for name, row in best.items():
+        print(f"{name:10}{row['one_chat_decode_tok_s']:24.1f}{row['sessions16_tok_s']:20.1f}")
+
+
+def use_path(name: str) -> None:
+    """Load ``name``'s library for the calls that follow, as LOCALPAGED_CPU_KERNELS does for a process."""
+    os.environ[cpu_isa.ENV] = name
+    cpu.chosen_path.cache_clear()
+    cpu.library.cache_clear()
+    cpu.library()
+
+
+def best_us(fn: Callable[[], object], budget_s: float = 0.3) -> float:
+    """The fastest call in about ``budget_s`` of calls (after one warm-up), in microseconds."""
+    fn()
+    best, end = float("inf"), time.perf_counter() + budget_s
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
+
+
+def cases(context: int) -> dict[str, Callable[[], object]]:
+    """Every timed call, its inputs made once."""
+    gen = torch.Generator().manual_seed(0)
+    calls: dict[str, Callable[[], object]] = {}
+    for name, (n, k, q_range) in PROJECTIONS.items():
+        q = torch.randint(*q_range, (n, k), generator=gen, dtype=torch.int8)
+        scale = torch.rand(n, k // 32, generator=gen) * 0.02
+        minimum = -torch.rand(n, k // 32, generator=gen) * 0.1 if q_range[0] == 0 else torch.zeros(n, k // 32)
+        packed = cpu.pack_blocks(q, scale, minimum)
+        for m in (1, 16):
+            x = torch.randn(m, k, generator=gen)
+            calls[f"qgemm {name}, {m} row{'s' * (m > 1)}"] = lambda x=x, packed=packed: cpu.qgemm(x, packed)
+    heads, kv_heads, d = 9, 3, 64
+    for b in (1, 16):
+        blocks = b * -(-context // 16)
+        k_cache, v_cache = (torch.randn(blocks, 16, kv_heads, d, generator=gen) for _ in range(2))
+        tables = torch.randperm(blocks, generator=gen).to(torch.int32).reshape(b, -1)
+        lens = torch.full((b,), context, dtype=torch.int32)
+        q = torch.randn(b, heads, d, generator=gen)
+        for dtype in cpu.KV_DTYPES:
+            k, v = k_cache.to(dtype), v_cache.to(dtype)
+            name = f"paged_decode {context} tok, {b} seq{'s' * (b > 1)}, {str(dtype).removeprefix('torch.')}"
+            calls[name] = lambda q=q, k=k, v=v, t=tables, n=lens: cpu.paged_decode(q, k, v, t, n, d**-0.5)
+    return calls
+
+
+def main() -> None:
+    args = parse_args()
+    if args.engine_path:
+        print(json.dumps(engine_figures(args.kv_cache_dtype)))
+        return
+    names = [path.name for path in cpu_isa.PATHS if path.cpu_flags <= cpu_isa.cpu_flags()]
+    if args.engine:
+        compare_engines(names, args.rounds, args.kv_cache_dtype)
+        return
+    use_path(names[0])
+    calls = cases(args.context)  # packed once: every path reads the same layout
+    best = {(case, name): float("inf") for case in calls for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            use_path(name)
+            for case, fn in calls.items():
+                best[case, name] = min(best[case, name], best_us(fn))
+    print(f"{torch.get_num_threads()} threads; best of {args.rounds} rounds, microseconds per call")
+    print(f"{'':48}" + "".join(f"{name:>10}" for name in names) + "   vs avx2")
+    for case in calls:
+        row = "".join(f"{best[case, name]:10.1f}" for name in names)
+        ratios = " ".join(
+            f"{best[case, 'avx2'] / best[case, n]:.2f}x" for n in names if n != "avx2" and "avx2" in names
+        )
+        print(f"{case:48}{row}   {ratios}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Which build of the native CPU kernels this CPU runs: AVX-512, AVX2 or portable (plain C), chosen at load time.
+
+Each path is a set of C sources and compiler flags; ``kernels/cpu.py`` builds the chosen one into its own
+cache folder (named for sources + flags + compiler). The choice follows what the CPU reports (the ``flags``
+line of /proc/cpuinfo on x86-64 Linux): the widest path whose instruction sets are all there. ARM, and any
+machine that reports no flags, gets the portable path, which every 64-bit CPU with GCC 12+ runs.
+``LOCALPAGED_CPU_KERNELS=avx512|avx2|portable`` forces one (``auto``, or unset, chooses).
+
+The AVX-512 path is the portable source built with AVX-512 flags (each 16-float tile column one register);
+no hand-written AVX-512 kernel is kept, only F16C's conversions for fp16 KV (cpu_kernels_avx512.c). Measured
+on this project's 2-core AMD EPYC (Zen 4, whose 512-bit instructions run as two 256-bit halves), one thread,
+best of 3 (benchmarks/cpu_kernel_bench.py), against the hand-written AVX2 kernels: one row of a Q4_1
+projection 0.96x, of the Q8_0 head 1.33x, 16 rows 1.00x, paged decode 0.95-1.09x; the engine on the default
+model, one chat 55.0 against 55.7 tok/s, 16 sessions 194 against 191: even here, within the machine's noise.
+It is the default where the CPU has it: CPUs with full-width AVX-512 units have more to gain, and the path
+costs no kernel source of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from localpaged.errors import ConfigError
+
+HERE = Path(__file__).parent
+HEADER = HERE / "cpu_kernels.h"  # the interface every build exports
+QGEMM_INSTANCES = HERE / "cpu_qgemm_instances.h"  # lp_qgemm's dispatch, included by both kernel sources
+KV_DISPATCH = HERE / "cpu_kv_dispatch.h"  # lp_paged_decode's and lp_rope_write_kv's, included by both as well
+PACK = HERE / "cpu_pack.c"
+ENV = "LOCALPAGED_CPU_KERNELS"
+COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """One build of the kernels: its sources, its flags, and the x86 CPU flags it needs (none: any CPU)."""
+
+    name: str
+    source: Path  # the kernels; PACK and the headers go into every build
+    flags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+    includes: tuple[Path, ...] = ()  # other sources the kernels' file includes
+
+    @property
+    def sources(self) -> tuple[Path, ...]:
+        """The C files compiled together."""
+        return (self.source, PACK)
+
+    @property
+    def inputs(self) -> tuple[Path, ...]:
+        """Every file whose bytes decide the library: the sources and the headers they include."""
+        return (*self.sources, *self.includes, HEADER, QGEMM_INSTANCES, KV_DISPATCH)
+
+
+# Widest first: "auto" takes the first one the CPU runs. The AVX2 source is built with contraction off (its
+# weight expansion must round step by step, see cpu_kernels.c); the portable one marks those spots itself.
+PATHS = (
+    KernelPath(
+        "avx512",
+        HERE / "cpu_kernels_avx512.c",
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=fast", *COMMON_FLAGS),
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}),
+        includes=(HERE / "cpu_kernels_portable.c",),
+    ),
+    KernelPath(
+        "avx2",
+        HERE / "cpu_kernels.c",
+        ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", *COMMON_FLAGS),
+        frozenset({"avx2", "fma", "f16c"}),
+    ),
+    KernelPath("portable", HERE / "cpu_kernels_portable.c", ("-ffp-contract=fast", *COMMON_FLAGS), frozenset()),
+)
+BY_NAME = {path.name: path for path in PATHS}
+
+
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags the CPU reports (/proc/cpuinfo on x86-64 Linux), or none where it reports none."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return frozenset()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def choose_path(flags: frozenset[str] | None = None) -> KernelPath:
+    """The path to build: ``LOCALPAGED_CPU_KERNELS`` where set (checked against the CPU), else the widest it runs.
+
+    A name that is not a path, or a path whose instruction sets the CPU lacks (it would die on an illegal
+    instruction), is a ConfigError naming the choices.
+    """
+    flags = cpu_flags() if flags is None else flags
+    runnable = [path for path in PATHS if path.cpu_flags <= flags]
+    wanted = os.environ.get(ENV, "").strip().lower()
+    if wanted in ("", "auto"):
+        return runnable[0]
+    if wanted not in BY_NAME:
+        raise ConfigError(f"{ENV}={wanted!r} is not a kernel path: choose one of auto, {', '.join(BY_NAME)}")
+    path = BY_NAME[wanted]
+    if path not in runnable:
+        missing = ", ".join(sorted(path.cpu_flags - flags))
+        raise ConfigError(
+            f"{ENV}={wanted}: this CPU lacks {missing}, so that build cannot run here; "
+            f"choose one of auto, {', '.join(p.name for p in runnable)}"
+        )
+    return path

@@ -1,0 +1,470 @@
+/* Native CPU kernels in plain C: GCC/Clang vector extensions and OpenMP, no intrinsics (kernels/cpu.py's
+ * "portable" path on ARM and on x86 CPUs without AVX2, and its "avx512" path: this source built with AVX-512
+ * flags, where each 16-float vector below is one register, included by cpu_kernels_avx512.c for F16C's fp16
+ * conversions). Same interface (cpu_kernels.h), packed layout and numbers as the AVX2 kernels of cpu_kernels.c:
+ * read that file for how each kernel works; here only what differs.
+ *
+ * Built with -ffp-contract=fast, so a product and a sum fuse into one FMA wherever the CPU has it (dot products,
+ * exp's polynomial). Where the result must be rounded step by step, the product goes through ROUNDED, which no
+ * contraction crosses: the weights' expansion (scale * q, then + min: exactly gguf-py's dequantised values) and
+ * RoPE (bit for bit torch's elementwise ops).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#if !defined(__has_builtin) || !__has_builtin(__builtin_assoc_barrier) || !__has_builtin(__builtin_shufflevector) || \
+    !__has_builtin(__builtin_convertvector)
+#error "cpu_kernels_portable.c needs GCC 12 or later (for __builtin_assoc_barrier, shufflevector, convertvector)"
+#endif
+/* ROUNDED(x): x as computed, never fused with what consumes it. GCC 12 splits 64-byte vectors around its barrier
+ * builtin into single lanes when AVX-512VL is on (10x slower qgemm, measured), so there an empty asm holding the
+ * value in a vector register ("v") does the same job; x86 without FMA has nothing to fuse. */
+#if defined(__AVX512F__)
+#define ROUNDED(x) __extension__({ __typeof__(x) rounded_ = (x); __asm__("" : "+v"(rounded_)); rounded_; })
+#elif defined(__x86_64__) && !defined(__FMA__)
+#define ROUNDED(x) (x)
+#else
+#define ROUNDED(x) __builtin_assoc_barrier(x)
+#endif
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+typedef float floats16 __attribute__((vector_size(64))); /* one tile column: 16 weight rows */
+typedef int32_t ints16 __attribute__((vector_size(64)));
+typedef int16_t shorts16 __attribute__((vector_size(32)));
+typedef int8_t bytes16 __attribute__((vector_size(16)));
+typedef int8_t bytes8 __attribute__((vector_size(8)));
+typedef float floats8 __attribute__((vector_size(32))); /* attention and row kernels: widths are multiples of 8 */
+typedef int32_t ints8 __attribute__((vector_size(32)));
+typedef float floats4 __attribute__((vector_size(16)));
+typedef uint32_t uints8 __attribute__((vector_size(32))); /* 16-bit cache values, worked on as 32-bit bit patterns */
+typedef uint16_t halves8 __attribute__((vector_size(16)));
+
+/* Unaligned loads and stores: memcpy is what compilers turn into one vector move, without aliasing doubts. */
+static ALWAYS_INLINE floats16 load16(const float *p) {
+    floats16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static ALWAYS_INLINE void store16(float *p, floats16 v) { memcpy(p, &v, sizeof v); }
+static ALWAYS_INLINE floats8 load8(const float *p) {
+    floats8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static ALWAYS_INLINE void store8(float *p, floats8 v) { memcpy(p, &v, sizeof v); }
+
+int lp_abi_version(void) { return LP_ABI_VERSION; }
+
+static __thread float *panel = NULL; /* one per OpenMP thread, grown to the widest K seen */
+static __thread long panel_floats = 0;
+
+/* 16 signed bytes as 32-bit integers, written the way GCC 12 turns into vector code on each target (measured in
+ * its output): its direct conversion goes one byte at a time, and each other form is good on one target only. */
+static ALWAYS_INLINE ints16 widen(bytes16 v) {
+#if defined(__AVX512F__) /* one vpmovsxbd */
+    const ints16 w = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]};
+    return w;
+#elif defined(__aarch64__) /* sxtl, sxtl2 */
+    ints16 w;
+    for (int j = 0; j < 16; j++) w[j] = v[j];
+    return w;
+#else
+    return __builtin_convertvector(__builtin_convertvector(v, shorts16), ints16);
+#endif
+}
+
+/* Column k of a tile: its 16 q values as floats, worked on in 32-bit lanes. For 4 and 5 bits the 8 bytes are read
+ * twice over (rows j and j + 8 share byte j), each half shifted to its own nibble; the fifth bits come from a
+ * 16-bit word, bit j for row j. No lane crosses another: on AVX-512 one widening, then shifts and masks, where
+ * putting the nibbles side by side as bytes first cost shuffles (gate_up, one row, one thread: 162 -> 144 us, the
+ * AVX2 kernels' 139). Shifting the upper half alone instead of all and selecting costs 178 there. */
+static ALWAYS_INLINE floats16 load_column(const int BITS, const int HAS_OFFSET, const int8_t *q, long K, long k,
+                                          int8_t offset) {
+    if (BITS == 8) {
+        bytes16 v;
+        memcpy(&v, q + k * TILE, sizeof v);
+        return __builtin_convertvector(widen(v), floats16);
+    }
+    bytes8 b;
+    memcpy(&b, q + k * TILE / 2, sizeof b);
+    const ints16 bytes = widen(__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7));
+#if defined(__x86_64__) && !defined(__AVX2__) /* no shift by lane before AVX2: shift all, keep the upper half's */
+    const ints16 high_half = {0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1};
+    ints16 v = ((bytes & ~high_half) | (bytes >> 4 & high_half)) & 15;
+#else
+    const ints16 nibble_shift = {0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
+    ints16 v = bytes >> nibble_shift & 15;
+#endif
+    if (BITS == 5) {
+        uint16_t word;
+        memcpy(&word, q + K * TILE / 2 + 2 * k, sizeof word);
+        const ints16 row = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        v |= (((ints16){0} + word) >> row & 1) << 4;
+    }
+    if (HAS_OFFSET) v -= offset;
+    return __builtin_convertvector(v, floats16);
+}
+
+/* Column k's 16 weights: scale * q, then + min, each rounded (see the top). */
+static ALWAYS_INLINE floats16 weights(const int BITS, const int HAS_OFFSET, const int HAS_MIN, const int8_t *q, long K,
+                                      long k, int8_t offset, floats16 s, floats16 m) {
+    floats16 w = ROUNDED(s * load_column(BITS, HAS_OFFSET, q, K, k, offset));
+    return HAS_MIN ? w + m : w;
+}
+
+/* R rows of X (R <= 6, a constant after inlining) times one panel: R accumulators of 16 floats. */
+static ALWAYS_INLINE void rows_times_panel(const int R, const float *X, long K, const float *P, float *Y, long ldy) {
+    floats16 a[6];
+    for (int i = 0; i < R; i++) a[i] = (floats16){0};
+    for (long k = 0; k < K; k++) {
+        const floats16 w = load16(P + k * TILE);
+        for (int i = 0; i < R; i++) a[i] += X[i * K + k] * w;
+    }
+    for (int i = 0; i < R; i++) store16(Y + i * ldy, a[i]);
+}
+
+/* R rows of X (R <= 4) times one tile, each column of weights expanded in registers as it goes. With one or two
+ * rows each row sums even and odd columns apart: a single chain waits out every FMA's latency (one row of the
+ * default model's Q8_0 head, one thread, AVX-512: 1970 -> 1720 us). */
+static ALWAYS_INLINE void rows_times_tile(const int BITS, const int HAS_OFFSET, const int GROUP, const int HAS_MIN,
+                                          const int R, const float *X, long K, const int8_t *q, int8_t offset,
+                                          const float *scale, const float *min, float *Y, long ldy) {
+    const int CHAINS = R <= 2 ? 2 : 1;
+    floats16 a[4][2];
+    for (int i = 0; i < R; i++) a[i][0] = a[i][1] = (floats16){0};
+    for (long kb = 0; kb < K / GROUP; kb++) {
+        const floats16 s = load16(scale + kb * TILE), m = HAS_MIN ? load16(min + kb * TILE) : (floats16){0};
+        for (long k = kb * GROUP; k < (kb + 1) * GROUP; k += CHAINS)
+            for (int c = 0; c < CHAINS; c++) {
+                const floats16 w = weights(BITS, HAS_OFFSET, HAS_MIN, q, K, k + c, offset, s, m);
+                for (int i = 0; i < R; i++) a[i][c] += X[i * K + k + c] * w;
+            }
+    }
+    for (int i = 0; i < R; i++) store16(Y + i * ldy, CHAINS == 2 ? a[i][0] + a[i][1] : a[i][0]);
+}
+
+static ALWAYS_INLINE int qgemm_tile(const int BITS, const int HAS_OFFSET, const int GROUP, const int HAS_MIN, long t,
+                                    const float *X, long M, long K, const int8_t *q, int8_t offset, const float *scale,
+                                    const float *min, long N_padded, float *Y) {
+    const long groups = K / GROUP, tile_bytes = K * 2 * BITS;
+    const int8_t *qt = q + t * tile_bytes;
+    const float *st = scale + t * groups * TILE, *mt = HAS_MIN ? min + t * groups * TILE : NULL;
+    float *y = Y + t * TILE;
+    if (M <= 4) {
+        switch (M) {
+            case 4: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 4, X, K, qt, offset, st, mt, y, N_padded); break;
+            case 3: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 3, X, K, qt, offset, st, mt, y, N_padded); break;
+            case 2: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 2, X, K, qt, offset, st, mt, y, N_padded); break;
+            case 1: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 1, X, K, qt, offset, st, mt, y, N_padded); break;
+        }
+        return LP_OK;
+    }
+    if (panel_floats < K * TILE) {
+        free(panel);
+        panel = aligned_alloc(64, K * TILE * sizeof(float));
+        panel_floats = panel ? K * TILE : 0;
+        if (!panel) return LP_OUT_OF_MEMORY;
+    }
+    for (long kb = 0; kb < groups; kb++) {
+        const floats16 s = load16(st + kb * TILE), m = HAS_MIN ? load16(mt + kb * TILE) : (floats16){0};
+        for (long k = kb * GROUP; k < (kb + 1) * GROUP; k++)
+            store16(panel + k * TILE, weights(BITS, HAS_OFFSET, HAS_MIN, qt, K, k, offset, s, m));
+    }
+    long r = 0;
+    for (; r + 6 <= M; r += 6) rows_times_panel(6, X + r * K, K, panel, y + r * N_padded, N_padded);
+    const float *x = X + r * K;
+    y += r * N_padded;
+    switch (M - r) {
+        case 5: rows_times_panel(5, x, K, panel, y, N_padded); break;
+        case 4: rows_times_panel(4, x, K, panel, y, N_padded); break;
+        case 3: rows_times_panel(3, x, K, panel, y, N_padded); break;
+        case 2: rows_times_panel(2, x, K, panel, y, N_padded); break;
+        case 1: rows_times_panel(1, x, K, panel, y, N_padded); break;
+    }
+    return LP_OK;
+}
+
+/* One function per (bits, offset or not, group, min or not), its OpenMP region where those are literals (why: see
+ * QGEMM_FN in cpu_kernels.c). */
+#define QGEMM_FN(BITS, HAS_OFFSET, GROUP, HAS_MIN)                                                                   \
+    static int qgemm_##BITS##_##HAS_OFFSET##_##GROUP##_##HAS_MIN(const float *X, long M, long K, const int8_t *q,     \
+                                                                 int q_offset, const float *scale, const float *min,  \
+                                                                 long N_padded, float *Y) {                           \
+        int status = LP_OK;                                                                                           \
+        _Pragma("omp parallel for schedule(static)") for (long t = 0; t < N_padded / TILE; t++) {                    \
+            if (qgemm_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, t, X, M, K, q, (int8_t)q_offset, scale, min, N_padded,   \
+                           Y) != LP_OK)                                                                               \
+                _Pragma("omp atomic write") status = LP_OUT_OF_MEMORY;                                                \
+        }                                                                                                             \
+        return status;                                                                                                \
+    }
+#include "cpu_qgemm_instances.h"
+
+static ALWAYS_INLINE floats8 select8(ints8 mask, floats8 yes, floats8 no) {
+    return (floats8)((mask & (ints8)yes) | (~mask & (ints8)no));
+}
+
+/* exp for 8 floats, as exp8 in cpu_kernels.c (Cephes' expf, inputs clamped to [-87.3, 88.3]); n = round(x / ln 2)
+ * by adding and taking off 1.5 * 2^23, which rounds to the nearest integer as the AVX2 version's round does. */
+static ALWAYS_INLINE floats8 exp8(floats8 x) {
+    const floats8 lowest = (floats8){0} - 87.3f, highest = (floats8){0} + 88.3f;
+    x = select8(x < lowest, lowest, select8(x > highest, highest, x));
+    const float shifter = 12582912.0f;
+    const floats8 n = (x * 1.44269504088896341f + shifter) - shifter;
+    x = x - n * 0.693359375f;
+    x = x - n * -2.12194440e-4f;
+    floats8 y = 1.9875691500e-4f + (floats8){0};
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * (x * x) + (x + 1.0f);
+    const ints8 e = (__builtin_convertvector(n, ints8) + 127) << 23;
+    return y * (floats8)e;
+}
+
+static ALWAYS_INLINE float sum8(floats8 v) {
+    const floats4 h = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (h[0] + h[2]) + (h[1] + h[3]);
+}
+
+/* 8 16-bit values as 32-bit lanes and back, written the way GCC 12 turns into one instruction each (vpmovzxwd and
+ * vpmovdw, uxtl and uzp1); its __builtin_convertvector takes 5 instructions on AVX-512 for the first. */
+static ALWAYS_INLINE uints8 widen_halves(halves8 h) { return (uints8){h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]}; }
+static ALWAYS_INLINE halves8 narrow_halves(uints8 w) {
+    return (halves8){w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]};
+}
+
+static ALWAYS_INLINE uints8 select_bits(ints8 mask, uints8 yes, uints8 no) {
+    return ((uints8)mask & yes) | (~(uints8)mask & no);
+}
+
+/* fp16 <-> fp32, 8 values at a time: F16_TO_F32(halves8) exactly, F32_TO_F16(floats8) rounded to nearest even as
+ * torch's .to() rounds (overflow to infinity, subnormals kept, a NaN a NaN). By the hardware where the compiler
+ * gives its vector conversions: F16C in cpu_kernels_avx512.c, which defines both and includes this file, and
+ * _Float16 on AArch64 (fcvtl; narrowing goes a lane at a time, only on the KV write). Elsewhere, GCC 12 converts
+ * _Float16 a lane at a time (x86) or has no such type, so integer ops do it. */
+#if defined(F16_TO_F32)
+#elif defined(__aarch64__)
+typedef _Float16 float16s8 __attribute__((vector_size(16)));
+#define F16_TO_F32(h) __builtin_convertvector((float16s8)(h), floats8)
+#define F32_TO_F16(x) ((halves8)__builtin_convertvector((x), float16s8))
+#else
+/* A normal number's exponent is rebased by 112 (127 - 15); infinity and NaN (exponent 31) by 224, to fp32's 255,
+ * the payload kept; a subnormal, m * 2^-24, is m converted and scaled: normal fp32 arithmetic, which no
+ * flush-to-zero mode changes. */
+static ALWAYS_INLINE floats8 widen_f16(halves8 half) {
+    const uints8 h = widen_halves(half);
+    const ints8 exponent = (ints8)(h & 0x7C00);
+    uints8 bits = ((h & 0x7FFF) << 13) + (112u << 23);
+    bits = select_bits(exponent == 0x7C00, bits + (112u << 23), bits);
+    bits = select_bits(exponent == 0, (uints8)(__builtin_convertvector((ints8)(h & 0x3FF), floats8) * 0x1p-24f), bits);
+    return (floats8)(bits | (h & 0x8000) << 16);
+}
+
+/* A result of 2^-14 or more: the exponent rebased, then 0xFFF plus the lowest kept bit added before the low 13 bits
+ * are dropped (a carry out of 65504 makes the infinity 0x7C00). Below 2^-14, |x| + 0.5 in fp32 leaves |x| rounded
+ * to a multiple of 2^-24, the subnormal's bits, in its mantissa. Past 65535 the result is infinity, and a NaN is the
+ * quiet NaN 0x7E00, each with x's sign, as torch's scalar conversion gives. */
+static ALWAYS_INLINE halves8 narrow_f16(floats8 x) {
+    const uints8 u = (uints8)x, magnitude = u & 0x7FFFFFFF, half = (uints8)((floats8){0} + 0.5f);
+    uints8 h = (magnitude - (112u << 23) + 0xFFF + (magnitude >> 13 & 1)) >> 13;
+    h = select_bits((ints8)(magnitude < (113u << 23)), (uints8)((floats8)magnitude + 0.5f) - half, h);
+    h = select_bits((ints8)(magnitude >= (143u << 23)), (uints8){0} + 0x7C00, h);
+    h = select_bits((ints8)(magnitude > 0x7F800000), (uints8){0} + 0x7E00, h);
+    return narrow_halves(h | (u >> 16 & 0x8000));
+}
+#define F16_TO_F32(h) widen_f16(h)
+#define F32_TO_F16(x) narrow_f16(x)
+#endif
+
+/* Cache values i .. i + 7 of p, as fp32 (exactly, for every type): bf16 is an fp32's top half. KV is a constant
+ * after inlining. */
+static ALWAYS_INLINE floats8 load_kv8(const int KV, const void *p, long i) {
+    if (KV == LP_KV_F32) return load8((const float *)p + i);
+    halves8 h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    return KV == LP_KV_F16 ? F16_TO_F32(h) : (floats8)(widen_halves(h) << 16);
+}
+
+/* x into cache values i .. i + 7 of p, rounded to nearest even as torch's .to() rounds; bf16 by adding 0x7FFF plus
+ * the lowest kept bit, then dropping the low half (a NaN is stored as the quiet NaN 0x7FC0: rounding would carry
+ * some NaNs into an infinity). */
+static ALWAYS_INLINE void store_kv8(const int KV, void *p, long i, floats8 x) {
+    if (KV == LP_KV_F32) {
+        store8((float *)p + i, x);
+        return;
+    }
+    halves8 h;
+    if (KV == LP_KV_F16) {
+        h = F32_TO_F16(x);
+    } else {
+        const uints8 u = (uints8)x, rounded = (u + 0x7FFF + (u >> 16 & 1)) >> 16;
+        h = narrow_halves(select_bits((ints8)((u & 0x7FFFFFFF) > 0x7F800000), (uints8){0} + 0x7FC0, rounded));
+    }
+    memcpy((uint16_t *)p + i, &h, sizeof h);
+}
+
+/* o[0 : 8*VECS] = inv * sum over the context of p[t] * V row t, from column col of each row on, as weighted_rows in
+ * cpu_kernels.c. */
+static ALWAYS_INLINE void weighted_rows(const int KV, const int VECS, const float *p, long ctx, const int32_t *table,
+                                        const void *v, long col, long stride, float inv, float *o) {
+    floats8 a[8];
+    for (int i = 0; i < VECS; i++) a[i] = (floats8){0};
+    for (long blk = 0; blk * 16 < ctx; blk++) {
+        const long vb = (long)table[blk] * 16 * stride + col;
+        const long n = ctx - blk * 16 < 16 ? ctx - blk * 16 : 16;
+        for (long t = 0; t < n; t++) {
+            const float w = p[blk * 16 + t];
+            for (int i = 0; i < VECS; i++) a[i] += w * load_kv8(KV, v, vb + t * stride + 8 * i);
+        }
+    }
+    for (int i = 0; i < VECS; i++) store8(o + 8 * i, a[i] * inv);
+}
+
+static __thread float *scores = NULL; /* [G, context] per OpenMP thread */
+static __thread long scores_floats = 0;
+
+/* Sequence b's G = H / KVH query heads of KV head kvh over its context, as decode_task in cpu_kernels.c. */
+static ALWAYS_INLINE int decode_task(const int KV, long b, long kvh, const float *q, const void *k_cache,
+                                     const void *v_cache, const int32_t *block_tables, const int32_t *context_lens,
+                                     long H, long KVH, long D, long max_blocks, long num_blocks, float scale,
+                                     float *out) {
+    const long G = H / KVH, BS = 16, ctx = context_lens[b];
+    const int32_t *table = block_tables + b * max_blocks;
+    if (!context_fits(table, ctx, max_blocks, num_blocks)) return LP_BAD_INDEX;
+    if (scores_floats < G * ctx) {
+        free(scores);
+        scores = malloc(G * ctx * sizeof(float));
+        scores_floats = scores ? G * ctx : 0;
+        if (!scores) return LP_OUT_OF_MEMORY;
+    }
+    const float *qh = q + (b * H + kvh * G) * D;
+#define KROW(j) ((((long)table[(j) / BS] * BS + (j) % BS) * KVH + kvh) * D) /* where token j's K starts */
+    for (long g = 0; g < G; g++) {
+        const float *qg = qh + g * D;
+        long j = 0;
+        for (; j + 8 <= ctx; j += 8) { /* 8 tokens at a time: 8 independent chains */
+            long k[8];
+            floats8 acc[8];
+            for (int t = 0; t < 8; t++) k[t] = KROW(j + t), acc[t] = (floats8){0};
+            for (long d = 0; d < D; d += 8) {
+                const floats8 qd = load8(qg + d);
+                for (int t = 0; t < 8; t++) acc[t] += qd * load_kv8(KV, k_cache, k[t] + d);
+            }
+            for (int t = 0; t < 8; t++) scores[g * ctx + j + t] = sum8(acc[t]) * scale;
+        }
+        for (; j < ctx; j++) {
+            const long k = KROW(j);
+            floats8 acc = {0};
+            for (long d = 0; d < D; d += 8) acc += load8(qg + d) * load_kv8(KV, k_cache, k + d);
+            scores[g * ctx + j] = sum8(acc) * scale;
+        }
+    }
+#undef KROW
+    for (long g = 0; g < G; g++) {
+        float *s = scores + g * ctx, mx = s[0], total = 0.0f;
+        for (long j = 1; j < ctx; j++) mx = s[j] > mx ? s[j] : mx;
+        long j = 0;
+        floats8 sum = {0};
+        for (; j + 8 <= ctx; j += 8) {
+            const floats8 e = exp8(load8(s + j) - mx);
+            store8(s + j, e);
+            sum += e;
+        }
+        total = sum8(sum);
+        if (j < ctx) {
+            float tail[8] = {0};
+            for (long t = j; t < ctx; t++) tail[t - j] = s[t] - mx;
+            const floats8 e = exp8(load8(tail));
+            for (long t = j; t < ctx; t++) s[t] = e[t - j], total += e[t - j];
+        }
+        const float inv = 1.0f / total;
+        float *o = out + (b * H + kvh * G + g) * D;
+        for (long d0 = 0; d0 < D; d0 += 64) { /* up to 64 columns per walk over the tokens */
+            const long col = kvh * D + d0, stride = KVH * D;
+            switch ((D - d0 < 64 ? D - d0 : 64) / 8) {
+                case 8: weighted_rows(KV, 8, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 7: weighted_rows(KV, 7, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 6: weighted_rows(KV, 6, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 5: weighted_rows(KV, 5, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 4: weighted_rows(KV, 4, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 3: weighted_rows(KV, 3, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 2: weighted_rows(KV, 2, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 1: weighted_rows(KV, 1, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+            }
+        }
+    }
+    return LP_OK;
+}
+
+/* The small per-layer steps, as in cpu_kernels.c: rows to OpenMP threads only when there are many. */
+
+int lp_add_rms_norm(const float *x, const float *residual, const float *weight, int64_t M, int64_t D, float eps,
+                    float *sum, float *out) {
+    if (M < 0 || D <= 0 || D % 8) return LP_BAD_ARGUMENT;
+#pragma omp parallel for if (M >= 64)
+    for (long r = 0; r < M; r++) {
+        const float *xr = x + r * D;
+        float *sr = sum + r * D, *o = out + r * D;
+        floats8 sq = {0};
+        for (long d = 0; d < D; d += 8) {
+            floats8 v = load8(xr + d);
+            if (residual) v += load8(residual + r * D + d);
+            store8(sr + d, v);
+            sq += v * v;
+        }
+        const float inv = 1.0f / sqrtf(sum8(sq) / (float)D + eps);
+        for (long d = 0; d < D; d += 8) store8(o + d, load8(sr + d) * inv * load8(weight + d));
+    }
+    return LP_OK;
+}
+
+int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
+    if (M < 0 || I <= 0 || I % 8) return LP_BAD_ARGUMENT;
+#pragma omp parallel for if (M >= 64)
+    for (long r = 0; r < M; r++) {
+        const float *g = gate_up + r * 2 * I, *u = g + I;
+        float *o = out + r * I;
+        for (long i = 0; i < I; i += 8) {
+            const floats8 x = load8(g + i);
+            store8(o + i, x / (1.0f + exp8(-x)) * load8(u + i)); /* exp(-x): large -x saturates, silu -> 0 */
+        }
+    }
+    return LP_OK;
+}
+
+/* Token n of lp_rope_write_kv, as rope_write_row in cpu_kernels.c; each product ROUNDED, so q and k equal torch's
+ * bit for bit before the cache's rounding. */
+static ALWAYS_INLINE void rope_write_row(const int KV, long n, long slot, const float *qkv, const float *cos,
+                                         const float *sin, long H, long KVH, long D, void *k_cache, void *v_cache,
+                                         float *q_out) {
+    const long half = D / 2, width = (H + 2 * KVH) * D;
+    const float *row = qkv + n * width, *c = cos + n * half, *s = sin + n * half;
+    for (long h = 0; h < H + KVH; h++) {
+        if (h >= H && slot < 0) break;
+        const float *x = row + h * D;
+        for (long i = 0; i < half; i += 8) {
+            const floats8 x1 = load8(x + i), x2 = load8(x + half + i), cv = load8(c + i), sv = load8(s + i);
+            const floats8 lo = ROUNDED(x1 * cv) - ROUNDED(x2 * sv), hi = ROUNDED(x2 * cv) + ROUNDED(x1 * sv);
+            if (h < H) {
+                store8(q_out + (n * H + h) * D + i, lo);
+                store8(q_out + (n * H + h) * D + half + i, hi);
+            } else {
+                const long k = (slot * KVH + h - H) * D;
+                store_kv8(KV, k_cache, k + i, lo);
+                store_kv8(KV, k_cache, k + half + i, hi);
+            }
+        }
+    }
+    if (slot >= 0)
+        for (long i = 0; i < KVH * D; i += 8)
+            store_kv8(KV, v_cache, slot * KVH * D + i, load8(row + (H + KVH) * D + i));
+}
+
+#include "cpu_kv_dispatch.h"
