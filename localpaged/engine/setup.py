@@ -66,8 +66,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV pool's element type: the one named, or for "auto" float16 where the AVX2 or AVX-512
-    kernels run the model in float32, else the model's ``dtype``.
+    """The KV pool's element type: the one named, or for "auto" float16 where native CPU kernels with a
+    fast float16 conversion (``KernelPath.fast_float16_kv``) run the model in float32, else the model's ``dtype``.
 
     float16 KV (float32 math) by measurement, default model, 2 cores, best of five interleaved runs:
     16 sessions with the 2,500-token coding prompt 154.9 against 135.2 tok/s with float32 KV, one chat
@@ -75,13 +75,10 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> tor
     the disk tier's bytes. Over the parity prompts (8 x 64 greedy tokens) it gave the very tokens of
     float32 KV, which stays the exact path (``kv_cache_dtype="float32"``) that the parity tests run.
     llama.cpp's default KV type is float16 as well. bfloat16 agreed on 84.6% only (8 significant bits).
-    The portable kernels keep float32 KV: on x86 they convert float16 with integer operations, and
-    there the engine ran one chat at 25.4 tok/s against 28.8 with float32 KV, 16 sessions at 42.9
-    against 60.0 (ARM's float16 conversion is native, but unmeasured here).
     """
     if name != "auto":
         return getattr(torch, name)
-    fast_float16 = cpu.runs(device, dtype) and cpu.chosen_path().name != "portable"
+    fast_float16 = cpu.runs(device, dtype) and cpu.chosen_path().fast_float16_kv
     return torch.float16 if dtype == torch.float32 and fast_float16 else dtype
 
 

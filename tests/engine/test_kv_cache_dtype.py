@@ -84,8 +84,8 @@ def test_16_bit_kv_takes_the_native_kernels(tiny_llm, monkeypatch):
 def test_auto_is_float16_on_the_avx_cpu_kernels_else_the_models_dtype(tiny_llm):
     from tests.conftest import DEVICE
 
-    vector_kernels = cpu.library() is not None and cpu.chosen_path().name != "portable"
-    want = torch.float16 if vector_kernels and DEVICE == "cpu" else torch.float32
+    fast_float16 = cpu.library() is not None and cpu.chosen_path().fast_float16_kv
+    want = torch.float16 if fast_float16 and DEVICE == "cpu" else torch.float32
     llm = tiny_llm()
     assert llm.runner.kv_cache.dtype == want and llm.config.kv_cache_dtype == str(want).removeprefix("torch.")
     assert tiny_llm(dtype="bfloat16").runner.kv_cache.dtype == torch.bfloat16  # no native kernels: the model's
