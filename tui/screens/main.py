@@ -6,6 +6,7 @@ from typing import Any
 
 from localpaged.tui.actions import ChatActions
 from localpaged.tui.live import EngineDied, LiveChat, ReplyActivity
+from localpaged.tui.redraw_pacer import REDRAW_S, RedrawPacer
 from localpaged.tui.screens.chat_settings import ChatSettingsChoice, ChatSettingsDialog
 from localpaged.tui.widgets.bubble import MessageBubble, metrics_note
 from localpaged.tui.widgets.chat_input import ChatInput
@@ -25,11 +26,6 @@ from localpaged.config_file import Settings
 from localpaged.errors import EngineDeadError, LocalpagedError, RemoteEngineError
 
 REFRESH_S = 0.5  # status line and KV map
-# The open chat's growing reply is drawn at most this often, however fast tokens come. Every redraw
-# re-lays out the screen (~15 ms of CPU here), and that CPU is taken from the engine core on a
-# 2-core machine. Measured on one chat, 256 greedy tokens, headless app, three runs each:
-# 30/s 67-70 tok/s (front end 1.0 s of CPU), 15/s 75-80 (0.64 s), 10/s 76-82 (0.54-0.84 s).
-REDRAW_S = 1 / 10
 
 
 class MainScreen(ChatActions):
@@ -66,6 +62,7 @@ class MainScreen(ChatActions):
         self.engine_lost = False  # the engine died: no figures until the app hands over a new one
         self._first_open = open_id
         self._redraw: Timer  # made on mount; ticks every REDRAW_S while the open chat's reply grows
+        self._pacer = RedrawPacer()  # which ticks redraw
         self._redraw_due = False
         self._bindings_shown: tuple = ()  # what the footer was last told (refresh_bindings_if_changed)
         self._last_encoded: tuple[object, list[int]] = (None, [])  # the latest chat counted, and its ids
@@ -187,7 +184,7 @@ class MainScreen(ChatActions):
             bubbles = [MessageBubble(role, text) for role, text in chat.before]
             self.live_bubble = MessageBubble("assistant", chat.reply, note="generating…")
             bubbles.append(self.live_bubble)
-            self._redraw.resume()
+            self._resume_redraw()
         else:
             self.live_bubble = None
             bubbles = [
@@ -224,7 +221,7 @@ class MainScreen(ChatActions):
         shown = chat.session.id == self.open_id and self.live_bubble is not None
         if event.phase == "first" and shown:
             await self.live_bubble.grow(chat.reply)  # the first words at once, the rest every REDRAW_S
-            self._redraw.resume()
+            self._resume_redraw()
         elif event.phase == "done":
             if chat.error and not isinstance(chat.failure, (EngineDeadError, RemoteEngineError)):  # their own screen
                 self.notify(chat.error, title="Reply failed", severity="error", timeout=8)
@@ -255,9 +252,13 @@ class MainScreen(ChatActions):
         if self._bindings_on_show() != self._bindings_shown:
             self.refresh_bindings()
 
+    def _resume_redraw(self) -> None:
+        self._pacer.restart()
+        self._redraw.resume()
+
     def _queue_redraw(self) -> None:
         """Timer tick: draw in the screen's own message order, never two redraws queued."""
-        if not self._redraw_due:
+        if self._pacer.tick() and not self._redraw_due:
             self._redraw_due = True
             self.call_later(self.redraw_reply)
 
