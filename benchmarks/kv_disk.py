@@ -33,14 +33,22 @@ README = Path(__file__).parent.parent / "README.md"
 REPLY = SamplingParams(max_tokens=4, temperature=0.0)
 LONG_CHAT_TOKENS = 4000
 ROUNDS = 5
-QUESTIONS = [
-    "How do I read a file?",
-    "What does yield do?",
-    "How do I sort a dict by value?",
-    "What is a list comprehension?",
-    "How do I time a function?",
-]
-FOLLOW_UPS = ["Go on.", "Thanks.", "Why?", "And then?", "Shorter, please."]
+
+
+def question(n: int) -> str:
+    """The n-th new question (n < 100): every one the same number of tokens, no two alike.
+
+    (b) and (c) must prefill tails of the same length: past the cached prefix, each new token at this
+    context costs ~3 ms here (9 tail tokens 84 ms, 43 tokens 188 ms), so one more word in (b)'s
+    question than in (c)'s would move their ratio by 5-10%. The digits differ, and this tokenizer
+    splits numbers into digits, so the lengths match while no question shares a block with another.
+    """
+    return f"Question {n:02d}: how do I open a socket?"
+
+
+def follow_up(n: int) -> str:
+    """The n-th message after the stored chat, as ``question``."""
+    return f"Follow-up {n:02d}: go on."
 
 
 def coding_chat(question: str) -> list[dict]:
@@ -122,11 +130,13 @@ def main() -> None:
         os.environ["LOCALPAGED_KV_CACHE"] = tmp  # the engine core processes inherit it
         with AsyncLLM(device=args.device) as engine:  # (a) cold, then (c) warm in memory
             chat = long_chat(engine)
-            results["coding (a) cold"] = ttft(engine, coding_chat("How do I reverse a list?"))
-            results["coding (c) warm in memory"] = median([ttft(engine, coding_chat(q)) for q in QUESTIONS])
-            results["long chat (a) cold"] = ttft(engine, chat + [{"role": "user", "content": "Summarise that."}])
+            results["coding (a) cold"] = ttft(engine, coding_chat(question(0)))
+            results["coding (c) warm in memory"] = median(
+                [ttft(engine, coding_chat(question(10 + i))) for i in range(ROUNDS)]
+            )
+            results["long chat (a) cold"] = ttft(engine, chat + [{"role": "user", "content": follow_up(0)}])
             results["long chat (c) warm in memory"] = median(
-                [ttft(engine, chat + [{"role": "user", "content": q}]) for q in FOLLOW_UPS]
+                [ttft(engine, chat + [{"role": "user", "content": follow_up(10 + i)}]) for i in range(ROUNDS)]
             )
             stats = engine.stats()
         results["block_bytes"] = stats["block_bytes"]
@@ -136,19 +146,17 @@ def main() -> None:
         coding, longer = [], []
         for i in range(ROUNDS):  # (b): each a new process, the tier's files in the page cache
             with AsyncLLM(device=args.device) as engine:
-                coding.append(ttft(engine, coding_chat(f"Try {i}: how do I open a socket?")))
-                longer.append(ttft(engine, chat + [{"role": "user", "content": f"Try {i}: go on."}]))
+                coding.append(ttft(engine, coding_chat(question(30 + i))))
+                longer.append(ttft(engine, chat + [{"role": "user", "content": follow_up(30 + i)}]))
         results["coding (b) new process, page cache warm"] = median(coding)
         results["long chat (b) new process, page cache warm"] = median(longer)
         dropped = drop_page_cache()
         results["page cache dropped for (b) cold"] = dropped
         if dropped:
             with AsyncLLM(device=args.device) as engine:
-                results["coding (b) new process, page cache dropped"] = ttft(
-                    engine, coding_chat("Cache dropped: what is a generator?")
-                )
+                results["coding (b) new process, page cache dropped"] = ttft(engine, coding_chat(question(50)))
                 results["long chat (b) new process, page cache dropped"] = ttft(
-                    engine, chat + [{"role": "user", "content": "Cache dropped: go on."}]
+                    engine, chat + [{"role": "user", "content": follow_up(50)}]
                 )
         with AsyncLLM(device=args.device) as tier_on, AsyncLLM(device=args.device, kv_disk=False) as tier_off:
             on, off = [], []
