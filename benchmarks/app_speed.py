@@ -9,7 +9,10 @@ drift by +-20% from minute to minute, so only figures from the same run are comp
   arrive; ``+ui`` adds a UI-like thread to the front end (5 ms of pure-Python work every 33 ms,
   i.e. redrawing at 30 fps).
 - ``app``: the real Textual app, headless, one chat and then 8 chats streaming at once, in both
-  modes; the 8 against ``LLM.generate`` of the same 8 conversations on a plain script.
+  modes; the 8 against ``LLM.generate`` of the same 8 conversations on a plain script. Then the
+  same with the app's real driver drawing to a terminal: a pty whose output is read and dropped
+  (what the app's own drawing costs) and a tmux session (a terminal emulator on the same cores, as
+  when a user runs ``localpaged chat`` here). The front end's CPU share is reported for each.
 - start-up: ``localpaged run "hi" --max-tokens 1`` from command start to exit, and the app from
   start to the loading screen closing, in both modes.
 
@@ -25,11 +28,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import json
 import os
+import pty
+import shlex
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 from pathlib import Path
@@ -48,6 +56,7 @@ QUESTIONS = [
     "Why is the sky blue?",
 ]
 UI_WORK_S, UI_PERIOD_S = 0.005, 1 / 30
+TERMINAL_SIZE = (120, 40)  # columns, rows: the headless app's size too
 
 
 def conversation(question: str) -> list[dict]:
@@ -111,36 +120,63 @@ def run_stream(args: argparse.Namespace, process: bool, ui: bool) -> dict:
 
 
 def run_app(args: argparse.Namespace, process: bool) -> dict:
+    """The app headless (Textual's test driver: it draws nothing to a terminal)."""
     from localpaged.tui.app import LocalpagedApp
-    from localpaged.tui.screens.main import MainScreen
+
+    from localpaged.chat.store import ChatStore
+    from localpaged.engine.async_llm import AsyncLLM
+
+    started = time.perf_counter()
+
+    async def main() -> dict:
+        with tempfile.TemporaryDirectory() as folder, ChatStore(Path(folder) / "chats.db") as store:
+            app = LocalpagedApp(lambda progress: AsyncLLM(args.model, engine_process=process, progress=progress), store)
+            async with app.run_test(headless=True, size=TERMINAL_SIZE) as pilot:
+                return await drive_app(pilot, store, args.tokens, started)
+
+    return asyncio.run(main())
+
+
+def run_app_on_terminal(args: argparse.Namespace) -> dict:
+    """The app with its real driver, on whatever terminal this process was started on (see ``measure``)."""
+    from localpaged.tui.app import LocalpagedApp
 
     from localpaged.chat.store import ChatStore
     from localpaged.engine.async_llm import AsyncLLM
 
     started = time.perf_counter()
     results: dict = {}
+    with tempfile.TemporaryDirectory() as folder, ChatStore(Path(folder) / "chats.db") as store:
+        app = LocalpagedApp(lambda progress: AsyncLLM(args.model, progress=progress), store)
 
-    async def main() -> None:
-        with tempfile.TemporaryDirectory() as folder, ChatStore(Path(folder) / "chats.db") as store:
-            app = LocalpagedApp(lambda progress: AsyncLLM(args.model, engine_process=process, progress=progress), store)
-            async with app.run_test(headless=True, size=(120, 40)) as pilot:
-                while not (isinstance(app.screen, MainScreen) and app.screen.query("#chat-title")):
-                    await pilot.pause(0.01)  # until the chat screen is there and composed
-                results["start_to_chat_s"] = time.perf_counter() - started
-                screen = app.screen
-                await replies(screen, [QUESTIONS[0]], store, args.tokens)  # warm-up: first prefill, first draw
-                results["one_chat"] = await replies(screen, [QUESTIONS[0]], store, args.tokens)
-                results["eight_chats"] = await replies(screen, QUESTIONS, store, args.tokens)
-                await app.action_quit()
+        async def auto_pilot(pilot) -> None:
+            results.update(await drive_app(pilot, store, args.tokens, started))
 
-    asyncio.run(main())
+        app.run(auto_pilot=auto_pilot)
+    return results
+
+
+async def drive_app(pilot, store, tokens: int, started: float) -> dict:
+    """Wait for the chat screen, then one chat (after a warm-up reply) and 8 chats at once; quits the app."""
+    from localpaged.tui.screens.main import MainScreen
+
+    app = pilot.app
+    while not (isinstance(app.screen, MainScreen) and app.screen.query("#chat-title")):
+        await asyncio.sleep(0.01)  # until the chat screen is there and composed
+    results = {"start_to_chat_s": time.perf_counter() - started}
+    screen = app.screen
+    await replies(screen, [QUESTIONS[0]], store, tokens)  # warm-up: first prefill, first draw
+    results["one_chat"] = await replies(screen, [QUESTIONS[0]], store, tokens)
+    results["eight_chats"] = await replies(screen, QUESTIONS, store, tokens)
+    await app.action_quit()
     return results
 
 
 async def replies(screen, questions: list[str], store, tokens: int) -> dict:
     """One new chat per question, the first on screen; start every reply at once, as fast as the app can.
 
-    Returns each reply's decode tok/s as the engine timed it (first token to last, as LLM.chat's
+    Returns the front end's CPU time over the wall time (all its threads: the app, the store's writes,
+    the channel to the core), each reply's decode tok/s as the engine timed it (first token to last, as LLM.chat's
     metrics do: what the status line shows once a reply is done), the status line's live figure
     while it generated (text chunks a second: tokens that add no text, such as end-of-turn tokens
     past ignore_eos, are not counted there), and the aggregate: generated tokens over the wall time
@@ -152,7 +188,7 @@ async def replies(screen, questions: list[str], store, tokens: int) -> dict:
     for chat in chats:  # every reply greedy and exactly `tokens` long, whatever the settings say
         chat.session.sampling, chat.session.max_tokens = params(tokens), tokens
     await screen.open(chats[0].session.id)  # one chat on screen, the others streaming behind it
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
     for chat, question in zip(chats, questions):
         await screen.start_reply(chat, question)
     shown: dict = {}  # the status line's live figure of each chat, as last seen while it generated
@@ -161,9 +197,10 @@ async def replies(screen, questions: list[str], store, tokens: int) -> dict:
             if chat.generating and chat.figures().tokens_per_s:
                 shown[chat] = chat.figures().tokens_per_s
         await asyncio.sleep(0.05)  # not pilot.pause, which forces screen updates a real app would not make
-    wall = time.perf_counter() - began
+    wall, cpu = time.perf_counter() - began, time.process_time() - cpu_began
     metrics = [chat.session.last_metrics for chat in chats]
     return {
+        "front_end_cpu_share": cpu / wall,
         "decode_tok_s": [m.decode_tokens_per_s for m in metrics],
         "status_line_tok_s": [shown.get(chat, 0.0) for chat in chats],
         "aggregate_tok_s": sum(m.generated_tokens for m in metrics) / wall,
@@ -188,6 +225,8 @@ CONTENDERS = {
     "thread+ui": lambda a: run_stream(a, process=False, ui=True),
     "app/process": lambda a: run_app(a, process=True),
     "app/thread": lambda a: run_app(a, process=False),
+    "app/pty": run_app_on_terminal,
+    "app/tmux": run_app_on_terminal,
     "run/process": lambda a: run_cli_startup(a, process=True),
     "run/thread": lambda a: run_cli_startup(a, process=False),
 }
@@ -200,13 +239,71 @@ def measure(name: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--contender", name, "--tokens", str(args.tokens)]
     if args.model:
         command += ["--model", args.model]
+    if name in ("app/pty", "app/tmux"):
+        return measure_on_terminal(name, command)
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-LOWER_IS_BETTER = ("seconds", "start_to_chat_s")
+def measure_on_terminal(name: str, command: list[str]) -> dict:
+    """Run the app contender on a terminal, its figures coming back through a file (its stdout is the screen).
+
+    ``app/pty``: a pseudo-terminal of TERMINAL_SIZE whose output this process reads and throws away, as
+    fast as it comes: what the app itself costs to draw (Textual's rendering and the bytes it writes),
+    counted in bytes a second. ``app/tmux``: a detached tmux session of the same size, so a real
+    terminal emulator (tmux's server parses and keeps the screen) shares the 2 cores, as it does when
+    a user runs ``localpaged chat`` here.
+    """
+    columns, rows = TERMINAL_SIZE
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "figures.json"
+        command = [*command, "--out", str(out)]
+        env = dict(os.environ, TERM="xterm-256color", COLORTERM="truecolor")
+        if name == "app/tmux":
+            session = f"app-speed-{os.getpid()}"
+            subprocess.run(
+                ["tmux", "new-session", "-d", "-s", session, "-x", str(columns), "-y", str(rows), shlex.join(command)],
+                env=env,
+                check=True,
+            )
+            try:
+                while (
+                    subprocess.run(["tmux", "has-session", "-t", session], check=False, capture_output=True).returncode
+                    == 0
+                ):
+                    time.sleep(0.2)
+            finally:
+                subprocess.run(["tmux", "kill-session", "-t", session], check=False, capture_output=True)
+            written = None
+        else:
+            main_fd, terminal_fd = pty.openpty()
+            fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+            child = subprocess.Popen(
+                command, stdin=terminal_fd, stdout=terminal_fd, stderr=terminal_fd, env=env, start_new_session=True
+            )
+            os.close(terminal_fd)
+            written = 0
+            while True:
+                try:
+                    chunk = os.read(main_fd, 1 << 16)
+                except OSError:  # EIO: the terminal's last user has gone
+                    break
+                if not chunk:
+                    break
+                written += len(chunk)
+            child.wait()
+            os.close(main_fd)
+        if not out.exists():
+            raise SystemExit(f"{name} failed: no figures came back (run it by hand: {shlex.join(command)})")
+        figures = json.loads(out.read_text())
+    if written is not None:
+        figures["terminal_bytes"] = written
+    return figures
+
+
+LOWER_IS_BETTER = ("seconds", "start_to_chat_s", "front_end_cpu_share")
 
 
 def best(kept: dict | None, new: dict) -> dict:
@@ -231,9 +328,14 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a local HF folder or .gguf (default: the default model)")
     parser.add_argument("--repeat", type=int, default=2, help="rounds; each figure is the best of them")
     parser.add_argument("--contender", choices=sorted(CONTENDERS), help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)  # where a contender on a terminal writes
     args = parser.parse_args()
     if args.contender:
-        print(json.dumps(CONTENDERS[args.contender](args)))
+        figures = json.dumps(CONTENDERS[args.contender](args))
+        if args.out:
+            args.out.write_text(figures)
+        else:
+            print(figures)
         return
 
     results: dict = {}
@@ -251,6 +353,8 @@ def main() -> None:
         ("AsyncLLM, core on a thread, UI-like thread (before)", results["thread+ui"]["tok_s"]),
         ("app (headless), one chat, core process", results["app/process"]["one_chat"]["decode_tok_s"][0]),
         ("app (headless), one chat, core thread (before)", results["app/thread"]["one_chat"]["decode_tok_s"][0]),
+        ("app on a pty (output read and dropped), one chat", results["app/pty"]["one_chat"]["decode_tok_s"][0]),
+        ("app in tmux, one chat", results["app/tmux"]["one_chat"]["decode_tok_s"][0]),
     ]
     for label, rate in rows:
         print(f"{label:<52}{rate:>8.1f}{rate / base:>7.2f}x")
@@ -258,14 +362,24 @@ def main() -> None:
     print(f"\n8 chats at once, tokens / wall time, against LLM.chat of the same 8 on a plain script: {eight_base:.1f}")
     each_base = results["script"]["eight_each_tok_s"]
     print(f"  each of the 8 decodes there at {each_base:.1f} tok/s; after each chat list, the app's mean against it")
-    for mode in ("process", "thread"):
-        eight = results[f"app/{mode}"]["eight_chats"]
+    apps = {
+        "app/process": "headless, core process",
+        "app/thread": "headless, core thread (before)",
+        "app/pty": "on a pty, core process",
+        "app/tmux": "in tmux, core process",
+    }
+    for name, label in apps.items():
+        eight = results[name]["eight_chats"]
         per = ", ".join(f"{r:.1f}" for r in eight["decode_tok_s"])
-        label = "core process" if mode == "process" else "core thread (before)"
         aggregate, mean = eight["aggregate_tok_s"], sum(eight["decode_tok_s"]) / len(eight["decode_tok_s"])
         print(
-            f"  app, {label:<22}{aggregate:>8.1f}{aggregate / eight_base:>7.2f}x   each chat: {per}  {mean / each_base:.2f}x"
+            f"  app, {label:<31}{aggregate:>8.1f}{aggregate / eight_base:>7.2f}x   each chat: {per}  {mean / each_base:.2f}x"
         )
+    print("\nthe front end's CPU (all its threads) while replies streamed, share of one core: one chat / 8 chats")
+    for name, label in apps.items():
+        one, eight = results[name]["one_chat"], results[name]["eight_chats"]
+        print(f"  app, {label:<31}{one['front_end_cpu_share']:>7.1%} / {eight['front_end_cpu_share']:.1%}")
+    print(f"  written to the pty: {results['app/pty']['terminal_bytes'] / 1e3:.0f} kB in all")
     print("\nstart-up, seconds")
     for mode in ("process", "thread"):
         label = "core process" if mode == "process" else "core thread (before)"
