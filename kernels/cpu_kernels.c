@@ -103,26 +103,49 @@ static inline __attribute__((always_inline)) void rows_times_panel(
     }
 }
 
-/* R rows of X (R <= 4, a constant after inlining) times one tile, expanding each column of 16 weights in
- * registers as it goes: with so few rows, writing and rereading a panel costs more than the FMAs. */
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The sum of n floats (n a multiple of 8). */
+static inline float sum_floats(const float *x, const int n) {
+    __m256 acc = _mm256_loadu_ps(x);
+    for (int j = 8; j < n; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + j));
+    return sum8(acc);
+}
+
+/* R rows of X (R <= 4, a constant after inlining) times one tile, expanding each column of 16 q values in
+ * registers as it goes: with so few rows, writing and rereading a panel costs more than the FMAs. Within a group
+ * the weights share a scale and a min, so a row's share of the group is scale * sum(x q) + min * sum(x), as in
+ * cpu_kernels_portable.c (the measured reason is there): two multiply-adds a group instead of a multiply and an
+ * add for every weight. */
 static inline __attribute__((always_inline)) void rows_times_tile(
     const int BITS, const int HAS_OFFSET, const int GROUP, const int HAS_MIN, const int R, const float *X, long K,
     const int8_t *q, __m128i offset, const float *scale, const float *min, float *Y, long ldy) {
     __m256 a0[4], a1[4];
     for (int i = 0; i < R; i++) a0[i] = a1[i] = _mm256_setzero_ps();
     for (long kb = 0; kb < K / GROUP; kb++) {
-        const __m256 s0 = _mm256_loadu_ps(scale + kb * TILE), s1 = _mm256_loadu_ps(scale + kb * TILE + 8);
-        __m256 m0 = _mm256_setzero_ps(), m1 = m0;
-        if (HAS_MIN) m0 = _mm256_loadu_ps(min + kb * TILE), m1 = _mm256_loadu_ps(min + kb * TILE + 8);
+        __m256 g0[4], g1[4]; /* each row's sum of x q over the group */
+        for (int i = 0; i < R; i++) g0[i] = g1[i] = _mm256_setzero_ps();
         for (long k = kb * GROUP; k < (kb + 1) * GROUP; k++) {
             __m256 q0, q1;
             load_column(BITS, HAS_OFFSET, q, K, k, offset, &q0, &q1);
-            __m256 w0 = _mm256_mul_ps(s0, q0), w1 = _mm256_mul_ps(s1, q1);
-            if (HAS_MIN) w0 = _mm256_add_ps(w0, m0), w1 = _mm256_add_ps(w1, m1);
             for (int i = 0; i < R; i++) {
                 const __m256 x = _mm256_broadcast_ss(X + i * K + k);
-                a0[i] = _mm256_fmadd_ps(x, w0, a0[i]);
-                a1[i] = _mm256_fmadd_ps(x, w1, a1[i]);
+                g0[i] = _mm256_fmadd_ps(x, q0, g0[i]);
+                g1[i] = _mm256_fmadd_ps(x, q1, g1[i]);
+            }
+        }
+        const __m256 s0 = _mm256_loadu_ps(scale + kb * TILE), s1 = _mm256_loadu_ps(scale + kb * TILE + 8);
+        for (int i = 0; i < R; i++) {
+            a0[i] = _mm256_fmadd_ps(s0, g0[i], a0[i]);
+            a1[i] = _mm256_fmadd_ps(s1, g1[i], a1[i]);
+            if (HAS_MIN) {
+                const __m256 xs = _mm256_set1_ps(sum_floats(X + i * K + kb * GROUP, GROUP));
+                a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(min + kb * TILE), xs, a0[i]);
+                a1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(min + kb * TILE + 8), xs, a1[i]);
             }
         }
     }
@@ -204,12 +227,6 @@ static inline __m256 exp8(__m256 x) {
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 /* The 8 horizontal sums of a[0..7], as one vector. */
