@@ -15,6 +15,10 @@ as ids so both compute exactly the same tokens), greedy sampling, EOS ignored.
 - **One chat**: decode tok/s after the first token, 256 tokens.
 - **Prefill**: cold prefill tok/s of the 2,500-token coding prompt (time to one token on a fresh
   engine), and TTFT of a new question once that system prompt is cached.
+- **Prefill by length** (``--only prefill`` runs it alone, in a few minutes): cold prefill tok/s of
+  fresh prompts of 300, 1,000, 2,500 and 4,000 tokens, ours with the native chunked prefill and
+  with torch's gather + SDPA interleaved in one process, llama-server on the same prompts; the
+  4,000/300 ratio (the goal: at least 0.7) and the warm TTFT by route.
 - **KV memory at 200 sessions**: a 2,000-token shared system prompt and 300 private tokens each,
   from the block pool's own accounting (the real scheduler and pool, run without a model: they
   never import torch), against the minimum (the shared part once plus the private parts), paged
@@ -29,7 +33,7 @@ Writes benchmarks/results/peers.json and two plots (peers_throughput.png, peers_
 matplotlib, from the ``bench`` extra). Needs the binaries of ``make bench-peers``; without them it
 prints one line saying so and exits 0.
 
-    python benchmarks/peers.py [--sessions 1,4,16,64] [--skip-llama]
+    python benchmarks/peers.py [--sessions 1,4,16,64] [--skip-llama] [--only prefill]
 """
 
 from __future__ import annotations
@@ -60,12 +64,20 @@ CTX_LONG = 4096  # one chat, the coding prompt
 MEMORY_SESSIONS = 200
 SHARED_TOKENS, PRIVATE_PROMPT_TOKENS, PRIVATE_REPLY_TOKENS = 2000, 44, 256  # 300 private tokens each
 LOAD_PROMPT_TOKENS, LOAD_CHATS = 4000, 8
+PREFILL_LENGTHS = (300, 1000, 2500, 4000)  # cold prompts by length; the goal: tok/s at 4,000 >= 0.7x at 300
+PREFILL_ROUNDS = 3  # medians
 # llama-server tuned for many sessions, each run with its slots warm (the system prompt in every
 # slot); its best at each point is the highest of these and its defaults. With -kvu, 64 slots ran
 # at 21.5, 28.8 and 33.5 tok/s here (with --no-cache-idle-slots, --cache-ram 0) against 185 without
 # it, and each such point takes five minutes, so -kvu runs up to 16 sessions.
 LLAMA_TUNED = {"llama_fa": ("-fa", "on"), "llama_kvu_fa": ("-kvu", "-fa", "on")}
 KVU_MAX_SESSIONS = 16
+LABELS = {
+    "localpaged": "localpaged",
+    "llama_default": "llama-server defaults",
+    "llama_fa": "-fa on",
+    "llama_kvu_fa": "-kvu -fa on",
+}
 
 
 # ----- llama.cpp ------------------------------------------------------------------------------
@@ -296,6 +308,82 @@ def one_chat_and_prefill(bin_dir: Path | None, gguf: Path, threads: int) -> dict
     return result
 
 
+def fresh_prompt(llm, length: int, number: int) -> list[int]:
+    """``length`` token ids of plain text (no chat template, whose fixed opening would be a shared first block): a
+    numbered line, then the coding prompt repeated. Each number starts a first block of its own, so no two prompts
+    share a cached prefix (block hashes chain from the first)."""
+    from localpaged import load_prompt
+
+    text = f"Request {number}.\n" + load_prompt("coding")
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    while len(ids) < length:
+        ids = ids + ids
+    return ids[:length]
+
+
+def prefill_by_length(bin_dir: Path | None, gguf: Path, threads: int) -> dict:
+    """Cold prefill tok/s by prompt length (time to one token of a fresh prompt), and warm-system-prompt TTFT.
+
+    Ours with the native chunked prefill and with torch's gather + SDPA (``TorchAttention.native_prefill``),
+    interleaved round by round in one process, medians of PREFILL_ROUNDS; llama-server on the same prompts, a
+    fresh server per setting (nothing cached), defaults and ``-fa on``.
+    """
+    from localpaged import LLM, load_prompt
+
+    llm = LLM(str(gguf), max_model_len=CTX_LONG)
+    path = llm.runner.attention
+    routes = {"native": True, "torch": False} if getattr(path, "native_prefill", False) else {"torch": False}
+    prompts = {
+        n: [fresh_prompt(llm, n, n * 100 + i) for i in range(PREFILL_ROUNDS * len(routes))] for n in PREFILL_LENGTHS
+    }
+    warmup = fresh_prompt(llm, 64, 0)
+    llm.generate(warmup, greedy(1))  # first-call costs (kernel build, allocator) off the clock
+    ours: dict = {route: {} for route in routes}
+    for n in PREFILL_LENGTHS:
+        times: dict = {route: [] for route in routes}
+        fresh = iter(prompts[n])
+        for _ in range(PREFILL_ROUNDS):
+            for route, native in routes.items():
+                path.native_prefill = native
+                start = time.perf_counter()
+                llm.generate(next(fresh), greedy(1))
+                times[route].append(time.perf_counter() - start)
+        for route in routes:
+            ours[route][str(n)] = n / statistics.median(times[route])
+        print(f"  {n} tokens, ours: " + ", ".join(f"{r} {ours[r][str(n)]:.0f}" for r in routes) + " tok/s", flush=True)
+
+    system = {"role": "system", "content": load_prompt("coding")}
+    llm.generate(llm.encode_chat([system, {"role": "user", "content": "Hello."}]), greedy(1))  # cached from here on
+    ttft: dict = {route: [] for route in routes}
+    for i in range(PREFILL_ROUNDS):
+        for route, native in routes.items():
+            path.native_prefill = native
+            question = {"role": "user", "content": f"What is closure number {i} in {route}?"}  # never cached
+            ids = llm.encode_chat([system, question])
+            start = time.perf_counter()
+            llm.generate(ids, greedy(1))
+            ttft[route].append(time.perf_counter() - start)
+    result: dict = {"localpaged": ours, "localpaged_warm_ttft_s": {r: statistics.median(t) for r, t in ttft.items()}}
+    del llm
+
+    if bin_dir is not None:
+        for name, flags in (("llama_default", ()), ("llama_fa", LLAMA_TUNED["llama_fa"])):
+            peer: dict = {}
+            with LlamaServer(bin_dir, gguf, threads, "-np", "1", "-c", str(CTX_LONG), *flags) as server:
+                server.complete(warmup, 1)
+                for n in PREFILL_LENGTHS:
+                    walls = [server.complete(ids, 1)[0] for ids in prompts[n][:PREFILL_ROUNDS]]
+                    peer[str(n)] = n / statistics.median(walls)
+            print(
+                f"  llama-server {' '.join(flags) or 'defaults'}: "
+                + ", ".join(f"{k} {v:.0f}" for k, v in peer.items())
+                + " tok/s",
+                flush=True,
+            )
+            result[name] = peer
+    return result
+
+
 # ----- KV memory from the pool's accounting ---------------------------------------------------
 
 
@@ -492,6 +580,9 @@ def main() -> None:
     ap.add_argument("--sessions", default="1,4,16,64", help="comma-separated session counts")
     ap.add_argument("--skip-llama", action="store_true", help="our figures only (no ratios)")
     ap.add_argument("--model", help="another GGUF (e.g. a Q4_K_M requantisation): the sessions table only")
+    ap.add_argument(
+        "--only", choices=["prefill"], help="one part alone: prefill, cold prefill tok/s by length (a few minutes)"
+    )
     args = ap.parse_args()
     bin_dir = None if args.skip_llama else llama_bin_dir()
     if bin_dir is None and not args.skip_llama:
@@ -513,6 +604,15 @@ def main() -> None:
         "llama_cpp": f"vendored in llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}" if bin_dir else None,
     }
     print(f"{gguf.name}, {threads} threads on {cpu_name()}, greedy, EOS ignored")
+    if args.only == "prefill":
+        print("prefill by length:", flush=True)
+        results["prefill_by_length"] = prefill_by_length(bin_dir, gguf, threads)
+        report_prefill(results["prefill_by_length"])
+        RESULTS.mkdir(exist_ok=True)
+        out = RESULTS / "peers-prefill.json"
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"results: {out.relative_to(HERE.parent)}")
+        return
 
     print("sessions (aggregate output tok/s):", flush=True)
     llm = LLM(str(gguf), max_model_len=CTX_PER_SESSION)
@@ -533,6 +633,9 @@ def main() -> None:
     print("one chat and prefill:", flush=True)
     results["one_chat"] = one_chat_and_prefill(bin_dir, gguf, threads)
     llama_bpt = results["one_chat"].get("llama_kv_bytes_per_token")
+
+    print("prefill by length:", flush=True)
+    results["prefill_by_length"] = prefill_by_length(bin_dir, gguf, threads)
 
     print("latency under load:", flush=True)
     results["latency"] = {"chunked": latency_under_load(True), "unchunked": latency_under_load(False)}
@@ -576,8 +679,7 @@ def report(results: dict, sessions_only: bool = False) -> None:
     one = results["one_chat"]
     print(f"\n## One chat, prefill, TTFT (coding prompt: {one['coding_prompt_tokens']} tokens)")
     names = [k for k in ("localpaged", "llama_default", "llama_kvu_fa") if k in one]
-    labels = {"localpaged": "localpaged", "llama_default": "llama-server defaults", "llama_kvu_fa": "-kvu -fa on"}
-    print("| | " + " | ".join(labels[n] for n in names) + (" | vs llama.cpp's best |" if have_llama else " |"))
+    print("| | " + " | ".join(LABELS[n] for n in names) + (" | vs llama.cpp's best |" if have_llama else " |"))
     print("|---" * (len(names) + 1 + have_llama) + "|")
     for key, label, better_high in (
         ("decode_tok_s", "one chat, decode tok/s", True),
@@ -622,6 +724,8 @@ def report(results: dict, sessions_only: bool = False) -> None:
         + (f"{mem['llama_kvu_tokens'] / mem['held_tokens']:.1f}x fewer" if "llama_kvu_tokens" in mem else "")
     )
 
+    report_prefill(results["prefill_by_length"])
+
     lat = results["latency"]
     print(f"\n## Latency under load: {LOAD_CHATS} chats streaming while a {LOAD_PROMPT_TOKENS}-token prompt arrives")
     print("| | step budget | ITL p50 alone, ms | ITL p50 under load | p99 | max | long prompt TTFT s |")
@@ -632,6 +736,34 @@ def report(results: dict, sessions_only: bool = False) -> None:
             f"| {name} prefill | {r['step_budget']} | {r['alone_itl_p50_ms']:.0f} | {r['itl_p50_ms']:.0f} | "
             f"{r['itl_p99_ms']:.0f} | {r['itl_max_ms']:.0f} | {r['long_prompt_ttft_s']:.1f} |"
         )
+
+
+def report_prefill(result: dict) -> None:
+    ours = result["localpaged"]
+    peers = [name for name in ("llama_default", "llama_fa") if name in result]
+    lengths = list(next(iter(ours.values())))
+    print("\n## Cold prefill tok/s by prompt length (medians; ours: routes interleaved in one process)")
+    header = [f"localpaged {route}" for route in ours] + [LABELS[name] for name in peers]
+    extra = ["native / torch"] * ("native" in ours and "torch" in ours) + ["vs llama.cpp's best"] * bool(peers)
+    print("| tokens | " + " | ".join(header + extra) + " |")
+    print("|---" * (1 + len(header) + len(extra)) + "|")
+    best_ours = ours.get("native", ours["torch"])
+    for n in lengths:
+        cells = [f"{ours[route][n]:.0f}" for route in ours] + [f"{result[name][n]:.0f}" for name in peers]
+        if "native" in ours and "torch" in ours:
+            cells.append(f"{ours['native'][n] / ours['torch'][n]:.2f}x")
+        if peers:
+            cells.append(f"**{best_ours[n] / max(result[name][n] for name in peers):.2f}x**")
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    first, last = lengths[0], lengths[-1]
+    ratios = [f"localpaged {route} {ours[route][last] / ours[route][first]:.2f}" for route in ours]
+    ratios += [f"{LABELS[name]} {result[name][last] / result[name][first]:.2f}" for name in peers]
+    print(f"tok/s at {last} tokens / at {first} (goal >= 0.7 for ours): " + ", ".join(ratios))
+    ttft = result["localpaged_warm_ttft_s"]
+    print(
+        "TTFT of a new question, coding system prompt cached (s): "
+        + ", ".join(f"{route} {seconds:.3f}" for route, seconds in ttft.items())
+    )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from localpaged.errors import ConfigError, KernelArgumentError, KernelError
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
-ABI_VERSION = 2  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
+ABI_VERSION = 3  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
@@ -261,6 +261,20 @@ def _expect_cache(k_cache: object, v_cache: object) -> tuple[int, int, int, int]
     return blocks, kv_heads, head_dim, KV_DTYPES.index(k_cache.dtype)
 
 
+def _expect_attention(q: object, k_cache: object, v_cache: object) -> tuple[int, int, int]:
+    """``(num_blocks, kv_heads, kv_dtype)`` of the caches (see ``_expect_cache``) that float32 queries ``q``
+    [rows, H, D] attend over: the same head_dim, a multiple of 8, and a whole number of query heads per KV head."""
+    _expect("q", q, torch.float32, 3)
+    num_blocks, kv_heads, head_dim, kv_dtype = _expect_cache(k_cache, v_cache)
+    rows, h, d = q.shape
+    if d != head_dim or d % 8 or h % kv_heads:
+        raise KernelArgumentError(
+            f"q [{rows}, {h}, {d}] against caches of {kv_heads} KV heads of {head_dim}: need the same head_dim, "
+            "a multiple of 8, and a whole number of query heads per KV head"
+        )
+    return num_blocks, kv_heads, kv_dtype
+
+
 @dataclass(frozen=True)
 class PackedBlocks:
     """A weight in the tile layout of cpu_kernels.c: ``q`` in 8, 4 or 5 bits a value, fp32 scale and min per group.
@@ -393,14 +407,8 @@ def paged_decode(
 ) -> torch.Tensor:
     """One query per sequence over its paged context (as ``reference.paged_decode``): ``q`` float32, the caches
     of any of KV_DTYPES (16-bit values are widened as they are read; the math is float32), the output float32."""
-    _expect("q", q, torch.float32, 3)
-    num_blocks, kv_heads, head_dim, kv_dtype = _expect_cache(k_cache, v_cache)
+    num_blocks, kv_heads, kv_dtype = _expect_attention(q, k_cache, v_cache)
     b, h, d = q.shape
-    if d != head_dim or d % 8 or h % kv_heads:
-        raise KernelArgumentError(
-            f"q [{b}, {h}, {d}] against caches of {kv_heads} KV heads of {head_dim}: need the same head_dim, "
-            "a multiple of 8, and a whole number of query heads per KV head"
-        )
     _expect_index("block_tables", block_tables, 2, b)
     _expect_index("context_lens", context_lens, 1, b)
     q, tables, lens = (
@@ -416,6 +424,63 @@ def paged_decode(
         kv_dtype,
         tables.data_ptr(),
         lens.data_ptr(),
+        b,
+        h,
+        kv_heads,
+        d,
+        tables.shape[1],
+        num_blocks,
+        scale,
+        out.data_ptr(),
+    )
+    return out
+
+
+_lp_paged_prefill = Kernel(
+    "lp_paged_prefill",
+    [*[POINTER] * 3, INT, *[POINTER] * 3, *[SIZE] * 7, FLOAT, POINTER],
+    bad_index=(
+        "cu_seqlens_q does not rise from 0 to q's number of rows, a chunk is longer than its context, a context is "
+        "longer than its block table row, or a block id is outside the cache"
+    ),
+)
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Varlen chunk attention over the paged cache (as ``reference.paged_prefill``): ``q`` [num_q, H, D] float32,
+    the rows of sequence b from ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1]``, each seeing its cached prefix and,
+    causally, its own chunk; chunks of one query (decode rows) may sit beside longer ones. Caches of any of
+    KV_DTYPES, read in place through ``block_tables`` (never gathered); the math and the output are float32."""
+    num_blocks, kv_heads, kv_dtype = _expect_attention(q, k_cache, v_cache)
+    num_q, h, d = q.shape
+    _expect("context_lens", context_lens, INDEX_DTYPES, 1)
+    b = len(context_lens)
+    _expect_index("block_tables", block_tables, 2, b)
+    _expect_index("cu_seqlens_q", cu_seqlens_q, 1, b + 1)
+    q, tables, cu, lens = (
+        q.contiguous(),
+        block_tables.to(torch.int32).contiguous(),
+        cu_seqlens_q.to(torch.int32).contiguous(),
+        context_lens.to(torch.int32).contiguous(),
+    )
+    out = torch.empty_like(q)
+    _lp_paged_prefill(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        kv_dtype,
+        tables.data_ptr(),
+        cu.data_ptr(),
+        lens.data_ptr(),
+        num_q,
         b,
         h,
         kv_heads,

@@ -436,4 +436,156 @@ static inline __attribute__((always_inline)) void rope_write_row(
         for (long i = 0; i < KVH * D; i += 8) store_kv8(KV, v_cache, slot * KVH * D + i, _mm256_loadu_ps(row + (H + KVH) * D + i));
 }
 
-#include "cpu_kv_dispatch.h" /* lp_paged_decode and lp_rope_write_kv, over decode_task and rope_write_row */
+/* The steps of a prefill tile (prefill_task in cpu_kv_dispatch.h says what each computes). */
+
+/* r[0..7] transposed in registers: r[i][j] becomes r[j][i]. */
+static inline __attribute__((always_inline)) void transpose8x8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20), r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+}
+
+static inline __attribute__((always_inline)) void transpose_k_block(const int KV, const void *k_cache, long row0,
+                                                                    long stride, long n, long D, float *kt) {
+    for (long j0 = 0; j0 < 16; j0 += 8)
+        for (long d0 = 0; d0 < D; d0 += 8) {
+            __m256 r[8];
+            for (long t = 0; t < 8; t++)
+                r[t] = j0 + t < n ? load_kv8(KV, k_cache, row0 + (j0 + t) * stride + d0) : _mm256_setzero_ps();
+            transpose8x8(r);
+            for (long t = 0; t < 8; t++) _mm256_storeu_ps(kt + (d0 + t) * 16 + j0, r[t]);
+        }
+}
+
+static inline __attribute__((always_inline)) void value_rows(const int KV, const void *v_cache, long row0, long stride,
+                                                             long n, long D, float *vb) {
+    for (long j = 0; j < n; j++)
+        for (long d = 0; d < D; d += 8) _mm256_storeu_ps(vb + j * D + d, load_kv8(KV, v_cache, row0 + j * stride + d));
+}
+
+/* Scores of ROWS rows from row r0 on (ROWS <= 6, a constant after inlining) against the 16 keys of kt: each row's
+ * 16 sums are two registers, and each step over d reads kt's two vectors once for all the rows. */
+static inline __attribute__((always_inline)) void rows_times_keys(const int ROWS, const float *q_tile, long G,
+                                                                  long pos_stride, long r0, const float *kt, long D,
+                                                                  float *s) {
+    const float *qr[6];
+    __m256 lo[6], hi[6];
+    for (int i = 0; i < ROWS; i++) {
+        qr[i] = q_tile + (r0 + i) / G * pos_stride + (r0 + i) % G * D;
+        lo[i] = hi[i] = _mm256_setzero_ps();
+    }
+    for (long d = 0; d < D; d++) {
+        const __m256 k_lo = _mm256_loadu_ps(kt + d * 16), k_hi = _mm256_loadu_ps(kt + d * 16 + 8);
+        for (int i = 0; i < ROWS; i++) {
+            const __m256 x = _mm256_broadcast_ss(qr[i] + d);
+            lo[i] = _mm256_fmadd_ps(x, k_lo, lo[i]);
+            hi[i] = _mm256_fmadd_ps(x, k_hi, hi[i]);
+        }
+    }
+    for (int i = 0; i < ROWS; i++) {
+        _mm256_storeu_ps(s + (r0 + i) * 16, lo[i]);
+        _mm256_storeu_ps(s + (r0 + i) * 16 + 8, hi[i]);
+    }
+}
+
+static inline float max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* All-ones where key k0 + j (lanes j0 .. j0 + 7) lies past position pos. */
+static inline __m256 past8(long k0, long j0, long pos) {
+    const __m256i keys = _mm256_add_epi32(_mm256_set1_epi32((int)(k0 + j0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(keys, _mm256_set1_epi32((int)pos)));
+}
+
+/* Each row's new max goes to alpha first; alpha = exp(old max - new max) is then taken 8 rows at a time (rows past R
+ * are padding: their lanes are computed and never read). A masked key's weight is set to 0 outright: exp8 clamps
+ * and gives ~1e-38, not 0, for a score of -inf. */
+static inline __attribute__((always_inline)) void softmax_block(float *s, long R, long G, long first_pos, long k0,
+                                                                int masked, float scale, float *m, float *l,
+                                                                float *alpha) {
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY), sc = _mm256_set1_ps(scale);
+    for (long r = 0; r < R; r++) {
+        float *sr = s + r * 16;
+        __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(sr), sc), hi = _mm256_mul_ps(_mm256_loadu_ps(sr + 8), sc);
+        if (masked) {
+            const long pos = first_pos + r / G;
+            lo = _mm256_blendv_ps(lo, minus_inf, past8(k0, 0, pos));
+            hi = _mm256_blendv_ps(hi, minus_inf, past8(k0, 8, pos));
+        }
+        _mm256_storeu_ps(sr, lo);
+        _mm256_storeu_ps(sr + 8, hi);
+        const float top = max8(_mm256_max_ps(lo, hi));
+        alpha[r] = top > m[r] ? top : m[r];
+    }
+    for (long r = 0; r < R; r += 8) {
+        const __m256 old = _mm256_loadu_ps(m + r), new = _mm256_loadu_ps(alpha + r);
+        _mm256_storeu_ps(m + r, new);
+        _mm256_storeu_ps(alpha + r, exp8(_mm256_sub_ps(old, new)));
+    }
+    for (long r = 0; r < R; r++) {
+        float *sr = s + r * 16;
+        const __m256 mx = _mm256_set1_ps(m[r]);
+        __m256 lo = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr), mx)), hi = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + 8), mx));
+        if (masked) {
+            const long pos = first_pos + r / G;
+            lo = _mm256_andnot_ps(past8(k0, 0, pos), lo);
+            hi = _mm256_andnot_ps(past8(k0, 8, pos), hi);
+        }
+        _mm256_storeu_ps(sr, lo);
+        _mm256_storeu_ps(sr + 8, hi);
+        l[r] = l[r] * alpha[r] + sum8(_mm256_add_ps(lo, hi));
+    }
+}
+
+/* ROWS rows from r0 (<= 4) by VECS vectors of columns from d0 (<= 3): 12 accumulators, the VECS vectors of each V
+ * row and a broadcast weight fill the 16 registers. */
+static inline __attribute__((always_inline)) void rows_times_values(const int ROWS, const int VECS, const float *p,
+                                                                    long r0, const float *v, long v_stride, long n,
+                                                                    long d0, long D, const float *alpha, float *acc) {
+    __m256 a[4][3];
+    for (int i = 0; i < ROWS; i++) {
+        const __m256 rescale = _mm256_set1_ps(alpha[r0 + i]);
+        for (int c = 0; c < VECS; c++) a[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + (r0 + i) * D + d0 + 8 * c), rescale);
+    }
+    for (long j = 0; j < n; j++) {
+        __m256 vj[3];
+        for (int c = 0; c < VECS; c++) vj[c] = _mm256_loadu_ps(v + j * v_stride + d0 + 8 * c);
+        for (int i = 0; i < ROWS; i++) {
+            const __m256 w = _mm256_broadcast_ss(p + (r0 + i) * 16 + j);
+            for (int c = 0; c < VECS; c++) a[i][c] = _mm256_fmadd_ps(w, vj[c], a[i][c]);
+        }
+    }
+    for (int i = 0; i < ROWS; i++)
+        for (int c = 0; c < VECS; c++) _mm256_storeu_ps(acc + (r0 + i) * D + d0 + 8 * c, a[i][c]);
+}
+
+static inline __attribute__((always_inline)) void rows_times_value_columns(const int ROWS, const float *p, long r0,
+                                                                           const float *v, long v_stride, long n,
+                                                                           long D, const float *alpha, float *acc) {
+    for (long d0 = 0; d0 < D; d0 += 24) switch ((D - d0 < 24 ? D - d0 : 24) / 8) {
+            case 3: rows_times_values(ROWS, 3, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
+            case 2: rows_times_values(ROWS, 2, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
+            case 1: rows_times_values(ROWS, 1, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
+        }
+}
+
+static inline __attribute__((always_inline)) void accumulate_values(const float *p, long R, const float *v,
+                                                                    long v_stride, long n, long D, const float *alpha,
+                                                                    float *acc) {
+    long r = 0;
+    for (; r + 4 <= R; r += 4) rows_times_value_columns(4, p, r, v, v_stride, n, D, alpha, acc);
+    switch (R - r) {
+        case 3: rows_times_value_columns(3, p, r, v, v_stride, n, D, alpha, acc); break;
+        case 2: rows_times_value_columns(2, p, r, v, v_stride, n, D, alpha, acc); break;
+        case 1: rows_times_value_columns(1, p, r, v, v_stride, n, D, alpha, acc); break;
+    }
+}
+
+#include "cpu_kv_dispatch.h" /* lp_paged_decode, lp_paged_prefill and lp_rope_write_kv, over the steps above */

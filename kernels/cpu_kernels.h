@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define TILE 16 /* weight rows per packed tile */
-#define LP_ABI_VERSION 2
+#define LP_ABI_VERSION 3
 
 enum {
     LP_OK = 0,
@@ -36,6 +36,10 @@ int lp_pack_q(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8
 int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                     const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH,
                     int64_t D, int64_t max_blocks, int64_t num_blocks, float scale, float *out);
+int lp_paged_prefill(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
+                     const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens,
+                     int64_t num_q, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+                     int64_t num_blocks, float scale, float *out);
 int lp_add_rms_norm(const float *x, const float *residual, const float *weight, int64_t M, int64_t D, float eps,
                     float *sum, float *out);
 int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out);

@@ -489,4 +489,150 @@ static ALWAYS_INLINE void rope_write_row(const int KV, long n, long slot, const 
             store_kv8(KV, v_cache, slot * KVH * D + i, load8(row + (H + KVH) * D + i));
 }
 
+/* The steps of a prefill tile, as in cpu_kernels.c (prefill_task in cpu_kv_dispatch.h says what each computes). A
+ * row's 16 scores are one floats16: one register on AVX-512. With AVX-512's 32 registers the weighted sum of V takes
+ * 4 rows at a time, elsewhere 2 (NEON's 32 registers hold half as many floats, SSE's 16 a quarter). */
+#if defined(__AVX512F__)
+#define VALUE_ROWS 4
+#else
+#define VALUE_ROWS 2
+#endif
+
+/* r[0..7] transposed: r[i][j] becomes r[j][i], by the interleaves AVX's unpack, shuffle and permute make. */
+static ALWAYS_INLINE void transpose8x8(floats8 r[8]) {
+    floats8 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        u[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        r[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
+static ALWAYS_INLINE void transpose_k_block(const int KV, const void *k_cache, long row0, long stride, long n, long D,
+                                            float *kt) {
+    for (long j0 = 0; j0 < 16; j0 += 8)
+        for (long d0 = 0; d0 < D; d0 += 8) {
+            floats8 r[8];
+            for (long t = 0; t < 8; t++)
+                r[t] = j0 + t < n ? load_kv8(KV, k_cache, row0 + (j0 + t) * stride + d0) : (floats8){0};
+            transpose8x8(r);
+            for (long t = 0; t < 8; t++) store8(kt + (d0 + t) * 16 + j0, r[t]);
+        }
+}
+
+static ALWAYS_INLINE void value_rows(const int KV, const void *v_cache, long row0, long stride, long n, long D,
+                                     float *vb) {
+    for (long j = 0; j < n; j++)
+        for (long d = 0; d < D; d += 8) store8(vb + j * D + d, load_kv8(KV, v_cache, row0 + j * stride + d));
+}
+
+/* Scores of ROWS rows from row r0 on (ROWS <= 6) against the 16 keys of kt, each step over d reading kt once. */
+static ALWAYS_INLINE void rows_times_keys(const int ROWS, const float *q_tile, long G, long pos_stride, long r0,
+                                          const float *kt, long D, float *s) {
+    const float *qr[6];
+    floats16 a[6];
+    for (int i = 0; i < ROWS; i++) qr[i] = q_tile + (r0 + i) / G * pos_stride + (r0 + i) % G * D, a[i] = (floats16){0};
+    for (long d = 0; d < D; d++) {
+        const floats16 k = load16(kt + d * 16);
+        for (int i = 0; i < ROWS; i++) a[i] += qr[i][d] * k;
+    }
+    for (int i = 0; i < ROWS; i++) store16(s + (r0 + i) * 16, a[i]);
+}
+
+static ALWAYS_INLINE float max8(floats8 v) {
+    const floats4 h = __builtin_shufflevector(v, v, 0, 1, 2, 3), g = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    float top = h[0] > g[0] ? h[0] : g[0];
+    for (int i = 1; i < 4; i++) {
+        const float pair = h[i] > g[i] ? h[i] : g[i];
+        top = pair > top ? pair : top;
+    }
+    return top;
+}
+
+/* All-ones where key k0 + j (lanes j0 .. j0 + 7) lies past position pos. */
+static ALWAYS_INLINE ints8 past8(long k0, long j0, long pos) {
+    const ints8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    return (ints8){0} + (int32_t)(k0 + j0) + lane > (int32_t)pos;
+}
+
+/* As softmax_block in cpu_kernels.c: the new maxima in alpha, rescales 8 rows at a time, masked weights set to 0. */
+static ALWAYS_INLINE void softmax_block(float *s, long R, long G, long first_pos, long k0, int masked, float scale,
+                                        float *m, float *l, float *alpha) {
+    const floats8 minus_inf = (floats8){0} - INFINITY;
+    for (long r = 0; r < R; r++) {
+        float *sr = s + r * 16;
+        floats8 lo = load8(sr) * scale, hi = load8(sr + 8) * scale;
+        if (masked) {
+            const long pos = first_pos + r / G;
+            lo = select8(past8(k0, 0, pos), minus_inf, lo);
+            hi = select8(past8(k0, 8, pos), minus_inf, hi);
+        }
+        store8(sr, lo);
+        store8(sr + 8, hi);
+        const float top = fmaxf(max8(lo), max8(hi));
+        alpha[r] = top > m[r] ? top : m[r];
+    }
+    for (long r = 0; r < R; r += 8) {
+        const floats8 old = load8(m + r), new = load8(alpha + r);
+        store8(m + r, new);
+        store8(alpha + r, exp8(old - new));
+    }
+    for (long r = 0; r < R; r++) {
+        float *sr = s + r * 16;
+        floats8 lo = exp8(load8(sr) - m[r]), hi = exp8(load8(sr + 8) - m[r]);
+        if (masked) {
+            const long pos = first_pos + r / G;
+            lo = select8(past8(k0, 0, pos), (floats8){0}, lo);
+            hi = select8(past8(k0, 8, pos), (floats8){0}, hi);
+        }
+        store8(sr, lo);
+        store8(sr + 8, hi);
+        l[r] = l[r] * alpha[r] + sum8(lo + hi);
+    }
+}
+
+/* ROWS rows from r0 (<= VALUE_ROWS) by VECS vectors of columns from d0 (<= 4). */
+static ALWAYS_INLINE void rows_times_values(const int ROWS, const int VECS, const float *p, long r0, const float *v,
+                                            long v_stride, long n, long d0, long D, const float *alpha, float *acc) {
+    floats8 a[VALUE_ROWS][4];
+    for (int i = 0; i < ROWS; i++)
+        for (int c = 0; c < VECS; c++) a[i][c] = load8(acc + (r0 + i) * D + d0 + 8 * c) * alpha[r0 + i];
+    for (long j = 0; j < n; j++) {
+        floats8 vj[4];
+        for (int c = 0; c < VECS; c++) vj[c] = load8(v + j * v_stride + d0 + 8 * c);
+        for (int i = 0; i < ROWS; i++) {
+            const float w = p[(r0 + i) * 16 + j];
+            for (int c = 0; c < VECS; c++) a[i][c] += w * vj[c];
+        }
+    }
+    for (int i = 0; i < ROWS; i++)
+        for (int c = 0; c < VECS; c++) store8(acc + (r0 + i) * D + d0 + 8 * c, a[i][c]);
+}
+
+static ALWAYS_INLINE void rows_times_value_columns(const int ROWS, const float *p, long r0, const float *v,
+                                                   long v_stride, long n, long D, const float *alpha, float *acc) {
+    for (long d0 = 0; d0 < D; d0 += 32) switch ((D - d0 < 32 ? D - d0 : 32) / 8) {
+            case 4: rows_times_values(ROWS, 4, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
+            case 3: rows_times_values(ROWS, 3, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
+            case 2: rows_times_values(ROWS, 2, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
+            case 1: rows_times_values(ROWS, 1, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
+        }
+}
+
+static ALWAYS_INLINE void accumulate_values(const float *p, long R, const float *v, long v_stride, long n, long D,
+                                            const float *alpha, float *acc) {
+    long r = 0;
+    for (; r + VALUE_ROWS <= R; r += VALUE_ROWS) rows_times_value_columns(VALUE_ROWS, p, r, v, v_stride, n, D, alpha, acc);
+    for (; r < R; r++) rows_times_value_columns(1, p, r, v, v_stride, n, D, alpha, acc);
+}
+
 #include "cpu_kv_dispatch.h"

@@ -1,8 +1,8 @@
-/* lp_paged_decode and lp_rope_write_kv, the same for every path: cpu_kernels.c and cpu_kernels_portable.c each
- * define decode_task(KV, b, kvh, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D, max_blocks,
- * num_blocks, scale, out), the work of one (sequence, KV head), and rope_write_row(KV, n, slot, qkv, cos, sin, H,
- * KVH, D, k_cache, v_cache, q_out), one token's, each inlined for KV a constant LP_KV_* type, then include this
- * file once. */
+/* lp_paged_decode, lp_paged_prefill and lp_rope_write_kv, the same for every path: cpu_kernels.c and
+ * cpu_kernels_portable.c each define decode_task(KV, b, kvh, q, k_cache, v_cache, block_tables, context_lens, H, KVH,
+ * D, max_blocks, num_blocks, scale, out), the work of one (sequence, KV head), rope_write_row(KV, n, slot, qkv, cos,
+ * sin, H, KVH, D, k_cache, v_cache, q_out), one token's, and the steps of a prefill tile (see prefill_task below),
+ * each inlined for KV a constant LP_KV_* type, then include this file once. */
 
 /* One query per sequence over its paged context: q [B, H, D] fp32, caches [num_blocks, 16, KVH, D] of kv_dtype
  * (an LP_KV_* type), out [B, H, D] fp32. One task per (sequence, KV head) takes that head's G = H / KVH query
@@ -61,6 +61,140 @@ int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const
             rope_write_row(LP_KV_F16, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out);
         else
             rope_write_row(LP_KV_F32, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out);
+    }
+    return status;
+}
+
+/* Chunked prefill: flash attention straight over the block table. One task is one tile of PREFILL_TILE query
+ * positions of one sequence and the G = H / KVH query heads of one KV head (R = G x positions rows, row r being
+ * position r / G, head r % G: a position's G heads lie side by side in q). It walks the sequence's blocks up to the
+ * tile's last position: each block's K is widened to fp32 and transposed into kt [D][16], its V widened into vb
+ * [16][D] (an fp32 cache is read in place), once for all R rows, and folded into the rows' accumulators with an
+ * online softmax in fp32. The prefix is thus read once per tile and never gathered. The steps are each file's:
+ *   transpose_k_block(KV, k_cache, row0, stride, n, D, kt): kt[d][j] = K_j[d] for j < n, 0 for n <= j < 16;
+ *   value_rows(KV, v_cache, row0, stride, n, D, vb): vb[j][d] = V_j[d] for j < n (16-bit caches);
+ *   rows_times_keys(ROWS, q_tile, G, pos_stride, r0, kt, D, s): s[r][j] = q_r . K_j for the ROWS rows (at most 6, a
+ *     constant after inlining) from r0 on and j < 16, where row r of the tile starts at
+ *     q_tile + r / G * pos_stride + r % G * D;
+ *   softmax_block(s, R, G, first_pos, k0, masked, scale, m, l, alpha): the scores of keys k0 .. k0 + 15 into
+ *     weights in place (0 past each row's position when masked), the rows' running max m and sum l updated and
+ *     alpha, each row's rescaling of what it accumulated so far;
+ *   accumulate_values(p, R, v, v_stride, n, D, alpha, acc): acc[r] = alpha[r] acc[r] + sum over j < n of p[r][j] V_j.
+ * Row j of a block starts at row0 + j * stride in the cache. Measured on the default model's heads (9 query, 3 KV
+ * of 64), a 512-token chunk after 3,584 cached tokens, fp16 KV, one thread of this project's Zen 4: 75 GFLOP/s on
+ * the avx512 path, 80 on avx2; tiles of 32 positions gave 3% more, within the noise, and half the tasks to share
+ * among the threads. */
+#define PREFILL_TILE 16
+
+/* The scores of all R rows of the tile, 6 rows at a time. */
+static inline __attribute__((always_inline)) void block_scores(const float *q_tile, long G, long pos_stride, long R,
+                                                               const float *kt, long D, float *s) {
+    long r = 0;
+    for (; r + 6 <= R; r += 6) rows_times_keys(6, q_tile, G, pos_stride, r, kt, D, s);
+    switch (R - r) {
+        case 5: rows_times_keys(5, q_tile, G, pos_stride, r, kt, D, s); break;
+        case 4: rows_times_keys(4, q_tile, G, pos_stride, r, kt, D, s); break;
+        case 3: rows_times_keys(3, q_tile, G, pos_stride, r, kt, D, s); break;
+        case 2: rows_times_keys(2, q_tile, G, pos_stride, r, kt, D, s); break;
+        case 1: rows_times_keys(1, q_tile, G, pos_stride, r, kt, D, s); break;
+    }
+}
+
+static __thread float *prefill_scratch = NULL; /* per OpenMP thread: acc, s, m, l, alpha, kt, vb */
+static __thread long prefill_scratch_floats = 0;
+
+/* Whether sequence b's rows lie inside q and its chunk inside its context: 0 <= cu[b] <= cu[b + 1] <= num_q and
+ * q_len <= context_lens[b]. */
+static inline int chunk_fits(const int32_t *cu_seqlens_q, const int32_t *context_lens, long b, long num_q) {
+    const long start = cu_seqlens_q[b], end = cu_seqlens_q[b + 1];
+    return 0 <= start && start <= end && end <= num_q && end - start <= context_lens[b];
+}
+
+static inline __attribute__((always_inline)) int prefill_task(
+    const int KV, long b, long kvh, long tile, const float *q, const void *k_cache, const void *v_cache,
+    const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens, long num_q, long H,
+    long KVH, long D, long max_blocks, long num_blocks, float scale, float *out) {
+    if (!chunk_fits(cu_seqlens_q, context_lens, b, num_q)) return LP_BAD_INDEX;
+    const long q_start = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q_start, ctx = context_lens[b];
+    const long i0 = tile * PREFILL_TILE;
+    if (i0 >= q_len) return LP_OK; /* this sequence's chunk has fewer tiles */
+    const int32_t *table = block_tables + b * max_blocks;
+    if (!context_fits(table, ctx, max_blocks, num_blocks)) return LP_BAD_INDEX;
+    const long G = H / KVH, positions = q_len - i0 < PREFILL_TILE ? q_len - i0 : PREFILL_TILE, R = G * positions;
+    const long rows = (G * PREFILL_TILE + 7) / 8 * 8, floats = rows * (D + 16 + 3) + 32 * D;
+    if (prefill_scratch_floats < floats) {
+        free(prefill_scratch);
+        prefill_scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        prefill_scratch_floats = prefill_scratch ? floats : 0;
+        if (!prefill_scratch) return LP_OUT_OF_MEMORY;
+    }
+    float *acc = prefill_scratch, *s = acc + rows * D, *m = s + rows * 16, *l = m + rows, *alpha = l + rows;
+    float *kt = alpha + rows, *vb = kt + 16 * D;
+    for (long r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f, alpha[r] = 0.0f; /* rows past R: padding lanes */
+    for (long i = 0; i < R * D; i++) acc[i] = 0.0f;
+    const long first_pos = ctx - q_len + i0, end = first_pos + positions; /* keys 0 .. end - 1 */
+    const float *q_tile = q + ((q_start + i0) * H + kvh * G) * D;
+    const long stride = KVH * D;
+    for (long blk = 0; blk * 16 < end; blk++) {
+        const long k0 = blk * 16, n = end - k0 < 16 ? end - k0 : 16, row0 = (long)table[blk] * 16 * stride + kvh * D;
+        transpose_k_block(KV, k_cache, row0, stride, n, D, kt);
+        const float *v = (const float *)v_cache + row0;
+        long v_stride = stride;
+        if (KV != LP_KV_F32) {
+            value_rows(KV, v_cache, row0, stride, n, D, vb);
+            v = vb, v_stride = D;
+        }
+        block_scores(q_tile, G, H * D, R, kt, D, s);
+        softmax_block(s, R, G, first_pos, k0, k0 + 15 > first_pos, scale, m, l, alpha);
+        accumulate_values(s, R, v, v_stride, n, D, alpha, acc);
+    }
+    for (long r = 0; r < R; r++) {
+        const float inv = 1.0f / l[r], *a = acc + r * D;
+        float *o = out + ((q_start + i0 + r / G) * H + kvh * G + r % G) * D;
+        for (long d = 0; d < D; d++) o[d] = a[d] * inv;
+    }
+    return LP_OK;
+}
+
+/* Varlen chunk attention over the paged cache (as kernels/reference.py's paged_prefill): q [num_q, H, D] fp32, the
+ * rows of sequence b being cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, caches [num_blocks, 16, KVH, D] of kv_dtype,
+ * out [num_q, H, D] fp32. context_lens[b] counts the sequence's keys including its chunk, whose K/V are already in
+ * the cache: query i sits at position context_lens[b] - q_len + i and sees every key up to its own. Sequences of one
+ * query (decode rows) mix freely with chunks. D is a multiple of 8. cu_seqlens_q must run from 0 to num_q (else
+ * nothing is computed); a sequence whose rows or context do not fit is skipped (its output left unwritten); both
+ * are reported as LP_BAD_INDEX. Tasks (tile, sequence, KV head) go to threads dynamically, the last tiles first:
+ * they see the most keys, so a long chunk's work ends evenly over the threads. */
+int lp_paged_prefill(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
+                     const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens,
+                     int64_t num_q, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+                     int64_t num_blocks, float scale, float *out) {
+    if (B < 0 || num_q < 0 || KVH <= 0 || H % KVH || D <= 0 || D % 8 || kv_dtype < LP_KV_F32 || kv_dtype > LP_KV_F16)
+        return LP_BAD_ARGUMENT;
+    if (cu_seqlens_q[0] != 0 || cu_seqlens_q[B] != num_q) return LP_BAD_INDEX; /* some rows would go unwritten */
+    long tiles = 1; /* the most any sequence has; at least 1, so that a sequence that does not fit is reported */
+    for (long b = 0; b < B; b++) {
+        if (!chunk_fits(cu_seqlens_q, context_lens, b, num_q)) continue;
+        const long q_tiles = (cu_seqlens_q[b + 1] - cu_seqlens_q[b] + PREFILL_TILE - 1) / PREFILL_TILE;
+        if (q_tiles > tiles) tiles = q_tiles;
+    }
+    int status = LP_OK;
+#pragma omp parallel for schedule(dynamic)
+    for (long task = 0; task < tiles * B * KVH; task++) {
+        const long tile = tiles - 1 - task / (B * KVH), b = task / KVH % B, kvh = task % KVH;
+        int s;
+        if (kv_dtype == LP_KV_BF16)
+            s = prefill_task(LP_KV_BF16, b, kvh, tile, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                             num_q, H, KVH, D, max_blocks, num_blocks, scale, out);
+        else if (kv_dtype == LP_KV_F16)
+            s = prefill_task(LP_KV_F16, b, kvh, tile, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                             num_q, H, KVH, D, max_blocks, num_blocks, scale, out);
+        else
+            s = prefill_task(LP_KV_F32, b, kvh, tile, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                             num_q, H, KVH, D, max_blocks, num_blocks, scale, out);
+        if (s != LP_OK) {
+#pragma omp atomic write
+            status = s;
+        }
     }
     return status;
 }

@@ -110,6 +110,35 @@ static void check_qgemm(int low, int high, int with_min, int group, long M) {
     free(q), free(packed), free(s), free(m), free(tiled_s), free(tiled_m), free(x), free(y), free(ref), free(got);
 }
 
+/* n random K and V values; for a 16-bit cache, stored rounded in k16 and v16, and k, v made the values they hold. */
+static void random_cache(int kv_dtype, float *k, float *v, uint16_t *k16, uint16_t *v16, long n) {
+    for (long i = 0; i < n; i++) {
+        k[i] = uniform(), v[i] = uniform();
+        if (kv_dtype == LP_KV_F32) continue;
+        k16[i] = ref_narrow(kv_dtype, k[i]), v16[i] = ref_narrow(kv_dtype, v[i]);
+        k[i] = ref_widen(kv_dtype, k16[i]), v[i] = ref_widen(kv_dtype, v16[i]);
+    }
+}
+
+/* One query row's attention in doubles over the first `keys` (at most 48) tokens of a table's blocks, KV head kvh. */
+static void reference_attention(const float *q, int kvh, const int32_t *table, int keys, const float *k, const float *v,
+                                int KVH, int D, float scale, double *out) {
+    double p[48], mx = -INFINITY, total = 0;
+    for (int t = 0; t < keys; t++) {
+        const float *kr = k + (((long)table[t / 16] * 16 + t % 16) * KVH + kvh) * D;
+        p[t] = 0;
+        for (int d = 0; d < D; d++) p[t] += (double)q[d] * kr[d];
+        p[t] *= scale;
+        mx = fmax(mx, p[t]);
+    }
+    for (int t = 0; t < keys; t++) total += p[t] = exp(p[t] - mx);
+    for (int d = 0; d < D; d++) {
+        double o = 0;
+        for (int t = 0; t < keys; t++) o += p[t] * v[(((long)table[t / 16] * 16 + t % 16) * KVH + kvh) * D + d];
+        out[d] = o / total;
+    }
+}
+
 /* Paged decode of two sequences over a block pool whose blocks are handed out in reverse; D = 24 is 8 but not 16.
  * A 16-bit cache holds the random values rounded; the reference reads them widened. */
 static void check_paged_decode(int kv_dtype) {
@@ -118,37 +147,44 @@ static void check_paged_decode(int kv_dtype) {
     static float k[CACHE], v[CACHE], q[B * H * D], out[B * H * D];
     static uint16_t k16[CACHE], v16[CACHE];
     static double ref[B * H * D];
-    for (long i = 0; i < CACHE; i++) {
-        k[i] = uniform(), v[i] = uniform();
-        if (kv_dtype == LP_KV_F32) continue;
-        k16[i] = ref_narrow(kv_dtype, k[i]), v16[i] = ref_narrow(kv_dtype, v[i]);
-        k[i] = ref_widen(kv_dtype, k16[i]), v[i] = ref_widen(kv_dtype, v16[i]);
-    }
+    random_cache(kv_dtype, k, v, k16, v16, CACHE);
     for (long i = 0; i < B * H * D; i++) q[i] = uniform();
     const float scale = 1.0f / sqrtf((float)D);
     for (int b = 0; b < B; b++)
-        for (int h = 0; h < H; h++) {
-            double p[48], mx = -INFINITY, total = 0;
-            for (int t = 0; t < lens[b]; t++) {
-                const float *kr = k + (((long)tables[b][t / 16] * 16 + t % 16) * KVH + h / G) * D;
-                p[t] = 0;
-                for (int d = 0; d < D; d++) p[t] += (double)q[(b * H + h) * D + d] * kr[d];
-                p[t] *= scale;
-                mx = fmax(mx, p[t]);
-            }
-            for (int t = 0; t < lens[b]; t++) total += p[t] = exp(p[t] - mx);
-            for (int d = 0; d < D; d++) {
-                double o = 0;
-                for (int t = 0; t < lens[b]; t++)
-                    o += p[t] * v[(((long)tables[b][t / 16] * 16 + t % 16) * KVH + h / G) * D + d];
-                ref[(b * H + h) * D + d] = o / total;
-            }
-        }
+        for (int h = 0; h < H; h++)
+            reference_attention(q + (b * H + h) * D, h / G, tables[b], lens[b], k, v, KVH, D, scale, ref + (b * H + h) * D);
     const void *kc = kv_dtype == LP_KV_F32 ? (const void *)k : k16, *vc = kv_dtype == LP_KV_F32 ? (const void *)v : v16;
     const int status =
         lp_paged_decode(q, kc, vc, kv_dtype, &tables[0][0], lens, B, H, KVH, D, MAX_BLOCKS, BLOCKS, scale, out);
     if (status != LP_OK) printf("FAIL paged_decode status %d\n", status), failures++;
     expect_close("paged_decode (kv type, D)", kv_dtype, D, out, ref, B * H * D, 1e-5);
+}
+
+/* Chunked prefill of three sequences: a 20-token chunk after a 13-token prefix (it starts mid-block and spans two
+ * query tiles), a decode row after 30 tokens, and a whole 7-token prompt; D = 24, blocks handed out in reverse. */
+static void check_paged_prefill(int kv_dtype) {
+    enum { B = 3, KVH = 2, G = 3, H = KVH * G, D = 24, BLOCKS = 6, MAX_BLOCKS = 3, CACHE = BLOCKS * 16 * KVH * D };
+    enum { NUM_Q = 28 };
+    const int32_t lens[B] = {33, 31, 7}, cu[B + 1] = {0, 20, 21, 28};
+    const int32_t tables[B][MAX_BLOCKS] = {{5, 4, 3}, {2, 1, 0}, {0, 5, 5}};
+    static float k[CACHE], v[CACHE], q[NUM_Q * H * D], out[NUM_Q * H * D];
+    static uint16_t k16[CACHE], v16[CACHE];
+    static double ref[NUM_Q * H * D];
+    random_cache(kv_dtype, k, v, k16, v16, CACHE);
+    for (long i = 0; i < NUM_Q * H * D; i++) q[i] = uniform();
+    const float scale = 1.0f / sqrtf((float)D);
+    for (int b = 0; b < B; b++)
+        for (int row = cu[b]; row < cu[b + 1]; row++)
+            for (int h = 0; h < H; h++) {
+                const int keys = lens[b] - (cu[b + 1] - cu[b]) + (row - cu[b]) + 1; /* up to its own position */
+                reference_attention(q + (row * H + h) * D, h / G, tables[b], keys, k, v, KVH, D, scale,
+                                    ref + (row * H + h) * D);
+            }
+    const void *kc = kv_dtype == LP_KV_F32 ? (const void *)k : k16, *vc = kv_dtype == LP_KV_F32 ? (const void *)v : v16;
+    const int status = lp_paged_prefill(q, kc, vc, kv_dtype, &tables[0][0], cu, lens, NUM_Q, B, H, KVH, D, MAX_BLOCKS,
+                                        BLOCKS, scale, out);
+    if (status != LP_OK) printf("FAIL paged_prefill status %d\n", status), failures++;
+    expect_close("paged_prefill (kv type, D)", kv_dtype, D, out, ref, NUM_Q * H * D, 1e-5);
 }
 
 /* Whether got and want are the same 16-bit value, as bits (a NaN: any NaN), for a cache of kv_dtype. */
@@ -252,7 +288,10 @@ int main(void) {
     for (int r = 0; r < 5; r++)
         for (int group = 16; group <= 32; group += 16)
             for (int i = 0; i < 4; i++) check_qgemm(ranges[r][0], ranges[r][1], ranges[r][2], group, rows[i]);
-    for (int kv_dtype = LP_KV_F32; kv_dtype <= LP_KV_F16; kv_dtype++) check_paged_decode(kv_dtype);
+    for (int kv_dtype = LP_KV_F32; kv_dtype <= LP_KV_F16; kv_dtype++) {
+        check_paged_decode(kv_dtype);
+        check_paged_prefill(kv_dtype);
+    }
     check_kv_conversions(LP_KV_BF16);
     check_kv_conversions(LP_KV_F16);
     check_row_kernels();

@@ -63,6 +63,14 @@ def decode_args(context_lens: list[int], blocks: int = 3) -> dict:
     }
 
 
+def prefill_args(q_lens: list[int], context_lens: list[int]) -> dict:
+    return {
+        **decode_args(context_lens),
+        "q": torch.randn(sum(q_lens), 4, 32),
+        "cu_seqlens_q": torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32),
+    }
+
+
 @needs_library
 @pytest.mark.parametrize(
     "call,match",
@@ -123,6 +131,55 @@ def test_a_tensor_the_kernel_cannot_read_is_refused_by_name(call, match):
 def test_rope_write_kv_checks_every_argument(change, match):
     with pytest.raises(KernelArgumentError, match=match):
         cpu.rope_write_kv(**{**rope_args(), **change})
+
+
+@needs_library
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"q": torch.randn(3, 4, 16)}, r"q \[3, 4, 16\] against caches of 2 KV heads of 32"),
+        ({"q": torch.randn(3, 3, 32)}, "a whole number of query heads per KV head"),
+        ({"q": torch.randn(3, 4, 32, dtype=torch.float64)}, "q is torch.float64, not torch.float32"),
+        ({"cu_seqlens_q": torch.tensor([0, 3], dtype=torch.int32)}, r"cu_seqlens_q has shape \(2,\), expected \[3\]"),
+        ({"cu_seqlens_q": torch.tensor([0.0, 2, 3])}, "cu_seqlens_q must be an int32 or int64 tensor"),
+        ({"context_lens": torch.tensor([[5, 1]], dtype=torch.int32)}, r"context_lens has 2 dimensions \(1, 2\), not 1"),
+        ({"context_lens": torch.tensor([5.0, 1.0])}, "context_lens is torch.float32, not torch.int32 or torch.int64"),
+        ({"block_tables": torch.zeros(2, dtype=torch.int32)}, r"block_tables has shape \(2,\), expected \[2, ...\]"),
+        (
+            {"v_cache": torch.zeros(3, 16, 2, 32, dtype=torch.float16)},
+            "v_cache is torch.float16, k_cache torch.float32: one cache type for both",
+        ),
+    ],
+)
+def test_paged_prefill_checks_every_argument(change, match):
+    with pytest.raises(KernelArgumentError, match=match):
+        cpu.paged_prefill(**{**prefill_args([2, 1], [5, 1]), **change})
+
+
+@needs_library
+@on_every_path
+@pytest.mark.parametrize(
+    "cu_seqlens_q,context_lens,table,match",
+    [
+        ([1, 2, 3], [5, 1], [[0, 1], [0, 1]], "cu_seqlens_q does not rise from 0 to q's number of rows"),
+        ([0, 2, 2], [5, 1], [[0, 1], [0, 1]], "cu_seqlens_q does not rise from 0 to q's number of rows"),
+        ([0, 4, 3], [5, 1], [[0, 1], [0, 1]], "cu_seqlens_q does not rise"),  # a chunk ends before it starts
+        ([0, 2, 3], [1, 1], [[0, 1], [0, 1]], "a chunk is longer than its context"),
+        ([0, 2, 3], [33, 1], [[0, 1], [0, 1]], "a context is longer than its block table row"),  # 2 blocks hold 32
+        ([0, 2, 3], [20, 1], [[0, 3], [0, 1]], "a block id is outside the cache"),  # the cache has blocks 0-2
+        ([0, 2, 3], [5, 1], [[0, 1], [-1, 0]], "a block id is outside the cache"),  # the decode row's
+    ],
+)
+def test_an_index_outside_q_or_the_cache_comes_back_from_paged_prefill_as_an_error(
+    cu_seqlens_q, context_lens, table, match
+):
+    args = {
+        **prefill_args([2, 1], context_lens),
+        "cu_seqlens_q": torch.tensor(cu_seqlens_q, dtype=torch.int32),
+        "block_tables": torch.tensor(table, dtype=torch.int32),
+    }
+    with pytest.raises(KernelArgumentError, match=f"lp_paged_prefill: .*{match}"):
+        cpu.paged_prefill(**args)
 
 
 @needs_library
