@@ -23,7 +23,13 @@ echo "downloading the llama-cpp-python $VERSION sdist ..."
 tar -xzf "$WORK"/llama_cpp_python-"$VERSION".tar.gz -C "$WORK"
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 echo "building ${BINARIES[*]} (about 10 minutes on two cores) ..."
+# -march=native, less AMX: on the virtual machines this runs on the CPU reports amx_tile and the kernel
+# grants the permission, yet the first tile instruction faults (llama-server died with SIGILL in
+# ggml's AMX matmul, tilezero). localpaged's kernels use no AMX either, so the comparison stays like
+# for like. GCC lets an explicit -mno-* win over -march=native whatever their order.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
     -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF > "$WORK/cmake.log" 2>&1 || { tail -20 "$WORK/cmake.log"; exit 1; }
 cmake --build "$WORK/build" -j "$(nproc)" --target "${BINARIES[@]}" > "$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; exit 1; }
 mkdir -p "$DEST/bin"
