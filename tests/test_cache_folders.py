@@ -111,7 +111,7 @@ def replace_with_a_recorded_build(library: Path, source: str, tmp_path: Path) ->
 @pytest.mark.parametrize(
     "source,reason",
     [
-        ("int lp_abi_version(void) { return 0; }\n", "reports ABI version 0, kernels/cpu.py binds 2"),
+        ("int lp_abi_version(void) { return 0; }\n", r"reports ABI version 0, kernels/cpu.py binds \d"),
         ("int lp_qgemm(void) { return 0; }\n", "exports no lp_abi_version"),
     ],
 )
