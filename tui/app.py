@@ -246,7 +246,9 @@ class LocalpagedApp(App[None]):
             if isinstance(screen, MainScreen):
                 screen.stop_refreshing()
                 await asyncio.gather(*(chat.stop() for chat in screen.chats.values()))
-        await self.workers.wait_for_complete([w for w in self.workers if w.group == "replies"])
+        replies = [w for w in self.workers if w.group == "replies"]
+        if replies:  # given none, Textual waits for every worker, and one it cancelled raises WorkerCancelled
+            await self.workers.wait_for_complete(replies)
         if self.engine is not None:
             with suppress(LocalpagedError):  # a dead engine has nothing left to shut down
                 await asyncio.to_thread(self.engine.shutdown)
