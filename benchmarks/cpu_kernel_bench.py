@@ -7,10 +7,13 @@ drift, so each figure is the best of several rounds, the paths interleaved round
 measures the engine on the default model instead, each path in a process of its own (LOCALPAGED_CPU_KERNELS
 set), its KV cache of ``--kv-cache-dtype`` (default auto: float16 on the native kernels): one chat's decode
 tok/s after its first token (256 tokens) and 16 sessions' aggregate tok/s (benchmarks/throughput.py's
-sessions, 128 tokens each).
+sessions, 128 tokens each). ``--decode-step`` measures the same two figures in one process on the chosen path,
+with each decode step one native call (engine/cpu_decode.py) and through the model's modules, round by round
+in alternating order, and prints the medians.
 
     python benchmarks/cpu_kernel_bench.py [--rounds 5] [--context 512]
     python benchmarks/cpu_kernel_bench.py --engine [--rounds 3] [--kv-cache-dtype auto|float32|bfloat16|float16]
+    python benchmarks/cpu_kernel_bench.py --decode-step [--rounds 5]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -25,6 +29,8 @@ from collections.abc import Callable
 
 import torch
 from localpaged.kernels import cpu, cpu_isa
+
+from localpaged import LLM, SamplingParams
 
 PROJECTIONS = {  # name: (rows out, columns in, q range, group)
     "gate_up 576->3072 Q4_1": (3072, 576, (0, 16)),
@@ -38,23 +44,49 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--engine", action="store_true", help="the engine's tok/s per path, not the kernels'")
+    p.add_argument("--decode-step", action="store_true", help="the engine's tok/s with and without NativeDecode")
     p.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV cache type (EngineConfig.kv_cache_dtype)")
     p.add_argument("--engine-path", help=argparse.SUPPRESS)  # the child process of --engine: one path
     return p.parse_args()
 
 
-def engine_figures(kv_cache_dtype: str) -> dict[str, float]:
-    """One chat's decode tok/s and 16 sessions' aggregate tok/s on the default model, on this process's path."""
+def engine_figures(kv_cache_dtype: str, llm: LLM | None = None) -> dict[str, float]:
+    """One chat's decode tok/s and 16 sessions' aggregate tok/s on the default model (or ``llm``), on this
+    process's path."""
     from throughput import conversations, run_ours
 
-    from localpaged import LLM, SamplingParams
-
-    llm = LLM(kv_cache_dtype=kv_cache_dtype)
+    llm = llm or LLM(kv_cache_dtype=kv_cache_dtype, kv_disk=False)
     prompts = [llm.encode_chat(c) for c in conversations(16)]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
     out = llm.generate(prompts[:1], SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True))[0]
     sessions, _ = run_ours(llm, prompts, 128)
     return {"one_chat_decode_tok_s": out.metrics.decode_tokens_per_s, "sessions16_tok_s": sessions}
+
+
+def compare_decode_step(rounds: int, kv_cache_dtype: str) -> None:
+    """``engine_figures`` with NativeDecode and with the modules, alternating in one process; the medians."""
+    llm = LLM(kv_cache_dtype=kv_cache_dtype, kv_disk=False)
+    native = llm.runner.native_decode
+    if native is None:
+        raise SystemExit("NativeDecode does not apply to the default model here (no native kernels?)")
+    figures: dict[str, list[dict[str, float]]] = {"one native call": [], "modules": []}
+    for i in range(rounds):
+        for name in sorted(figures, reverse=i % 2 == 1):
+            llm.runner.native_decode = native if name == "one native call" else None
+            figures[name].append(engine_figures(kv_cache_dtype, llm))
+    print(
+        f"{torch.get_num_threads()} threads; default model, {cpu.chosen_path().name} kernels, KV {kv_cache_dtype}; "
+        f"median of {rounds} alternating rounds"
+    )
+    print(f"{'decode step':18}{'one chat decode tok/s':>24}{'16 sessions tok/s':>20}")
+    for name, rows in figures.items():
+        print(
+            f"{name:18}"
+            + "".join(
+                f"{statistics.median(r[key] for r in rows):{w}.1f}"
+                for key, w in (("one_chat_decode_tok_s", 24), ("sessions16_tok_s", 20))
+            )
+        )
 
 
 def compare_engines(names: list[str], rounds: int, kv_cache_dtype: str) -> None:
@@ -126,6 +158,9 @@ def main() -> None:
         print(json.dumps(engine_figures(args.kv_cache_dtype)))
         return
     names = [path.name for path in cpu_isa.PATHS if path.cpu_flags <= cpu_isa.cpu_flags()]
+    if args.decode_step:
+        compare_decode_step(args.rounds, args.kv_cache_dtype)
+        return
     if args.engine:
         compare_engines(names, args.rounds, args.kv_cache_dtype)
         return

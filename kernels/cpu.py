@@ -43,7 +43,7 @@ from localpaged.errors import ConfigError, KernelArgumentError, KernelError
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
-ABI_VERSION = 3  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
+ABI_VERSION = 4  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
@@ -596,3 +596,110 @@ def rope_write_kv(
         q.data_ptr(),
     )
     return q
+
+
+class Projection(ctypes.Structure):
+    """cpu_kernels.h's lp_projection: a packed weight as lp_qgemm takes it."""
+
+    _fields_ = [
+        ("q", POINTER),
+        ("scale", POINTER),
+        ("min", POINTER),
+        ("rows", SIZE),
+        ("bits", ctypes.c_int32),
+        ("offset", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+    ]
+
+    @classmethod
+    def of(cls, w: PackedBlocks) -> Projection:
+        """``w``'s pointers and sizes (the caller keeps ``w`` alive); its rows must fill whole tiles."""
+        if w.rows != w.q.shape[0] * TILE:
+            raise KernelArgumentError(f"a packed weight of {w.rows} rows pads its last tile: need a multiple of {TILE}")
+        minimum = w.minimum.data_ptr() if w.minimum is not None else None
+        return cls(w.q.data_ptr(), w.scale.data_ptr(), minimum, w.rows, w.bits, w.offset, w.group)
+
+
+class DecoderLayer(ctypes.Structure):
+    """cpu_kernels.h's lp_decoder_layer."""
+
+    _fields_ = [
+        ("input_norm", POINTER),
+        ("post_attention_norm", POINTER),
+        ("qkv", Projection),
+        ("o", Projection),
+        ("gate_up", Projection),
+        ("down", Projection),
+        ("k_cache", POINTER),
+        ("v_cache", POINTER),
+    ]
+
+
+class Llama(ctypes.Structure):
+    """cpu_kernels.h's lp_llama: a model's decoder layers, prepared once for lp_llama_decode."""
+
+    _fields_ = [
+        ("num_layers", SIZE),
+        ("hidden", SIZE),
+        ("num_heads", SIZE),
+        ("num_kv_heads", SIZE),
+        ("head_dim", SIZE),
+        ("intermediate", SIZE),
+        ("num_blocks", SIZE),
+        ("eps", FLOAT),
+        ("scale", FLOAT),
+        ("kv_dtype", ctypes.c_int32),
+        ("layers", ctypes.POINTER(DecoderLayer)),
+        ("final_norm", POINTER),
+    ]
+
+
+_lp_llama_decode = Kernel(
+    "lp_llama_decode",
+    [ctypes.POINTER(Llama), *[POINTER] * 6, SIZE, SIZE, POINTER],
+    bad_index="a slot_mapping entry is past the cache, a context length is below 1 or longer than its block table "
+    "row, or a block id is outside the cache",
+)
+
+
+def llama_decode(
+    model: Llama,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """A decode step through every decoder layer of ``model`` and the final norm: ``x`` [B, hidden] float32 (the
+    embedded tokens, one per sequence) -> [B, hidden]. ``cos``/``sin`` hold [B, head_dim / 2] values; each token's
+    K and V go to its slot, and it attends through its block table row over ``context_lens`` tokens."""
+    _expect("x", x, torch.float32, 2)
+    b, hidden = x.shape
+    if hidden != model.hidden:
+        raise KernelArgumentError(f"x has rows of {hidden}; the model's hidden size is {model.hidden}")
+    half = b * model.head_dim // 2
+    for name, t in (("cos", cos), ("sin", sin)):
+        _expect(name, t, torch.float32, None)
+        if t.numel() != half or (t.dim() and len(t) != b):
+            raise KernelArgumentError(f"{name} has shape {tuple(t.shape)}: need [{b}, {model.head_dim // 2}] values")
+    _expect_index("slot_mapping", slot_mapping, 1, b)
+    _expect_index("block_tables", block_tables, 2, b)
+    _expect_index("context_lens", context_lens, 1, b)
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(x)
+    _lp_llama_decode(
+        ctypes.byref(model),
+        x.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        b,
+        tables.shape[1],
+        out.data_ptr(),
+    )
+    return out

@@ -30,6 +30,7 @@ HEADER = HERE / "cpu_kernels.h"  # the interface every build exports
 QGEMM_INSTANCES = HERE / "cpu_qgemm_instances.h"  # lp_qgemm's dispatch, included by both kernel sources
 KV_DISPATCH = HERE / "cpu_kv_dispatch.h"  # lp_paged_decode's and lp_rope_write_kv's, included by both as well
 PACK = HERE / "cpu_pack.c"
+DECODE_STEP = HERE / "cpu_decode_step.c"  # lp_llama_decode: a decode step's layers over the path's own kernels
 ENV = "LOCALPAGED_CPU_KERNELS"
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
@@ -39,7 +40,7 @@ class KernelPath:
     """One build of the kernels: its sources, its flags, and the x86 CPU flags it needs (none: any CPU)."""
 
     name: str
-    source: Path  # the kernels; PACK and the headers go into every build
+    source: Path  # the kernels; PACK, DECODE_STEP and the headers go into every build
     flags: tuple[str, ...]
     cpu_flags: frozenset[str]
     includes: tuple[Path, ...] = ()  # other sources the kernels' file includes
@@ -52,7 +53,7 @@ class KernelPath:
     @property
     def sources(self) -> tuple[Path, ...]:
         """The C files compiled together."""
-        return (self.source, PACK)
+        return (self.source, PACK, DECODE_STEP)
 
     @property
     def inputs(self) -> tuple[Path, ...]:

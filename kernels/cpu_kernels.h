@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define TILE 16 /* weight rows per packed tile */
-#define LP_ABI_VERSION 3
+#define LP_ABI_VERSION 4
 
 enum {
     LP_OK = 0,
@@ -46,6 +46,33 @@ int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out);
 int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slots, int64_t N, int64_t H,
                      int64_t KVH, int64_t D, int64_t num_slots, void *k_cache, void *v_cache, int kv_dtype,
                      float *q_out);
+
+/* A Llama model's decoder layers as lp_llama_decode (cpu_decode_step.c) runs them, prepared once by
+ * engine/cpu_decode.py; kernels/cpu.py declares the same structures field for field. */
+typedef struct {
+    const int8_t *q; /* packed tiles, scales and mins as lp_qgemm takes them (min NULL where every min is 0) */
+    const float *scale, *min;
+    int64_t rows; /* output features: whole tiles, no padding row */
+    int32_t bits, offset, group;
+} lp_projection;
+
+typedef struct {
+    const float *input_norm, *post_attention_norm; /* [hidden] each */
+    lp_projection qkv, o, gate_up, down;
+    void *k_cache, *v_cache; /* [num_blocks, 16, num_kv_heads, head_dim] of kv_dtype */
+} lp_decoder_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, num_blocks;
+    float eps, scale;
+    int32_t kv_dtype;
+    const lp_decoder_layer *layers; /* num_layers of them */
+    const float *final_norm;        /* [hidden] */
+} lp_llama;
+
+int lp_llama_decode(const lp_llama *model, const float *x, const float *cos, const float *sin, const int64_t *slots,
+                    const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t max_blocks,
+                    float *out);
 
 /* Whether a context of ctx tokens (at least one) fits its table row of max_blocks entries, each a block of the cache. */
 static inline int context_fits(const int32_t *table, long ctx, long max_blocks, long num_blocks) {

@@ -12,6 +12,7 @@ import mmap
 
 import torch
 
+from localpaged.engine.cpu_decode import NativeDecode
 from localpaged.engine.cuda_graphs import DecodeGraphs
 from localpaged.engine.sampler import sample
 from localpaged.engine.scheduler import ScheduledBatch
@@ -62,6 +63,7 @@ class ModelRunner:
         if graph_batch_sizes:
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(model, attention, graph_batch_sizes, max_blocks, block_size, device)
+        self.native_decode = NativeDecode.build(model, attention)  # None where the model's modules must run
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -162,6 +164,8 @@ class ModelRunner:
         ids, pos, meta, to_sample, logit_rows = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(meta, len(batch.seqs)):
             hidden = self.graphs.run(ids, pos, meta)
+        elif self.native_decode is not None and meta.max_q_len == 1:
+            hidden = self.native_decode.run(ids, pos, meta)
         else:
             self.attention.prepare(meta)
             hidden = self.model(ids, pos, meta)
