@@ -2,7 +2,8 @@
 
 Times each path this CPU runs on the default model's decode shapes (SmolLM2-135M: Q4_1 projections 576 -> 3072
 and 1536 -> 576, the Q8_0 head 576 -> 49152, paged decode of 9 query / 3 KV heads of 64 at 512 tokens over a
-float32, bfloat16 and float16 cache) for one sequence and for 16. The machines this runs on are shared and
+float32, bfloat16 and float16 cache) for one sequence and for 16, and a 512-token prefill chunk after 3,584
+cached tokens. The machines this runs on are shared and
 drift, so each figure is the best of several rounds, the paths interleaved round by round. ``--engine``
 measures the engine on the default model instead, each path in a process of its own (LOCALPAGED_CPU_KERNELS
 set), its KV cache of ``--kv-cache-dtype`` (default auto: float16 on the native kernels): one chat's decode
@@ -134,10 +135,12 @@ def cases(context: int) -> dict[str, Callable[[], object]]:
         q = torch.randint(*q_range, (n, k), generator=gen, dtype=torch.int8)
         scale = torch.rand(n, k // 32, generator=gen) * 0.02
         minimum = -torch.rand(n, k // 32, generator=gen) * 0.1 if q_range[0] == 0 else torch.zeros(n, k // 32)
-        packed = cpu.pack_blocks(q, scale, minimum)
-        for m in (1, 16):
-            x = torch.randn(m, k, generator=gen)
-            calls[f"qgemm {name}, {m} row{'s' * (m > 1)}"] = lambda x=x, packed=packed: cpu.qgemm(x, packed)
+        for int8 in (False, True):
+            packed = cpu.pack_blocks(q, scale, minimum, int8_activations=int8)
+            for m in (1, 16):
+                x = torch.randn(m, k, generator=gen)
+                label = f"qgemm {name}, {m} row{'s' * (m > 1)}{', int8 x' if int8 else ''}"
+                calls[label] = lambda x=x, packed=packed: cpu.qgemm(x, packed)
     heads, kv_heads, d = 9, 3, 64
     for b in (1, 16):
         blocks = b * -(-context // 16)
@@ -149,6 +152,16 @@ def cases(context: int) -> dict[str, Callable[[], object]]:
             k, v = k_cache.to(dtype), v_cache.to(dtype)
             name = f"paged_decode {context} tok, {b} seq{'s' * (b > 1)}, {str(dtype).removeprefix('torch.')}"
             calls[name] = lambda q=q, k=k, v=v, t=tables, n=lens: cpu.paged_decode(q, k, v, t, n, d**-0.5)
+    # A 512-token prefill chunk after 3,584 cached tokens (a long prompt's last chunk), float16 KV.
+    chunk, cached = 512, 3584
+    blocks = (chunk + cached) // 16
+    k_cache, v_cache = (torch.randn(blocks, 16, kv_heads, d, generator=gen).half() for _ in range(2))
+    tables = torch.randperm(blocks, generator=gen).to(torch.int32)[None]
+    cu, lens = torch.tensor([0, chunk], dtype=torch.int32), torch.tensor([chunk + cached], dtype=torch.int32)
+    q = torch.randn(chunk, heads, d, generator=gen)
+    calls[f"paged_prefill {chunk} after {cached} tok, float16"] = lambda: cpu.paged_prefill(
+        q, k_cache, v_cache, tables, cu, lens, d**-0.5
+    )
     return calls
 
 

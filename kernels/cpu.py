@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from localpaged.kernels import cpu_isa
 from localpaged.kernels.cpu_isa import KernelPath, choose_path
 
 from localpaged.cache_folders import cached_folder, set_aside
@@ -286,12 +287,13 @@ class PackedBlocks:
     scale: torch.Tensor  # float32 [tiles, K/G, 16]
     minimum: torch.Tensor | None  # None where every min is 0 (Q4_0, Q5_0, Q8_0, Q6_K): nothing to read or add
     rows: int  # the weight's rows before padding to whole tiles
-    bits: int  # 8 (int8 as is), 4 or 5 (unsigned, stored as q + offset)
+    bits: int  # 8 (int8 as is), 4 or 5 (unsigned, stored as q + offset); int8_activations: 4 or 8, unsigned
     offset: int
     group: int  # weights per scale/min run: one of GROUPS
+    int8_activations: bool = False  # packed in quads for qgemm_int8 (cpu_qgemm_int8.c), else for the float32 kernel
 
     def __post_init__(self) -> None:
-        if self.bits not in BITS or self.group not in GROUPS:
+        if self.bits not in BITS or self.group not in GROUPS or (self.int8_activations and self.bits == 5):
             raise KernelArgumentError(
                 f"packed weights of {self.bits} bits in groups of {self.group}: need {BITS}, {GROUPS}"
             )
@@ -321,13 +323,25 @@ class PackedBlocks:
 _lp_pack_q = Kernel("lp_pack_q", [POINTER, SIZE, SIZE, INT, INT, POINTER])
 
 
-def pack_blocks(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> PackedBlocks:
+_lp_pack_quads = Kernel("lp_pack_quads", [POINTER, SIZE, SIZE, INT, INT, POINTER])
+
+
+def int8_is_fast() -> bool:
+    """Whether ``qgemm`` of weights packed for int8 activations runs the VNNI kernel here (else plain C: slow)."""
+    return library() is not None and cpu_isa.VNNI_FLAGS <= cpu_isa.cpu_flags()
+
+
+def pack_blocks(
+    q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, int8_activations: bool = False
+) -> PackedBlocks:
     """Reorder ``q`` [N, K] int8 and ``scale``/``minimum`` [N, K/G] (G in GROUPS) into tiles of 16 rows (padded with zeros).
 
     q is stored in as few bits as its range needs (shifted to start at 0): 4 for Q4_*'s 16 values (two
     rows share a byte: row j's in the low half, row j+8's in the high), 5 for Q5_*'s 32 (the same
     nibbles and a plane of high bits), else 8. A Q5_0 weight then costs 0.75 bytes with its scale
     instead of 1.25 as int8 with a scale and a zero min: decode reads every weight once per step.
+    ``int8_activations`` packs for ``qgemm`` with X in int8 (cpu_qgemm_int8.c's quads), in 4 bits or else 8
+    (5-bit values too), every value shifted to start at 0.
     """
     _expect("q", q, torch.int8, 2)
     _expect("scale", scale, torch.float32, 2)
@@ -345,26 +359,33 @@ def pack_blocks(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
         )
     low, high = (int(v) for v in torch.aminmax(q))
     offset = -min(low, 0)
-    bits = 4 if high + offset <= 15 else 5 if high + offset <= 31 else 8
-    offset = offset if bits < 8 else 0
+    if int8_activations:
+        bits = 4 if high + offset <= 15 else 8
+    else:
+        bits = 4 if high + offset <= 15 else 5 if high + offset <= 31 else 8
+        offset = offset if bits < 8 else 0
     tiles = -(-n // TILE)
     q = q.contiguous()
     packed = torch.empty(tiles, k * 2 * bits, dtype=torch.uint8)
-    _lp_pack_q(q.data_ptr(), n, k, bits, offset, packed.data_ptr())
+    pack = _lp_pack_quads if int8_activations else _lp_pack_q
+    pack(q.data_ptr(), n, k, bits, offset, packed.data_ptr())
 
     def tiled(t: torch.Tensor) -> torch.Tensor:  # [N, K/G] -> [tiles, K/G, 16], padded with zeros
         t = torch.cat([t.float(), t.new_zeros(tiles * TILE - n, t.shape[1], dtype=torch.float32)])
         return t.reshape(tiles, TILE, t.shape[1]).transpose(1, 2).contiguous()
 
     minimum = tiled(minimum) if bool(minimum.any()) else None
-    return PackedBlocks(packed, tiled(scale), minimum, n, bits, offset, group)
+    return PackedBlocks(packed, tiled(scale), minimum, n, bits, offset, group, int8_activations)
 
 
 _lp_qgemm = Kernel("lp_qgemm", [POINTER, SIZE, SIZE, POINTER, POINTER, POINTER, SIZE, INT, INT, INT, POINTER])
+_lp_qgemm_int8 = Kernel("lp_qgemm_int8", _lp_qgemm.argtypes)
 
 
 def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
-    """``x`` [M, K] float32 times the packed weight's transpose: [M, rows]. ``x`` is copied if not contiguous."""
+    """``x`` [M, K] float32 times the packed weight's transpose: [M, rows]. ``x`` is copied if not contiguous.
+
+    A weight packed for int8 activations goes to lp_qgemm_int8, which rounds each run of x to int8 first."""
     _expect("x", x, torch.float32, 2)
     if not isinstance(w, PackedBlocks):
         raise KernelArgumentError(f"w must be PackedBlocks (from pack_blocks), not {type(w).__name__}")
@@ -374,7 +395,7 @@ def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
         raise KernelArgumentError(f"x has {k} columns but the packed weight takes {w.cols} (x must be [M, {w.cols}])")
     padded = w.q.shape[0] * TILE
     out = torch.empty(m, padded)
-    _lp_qgemm(
+    (_lp_qgemm_int8 if w.int8_activations else _lp_qgemm)(
         x.data_ptr(),
         m,
         k,
@@ -609,6 +630,7 @@ class Projection(ctypes.Structure):
         ("bits", ctypes.c_int32),
         ("offset", ctypes.c_int32),
         ("group", ctypes.c_int32),
+        ("int8_activations", ctypes.c_int32),
     ]
 
     @classmethod
@@ -617,7 +639,7 @@ class Projection(ctypes.Structure):
         if w.rows != w.q.shape[0] * TILE:
             raise KernelArgumentError(f"a packed weight of {w.rows} rows pads its last tile: need a multiple of {TILE}")
         minimum = w.minimum.data_ptr() if w.minimum is not None else None
-        return cls(w.q.data_ptr(), w.scale.data_ptr(), minimum, w.rows, w.bits, w.offset, w.group)
+        return cls(w.q.data_ptr(), w.scale.data_ptr(), minimum, w.rows, w.bits, w.offset, w.group, w.int8_activations)
 
 
 class DecoderLayer(ctypes.Structure):

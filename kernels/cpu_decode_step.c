@@ -13,6 +13,8 @@
 #include "cpu_kernels.h"
 
 static int project(const lp_projection *w, const float *x, int64_t M, int64_t K, float *y) {
+    if (w->int8_activations)
+        return lp_qgemm_int8(x, M, K, w->q, w->scale, w->min, w->rows, w->bits, w->offset, w->group, y);
     return lp_qgemm(x, M, K, w->q, w->scale, w->min, w->rows, w->bits, w->offset, w->group, y);
 }
 

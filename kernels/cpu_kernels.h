@@ -33,6 +33,9 @@ int lp_abi_version(void);
 int lp_qgemm(const float *X, int64_t M, int64_t K, const int8_t *q, const float *scale, const float *min,
              int64_t N_padded, int bits, int offset, int group, float *Y);
 int lp_pack_q(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out);
+int lp_qgemm_int8(const float *X, int64_t M, int64_t K, const int8_t *q, const float *scale, const float *min,
+                  int64_t N_padded, int bits, int offset, int group, float *Y);
+int lp_pack_quads(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out);
 int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                     const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH,
                     int64_t D, int64_t max_blocks, int64_t num_blocks, float scale, float *out);
@@ -54,6 +57,7 @@ typedef struct {
     const float *scale, *min;
     int64_t rows; /* output features: whole tiles, no padding row */
     int32_t bits, offset, group;
+    int32_t int8_activations; /* 1: packed by lp_pack_quads, for lp_qgemm_int8; 0: by lp_pack_q, for lp_qgemm */
 } lp_projection;
 
 typedef struct {

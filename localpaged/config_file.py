@@ -19,6 +19,7 @@ the built-in default, and :meth:`Settings.entries` says which, for ``localpaged 
     [engine]
     kv_cache_memory = "2GiB"
     kv_cache_dtype = "bfloat16"  # KV values in 16 bits: half the memory, faster with many long chats
+    activations = "int8"         # a GGUF's matmuls on int8 inputs, as llama.cpp: faster, not the exact path
     max_num_seqs = 16
     max_model_len = 8192
     kv_disk = true               # keep KV blocks on disk, so chats resume warm after a restart
@@ -87,6 +88,7 @@ class EngineSettings:
 
     kv_cache_memory: int | str | None = None
     kv_cache_dtype: str | None = None
+    activations: str | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     kv_disk: bool | None = None
@@ -174,6 +176,7 @@ UNSET = {
     "sampling.seed": "random",
     "engine.kv_cache_memory": "sized from free memory",
     "engine.kv_cache_dtype": "auto: the model's dtype (float32 on the CPU, the exact path)",
+    "engine.activations": "float32: the exact path",
     "engine.max_num_seqs": "64",
     "engine.max_model_len": "the model's, at most 8192",
     "engine.kv_disk": "true: KV blocks are kept on disk across restarts",
@@ -291,9 +294,9 @@ def _engine_value(key: str, value: Any) -> int | str | bool:
     if key in ("kv_cache_memory", "kv_disk_bytes"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ConfigError(f'{key}={value!r}: use bytes or a size string such as "2GiB"')
-    elif key == "kv_cache_dtype":
+    elif key in ("kv_cache_dtype", "activations"):
         if not isinstance(value, str):
-            raise ConfigError(f'kv_cache_dtype={value!r}: use a type name such as "bfloat16"')
+            raise ConfigError(f'{key}={value!r}: use a type name such as "float32"')
     elif key == "kv_disk":
         if not isinstance(value, bool):
             raise ConfigError(f"kv_disk={value!r}: must be true or false")

@@ -148,6 +148,7 @@ def default_llm():
         DEFAULT_MODEL,
         dtype="float32",
         kv_cache_dtype="float32",
+        activations="float32",
         device=DEVICE,
         kv_cache_memory="1GiB",
         max_model_len=2048,

@@ -231,6 +231,11 @@ MIXED_TYPES = {
 }
 
 
+# MIXED_TYPES with its two projections that have no native kernel swapped for native types: a model whose every
+# projection runs on the CPU kernels (and whose decode steps NativeDecode takes).
+NATIVE_TYPES = {**MIXED_TYPES, "blk.1.attn_output.weight": "Q8_0", "blk.1.ffn_down.weight": "Q5_K"}
+
+
 def tiny_hf_model(arch: str, tie: bool = False, rope: dict | None = None, max_positions: int = 2048):
     """A random transformers model whose rows are multiples of 256 (K-quant blocks) and whose logits are peaked;
     ``rope`` adds RoPE parameters (scaling, partial rotary) to its config."""

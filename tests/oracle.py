@@ -54,6 +54,7 @@ def exact_llm(path: Path, max_model_len: int = 512, **config):
         str(path),
         dtype="float32",
         kv_cache_dtype="float32",
+        activations="float32",
         device="cpu",
         kv_cache_memory="64MiB",
         max_model_len=max_model_len,

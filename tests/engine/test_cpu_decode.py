@@ -14,14 +14,8 @@ from tests.oracle import exact_llm
 
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler or no 64-bit CPU: no native kernels")
 
-# Every native type over two layers (MIXED_TYPES with its two non-native projections swapped for native ones).
-NATIVE_TYPES = {**MIXED_TYPES, "blk.1.attn_output.weight": "Q8_0", "blk.1.ffn_down.weight": "Q5_K"}
-
-
-@pytest.fixture(scope="module")
-def native_llama(tmp_path_factory, gguf_tokenizer):
-    path = tmp_path_factory.mktemp("gguf") / "tiny-native-llama.gguf"
-    return write_gguf(path, tiny_hf_model("llama"), "llama", NATIVE_TYPES, gguf_tokenizer)
+NEEDS_VNNI = pytest.mark.skipif(not cpu.int8_is_fast(), reason="int8 activations need AVX-512 VNNI")
+NEEDS_VNNI = pytest.mark.skipif(not cpu.int8_is_fast(), reason="int8 activations need AVX-512 VNNI")
 
 
 def logits_of_each_step(llm, prompts: list[list[int]], params: SamplingParams) -> tuple[list[torch.Tensor], list]:
@@ -37,10 +31,18 @@ def logits_of_each_step(llm, prompts: list[list[int]], params: SamplingParams) -
     return seen, outputs
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
-def test_native_decode_steps_give_the_module_paths_logits_bit_for_bit(native_llama, kv_cache_dtype):
+@pytest.mark.parametrize(
+    "kv_cache_dtype,activations",
+    [("float32", "float32"), ("float16", "float32"), pytest.param("float16", "int8", marks=NEEDS_VNNI)],
+)
+def test_native_decode_steps_give_the_module_paths_logits_bit_for_bit(native_llama, kv_cache_dtype, activations):
     llm = LLM(
-        str(native_llama), dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory="64MiB", max_model_len=512
+        str(native_llama),
+        dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
+        activations=activations,
+        kv_cache_memory="64MiB",
+        max_model_len=512,
     )
     native = llm.runner.native_decode
     assert native is not None

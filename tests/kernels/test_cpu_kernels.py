@@ -35,24 +35,23 @@ def random_blocks(
 
 Q4_1, Q4_0, Q5_1, Q5_0, Q8_0 = (0, 16), (-8, 8), (0, 32), (-16, 16), (-128, 128)
 BITS = {Q4_1: 4, Q4_0: 4, Q5_1: 5, Q5_0: 5, Q8_0: 8}
+# Weights (rows, columns, q range, group) of every format and group, tails of tiles and groups of tiles.
+SHAPES = [
+    (16, 32, Q4_1, 32),
+    (40, 64, Q8_0, 32),
+    (96, 576, Q4_1, 32),
+    (24, 1536, Q8_0, 32),
+    (40, 256, Q8_0, 16),
+    (24, 512, Q4_1, 16),
+    (40, 96, Q4_0, 32),
+    (24, 576, Q5_0, 32),
+    (56, 64, Q5_1, 32),
+    (16, 256, Q5_1, 16),
+]
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 5, 6, 7, 16, 33])
-@pytest.mark.parametrize(
-    "n,k,q_range,group",
-    [
-        (16, 32, Q4_1, 32),
-        (40, 64, Q8_0, 32),
-        (96, 576, Q4_1, 32),
-        (24, 1536, Q8_0, 32),
-        (40, 256, Q8_0, 16),
-        (24, 512, Q4_1, 16),
-        (40, 96, Q4_0, 32),
-        (24, 576, Q5_0, 32),
-        (56, 64, Q5_1, 32),
-        (16, 256, Q5_1, 16),
-    ],
-)
+@pytest.mark.parametrize("n,k,q_range,group", SHAPES)
 def test_qgemm_matches_dequantised_matmul(m, n, k, q_range, group):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     weight = random_blocks(n, k, q_range, gen, group)
@@ -63,6 +62,35 @@ def test_qgemm_matches_dequantised_matmul(m, n, k, q_range, group):
     ref = x.double() @ weight.dequantize().double().T
     assert out.shape == (m, n)
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def int8_reference(x: torch.Tensor, weight: BlockQuantized, group: int) -> torch.Tensor:
+    """What lp_qgemm_int8 computes, in torch: each run of x rounded to int8 (scale amax / 127, to nearest even), the
+    integer dot products exact (float64), then scaled and the min term added in float32."""
+    m, k = x.shape
+    runs = x.reshape(m, k // group, group)
+    amax = runs.abs().amax(-1)
+    xq = torch.round(runs * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))[..., None])
+    dots = torch.einsum("mgk,ngk->mng", xq.double(), weight.q.double().reshape(-1, k // group, group)).float()
+    return (weight.scale * ((amax / 127.0)[:, None, :] * dots) + weight.minimum * runs.sum(-1)[:, None, :]).sum(-1)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("n,k,q_range,group", SHAPES)
+def test_int8_activations_compute_the_int8_dot_products_and_stay_near_the_exact_path(m, n, k, q_range, group):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    weight = random_blocks(n, k, q_range, gen, group)
+    x = torch.randn(m, k, generator=gen)
+    if k > group:
+        x[0, :group] = 0.0  # a run of zeros: scale 0, nothing divided by it
+    packed = cpu.pack_blocks(weight.q, weight.scale, weight.minimum, int8_activations=True)
+    assert packed.int8_activations and packed.bits == (4 if BITS[q_range] == 4 else 8)  # 5-bit values in 8 bits
+    out = cpu.qgemm(x, packed)
+    assert out.shape == (m, n) and torch.isfinite(out).all()
+    want = int8_reference(x, weight, group)
+    assert ((out - want).abs().max() / want.abs().max()).item() < 1e-5
+    exact = x.double() @ weight.dequantize().double().T
+    assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 2e-2  # measured: under 1%
 
 
 def test_qgemm_reads_a_strided_input():
