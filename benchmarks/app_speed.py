@@ -42,6 +42,8 @@ import threading
 import time
 from pathlib import Path
 
+from kv_folder import own_kv_folder
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "app_speed.json"
 SYSTEM = "You are a helpful assistant."
@@ -393,4 +395,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with own_kv_folder():  # cold means cold: no blocks from earlier runs
+        main()

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
+
+from kv_folder import own_kv_folder
 
 from localpaged import AsyncLLM, SamplingParams, load_prompt
 
@@ -130,8 +130,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     results: dict = {"note": "one run; other work on the machine at the same time makes every figure noisy"}
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["LOCALPAGED_KV_CACHE"] = tmp  # the engine core processes inherit it
+    with own_kv_folder():  # the engine core processes inherit it
         with AsyncLLM(device=args.device) as engine:  # (a) cold, then (c) warm in memory
             chat = long_chat(engine)
             results["coding (a) cold"] = ttft(engine, coding_chat(question(0)))

@@ -56,6 +56,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
+from kv_folder import own_kv_folder
 from throughput import QUESTIONS, SYSTEM  # the 16-session workload of throughput.py
 
 LLAMA_CPP_PYTHON_VERSION = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")
@@ -589,11 +590,7 @@ def main() -> None:
     if bin_dir is None and not args.skip_llama:
         print("peers.py: skipped, llama.cpp is not built here; run `make bench-peers` once (about 10 minutes)")
         return
-    # Our engines' disk KV tier writes to a folder of this run's own (every engine core inherits it): in
-    # the user's cache, a prompt an earlier run computed would be read back instead of computed, and
-    # "cold" would not be cold; nor is anything left behind there.
-    with tempfile.TemporaryDirectory(prefix="peers-kv-") as kv_folder:
-        os.environ["LOCALPAGED_KV_CACHE"] = kv_folder
+    with own_kv_folder():  # cold means cold: no blocks of an earlier run, none left behind
         run(args, bin_dir)
 
 

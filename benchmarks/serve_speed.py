@@ -36,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+from kv_folder import own_kv_folder
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "serve_speed.json"
 SYSTEM = (
@@ -246,4 +248,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with own_kv_folder():  # cold means cold: no blocks from earlier runs
+        main()

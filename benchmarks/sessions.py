@@ -14,6 +14,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from kv_folder import own_kv_folder
+
 from localpaged import LLM, AsyncLLM, ChatStore, SamplingParams, Session, load_prompt
 
 QUESTIONS = [
@@ -83,4 +85,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with own_kv_folder():  # cold means cold: no blocks from earlier runs
+        main()

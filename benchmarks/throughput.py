@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from kv_folder import own_kv_folder
 
 from localpaged import LLM, SamplingParams
 
@@ -180,4 +181,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with own_kv_folder():  # cold means cold: no blocks from earlier runs
+        main()
