@@ -293,9 +293,10 @@ class PackedBlocks:
     int8_activations: bool = False  # packed in quads for qgemm_int8 (cpu_qgemm_int8.c), else for the float32 kernel
 
     def __post_init__(self) -> None:
-        if self.bits not in BITS or self.group not in GROUPS or (self.int8_activations and self.bits == 5):
+        widths = (4, 8) if self.int8_activations else BITS  # lp_pack_quads stores 5-bit values in 8 bits
+        if self.bits not in widths or self.group not in GROUPS:
             raise KernelArgumentError(
-                f"packed weights of {self.bits} bits in groups of {self.group}: need {BITS}, {GROUPS}"
+                f"packed weights of {self.bits} bits in groups of {self.group}: need {widths}, {GROUPS}"
             )
         _expect("q", self.q, torch.uint8, 2, contiguous=True)
         tiles, tile_bytes = self.q.shape

@@ -108,6 +108,12 @@ def prefill_args(q_lens: list[int], context_lens: list[int]) -> dict:
             lambda: cpu.pack_blocks(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2), torch.zeros(3, 2)),
             "scale, minimum",
         ),
+        (
+            lambda: cpu.PackedBlocks(
+                torch.zeros(1, 640, dtype=torch.uint8), torch.ones(1, 2, 16), None, 16, 5, 16, 32, int8_activations=True
+            ),
+            r"packed weights of 5 bits in groups of 32: need \(4, 8\)",
+        ),
     ],
 )
 def test_a_tensor_the_kernel_cannot_read_is_refused_by_name(call, match):
