@@ -436,7 +436,9 @@ static inline __attribute__((always_inline)) void rope_write_row(
         for (long i = 0; i < KVH * D; i += 8) store_kv8(KV, v_cache, slot * KVH * D + i, _mm256_loadu_ps(row + (H + KVH) * D + i));
 }
 
-/* The steps of a prefill tile (prefill_task in cpu_kv_dispatch.h says what each computes). */
+/* The steps of a prefill tile (prefill_task in cpu_kv_dispatch.h says what each computes), over PREFILL_KEYS keys a
+ * step: one block of 16 here. */
+#define PREFILL_KEYS 16
 
 /* r[0..7] transposed in registers: r[i][j] becomes r[j][i]. */
 static inline __attribute__((always_inline)) void transpose8x8(__m256 r[8]) {
@@ -457,7 +459,7 @@ static inline __attribute__((always_inline)) void transpose_k_block(const int KV
             for (long t = 0; t < 8; t++)
                 r[t] = j0 + t < n ? load_kv8(KV, k_cache, row0 + (j0 + t) * stride + d0) : _mm256_setzero_ps();
             transpose8x8(r);
-            for (long t = 0; t < 8; t++) _mm256_storeu_ps(kt + (d0 + t) * 16 + j0, r[t]);
+            for (long t = 0; t < 8; t++) _mm256_storeu_ps(kt + (d0 + t) * PREFILL_KEYS + j0, r[t]);
         }
 }
 
@@ -479,7 +481,7 @@ static inline __attribute__((always_inline)) void rows_times_keys(const int ROWS
         lo[i] = hi[i] = _mm256_setzero_ps();
     }
     for (long d = 0; d < D; d++) {
-        const __m256 k_lo = _mm256_loadu_ps(kt + d * 16), k_hi = _mm256_loadu_ps(kt + d * 16 + 8);
+        const __m256 k_lo = _mm256_loadu_ps(kt + d * PREFILL_KEYS), k_hi = _mm256_loadu_ps(kt + d * PREFILL_KEYS + 8);
         for (int i = 0; i < ROWS; i++) {
             const __m256 x = _mm256_broadcast_ss(qr[i] + d);
             lo[i] = _mm256_fmadd_ps(x, k_lo, lo[i]);
@@ -487,8 +489,8 @@ static inline __attribute__((always_inline)) void rows_times_keys(const int ROWS
         }
     }
     for (int i = 0; i < ROWS; i++) {
-        _mm256_storeu_ps(s + (r0 + i) * 16, lo[i]);
-        _mm256_storeu_ps(s + (r0 + i) * 16 + 8, hi[i]);
+        _mm256_storeu_ps(s + (r0 + i) * PREFILL_KEYS, lo[i]);
+        _mm256_storeu_ps(s + (r0 + i) * PREFILL_KEYS + 8, hi[i]);
     }
 }
 
@@ -512,7 +514,7 @@ static inline __attribute__((always_inline)) void softmax_block(float *s, long R
                                                                 float *alpha) {
     const __m256 minus_inf = _mm256_set1_ps(-INFINITY), sc = _mm256_set1_ps(scale);
     for (long r = 0; r < R; r++) {
-        float *sr = s + r * 16;
+        float *sr = s + r * PREFILL_KEYS;
         __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(sr), sc), hi = _mm256_mul_ps(_mm256_loadu_ps(sr + 8), sc);
         if (masked) {
             const long pos = first_pos + r / G;
@@ -530,7 +532,7 @@ static inline __attribute__((always_inline)) void softmax_block(float *s, long R
         _mm256_storeu_ps(alpha + r, exp8(_mm256_sub_ps(old, new)));
     }
     for (long r = 0; r < R; r++) {
-        float *sr = s + r * 16;
+        float *sr = s + r * PREFILL_KEYS;
         const __m256 mx = _mm256_set1_ps(m[r]);
         __m256 lo = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr), mx)), hi = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + 8), mx));
         if (masked) {
@@ -558,7 +560,7 @@ static inline __attribute__((always_inline)) void rows_times_values(const int RO
         __m256 vj[3];
         for (int c = 0; c < VECS; c++) vj[c] = _mm256_loadu_ps(v + j * v_stride + d0 + 8 * c);
         for (int i = 0; i < ROWS; i++) {
-            const __m256 w = _mm256_broadcast_ss(p + (r0 + i) * 16 + j);
+            const __m256 w = _mm256_broadcast_ss(p + (r0 + i) * PREFILL_KEYS + j);
             for (int c = 0; c < VECS; c++) a[i][c] = _mm256_fmadd_ps(w, vj[c], a[i][c]);
         }
     }

@@ -490,12 +490,15 @@ static ALWAYS_INLINE void rope_write_row(const int KV, long n, long slot, const 
 }
 
 /* The steps of a prefill tile, as in cpu_kernels.c (prefill_task in cpu_kv_dispatch.h says what each computes). A
- * row's 16 scores are one floats16: one register on AVX-512. With AVX-512's 32 registers the weighted sum of V takes
- * 4 rows at a time, elsewhere 2 (NEON's 32 registers hold half as many floats, SSE's 16 a quarter). */
+ * row's scores of one block are one floats16: one register on AVX-512, where a step takes two blocks (32 keys) and
+ * the weighted sum of V 4 rows at a time; elsewhere one block and 2 rows (NEON's 32 registers hold half as many
+ * floats, SSE's 16 a quarter). */
 #if defined(__AVX512F__)
 #define VALUE_ROWS 4
+#define PREFILL_KEYS 32 /* keys per online-softmax step: two blocks, each row's scores two registers */
 #else
 #define VALUE_ROWS 2
+#define PREFILL_KEYS 16
 #endif
 
 /* r[0..7] transposed: r[i][j] becomes r[j][i], by the interleaves AVX's unpack, shuffle and permute make. */
@@ -525,7 +528,7 @@ static ALWAYS_INLINE void transpose_k_block(const int KV, const void *k_cache, l
             for (long t = 0; t < 8; t++)
                 r[t] = j0 + t < n ? load_kv8(KV, k_cache, row0 + (j0 + t) * stride + d0) : (floats8){0};
             transpose8x8(r);
-            for (long t = 0; t < 8; t++) store8(kt + (d0 + t) * 16 + j0, r[t]);
+            for (long t = 0; t < 8; t++) store8(kt + (d0 + t) * PREFILL_KEYS + j0, r[t]);
         }
 }
 
@@ -535,17 +538,25 @@ static ALWAYS_INLINE void value_rows(const int KV, const void *v_cache, long row
         for (long d = 0; d < D; d += 8) store8(vb + j * D + d, load_kv8(KV, v_cache, row0 + j * stride + d));
 }
 
-/* Scores of ROWS rows from row r0 on (ROWS <= 6) against the 16 keys of kt, each step over d reading kt once. */
+/* Scores of ROWS rows from row r0 on (ROWS <= 6) against the PREFILL_KEYS keys of kt, each step over d reading kt
+ * once. */
 static ALWAYS_INLINE void rows_times_keys(const int ROWS, const float *q_tile, long G, long pos_stride, long r0,
                                           const float *kt, long D, float *s) {
+    enum { VECS = PREFILL_KEYS / 16 };
     const float *qr[6];
-    floats16 a[6];
-    for (int i = 0; i < ROWS; i++) qr[i] = q_tile + (r0 + i) / G * pos_stride + (r0 + i) % G * D, a[i] = (floats16){0};
-    for (long d = 0; d < D; d++) {
-        const floats16 k = load16(kt + d * 16);
-        for (int i = 0; i < ROWS; i++) a[i] += qr[i][d] * k;
+    floats16 a[6][VECS];
+    for (int i = 0; i < ROWS; i++) {
+        qr[i] = q_tile + (r0 + i) / G * pos_stride + (r0 + i) % G * D;
+        for (int c = 0; c < VECS; c++) a[i][c] = (floats16){0};
     }
-    for (int i = 0; i < ROWS; i++) store16(s + (r0 + i) * 16, a[i]);
+    for (long d = 0; d < D; d++) {
+        floats16 k[VECS];
+        for (int c = 0; c < VECS; c++) k[c] = load16(kt + d * PREFILL_KEYS + 16 * c);
+        for (int i = 0; i < ROWS; i++)
+            for (int c = 0; c < VECS; c++) a[i][c] += qr[i][d] * k[c];
+    }
+    for (int i = 0; i < ROWS; i++)
+        for (int c = 0; c < VECS; c++) store16(s + (r0 + i) * PREFILL_KEYS + 16 * c, a[i][c]);
 }
 
 static ALWAYS_INLINE float max8(floats8 v) {
@@ -569,16 +580,15 @@ static ALWAYS_INLINE void softmax_block(float *s, long R, long G, long first_pos
                                         float *m, float *l, float *alpha) {
     const floats8 minus_inf = (floats8){0} - INFINITY;
     for (long r = 0; r < R; r++) {
-        float *sr = s + r * 16;
-        floats8 lo = load8(sr) * scale, hi = load8(sr + 8) * scale;
-        if (masked) {
-            const long pos = first_pos + r / G;
-            lo = select8(past8(k0, 0, pos), minus_inf, lo);
-            hi = select8(past8(k0, 8, pos), minus_inf, hi);
+        float *sr = s + r * PREFILL_KEYS;
+        floats8 top8 = minus_inf;
+        for (long j0 = 0; j0 < PREFILL_KEYS; j0 += 8) {
+            floats8 x = load8(sr + j0) * scale;
+            if (masked) x = select8(past8(k0, j0, first_pos + r / G), minus_inf, x);
+            store8(sr + j0, x);
+            top8 = select8(x > top8, x, top8);
         }
-        store8(sr, lo);
-        store8(sr + 8, hi);
-        const float top = fmaxf(max8(lo), max8(hi));
+        const float top = max8(top8);
         alpha[r] = top > m[r] ? top : m[r];
     }
     for (long r = 0; r < R; r += 8) {
@@ -587,16 +597,15 @@ static ALWAYS_INLINE void softmax_block(float *s, long R, long G, long first_pos
         store8(alpha + r, exp8(old - new));
     }
     for (long r = 0; r < R; r++) {
-        float *sr = s + r * 16;
-        floats8 lo = exp8(load8(sr) - m[r]), hi = exp8(load8(sr + 8) - m[r]);
-        if (masked) {
-            const long pos = first_pos + r / G;
-            lo = select8(past8(k0, 0, pos), (floats8){0}, lo);
-            hi = select8(past8(k0, 8, pos), (floats8){0}, hi);
+        float *sr = s + r * PREFILL_KEYS;
+        floats8 total = {0};
+        for (long j0 = 0; j0 < PREFILL_KEYS; j0 += 8) {
+            floats8 e = exp8(load8(sr + j0) - m[r]);
+            if (masked) e = select8(past8(k0, j0, first_pos + r / G), (floats8){0}, e);
+            store8(sr + j0, e);
+            total += e;
         }
-        store8(sr, lo);
-        store8(sr + 8, hi);
-        l[r] = l[r] * alpha[r] + sum8(lo + hi);
+        l[r] = l[r] * alpha[r] + sum8(total);
     }
 }
 
@@ -610,7 +619,7 @@ static ALWAYS_INLINE void rows_times_values(const int ROWS, const int VECS, cons
         floats8 vj[4];
         for (int c = 0; c < VECS; c++) vj[c] = load8(v + j * v_stride + d0 + 8 * c);
         for (int i = 0; i < ROWS; i++) {
-            const float w = p[(r0 + i) * 16 + j];
+            const float w = p[(r0 + i) * PREFILL_KEYS + j];
             for (int c = 0; c < VECS; c++) a[i][c] += w * vj[c];
         }
     }
@@ -641,7 +650,7 @@ static ALWAYS_INLINE void rows_times_values16(const int ROWS, const int VECS, co
         floats16 vj[4];
         for (int c = 0; c < VECS; c++) vj[c] = load16(v + j * v_stride + d0 + 16 * c);
         for (int i = 0; i < ROWS; i++) {
-            const float w = p[(r0 + i) * 16 + j];
+            const float w = p[(r0 + i) * PREFILL_KEYS + j];
             for (int c = 0; c < VECS; c++) a[i][c] += w * vj[c];
         }
     }

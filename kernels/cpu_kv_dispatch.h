@@ -67,24 +67,28 @@ int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const
 
 /* Chunked prefill: flash attention straight over the block table. One task is one tile of PREFILL_TILE query
  * positions of one sequence and the G = H / KVH query heads of one KV head (R = G x positions rows, row r being
- * position r / G, head r % G: a position's G heads lie side by side in q). It walks the sequence's blocks up to the
- * tile's last position: each block's K is widened to fp32 and transposed into kt [D][16], its V widened into vb
- * [16][D] (an fp32 cache is read in place), once for all R rows, and folded into the rows' accumulators with an
+ * position r / G, head r % G: a position's G heads lie side by side in q). It walks the sequence's keys up to the
+ * tile's last position, PREFILL_KEYS a step (each file defines it: 16, one block, or 32, two): each block's K is
+ * widened to fp32 and transposed into kt [D][PREFILL_KEYS], its V widened into vb [PREFILL_KEYS][D] (an fp32
+ * cache's single block is read in place), once for all R rows, and folded into the rows' accumulators with an
  * online softmax in fp32. The prefix is thus read once per tile and never gathered. The steps are each file's:
- *   transpose_k_block(KV, k_cache, row0, stride, n, D, kt): kt[d][j] = K_j[d] for j < n, 0 for n <= j < 16;
- *   value_rows(KV, v_cache, row0, stride, n, D, vb): vb[j][d] = V_j[d] for j < n (16-bit caches);
+ *   transpose_k_block(KV, k_cache, row0, stride, n, D, kt): kt[d][j] = K_j[d] for j < n, 0 for n <= j < 16, the
+ *     rows of kt PREFILL_KEYS apart (a step's second block goes to kt + 16);
+ *   value_rows(KV, v_cache, row0, stride, n, D, vb): vb[j][d] = V_j[d] for j < n;
  *   rows_times_keys(ROWS, q_tile, G, pos_stride, r0, kt, D, s): s[r][j] = q_r . K_j for the ROWS rows (at most 6, a
- *     constant after inlining) from r0 on and j < 16, where row r of the tile starts at
+ *     constant after inlining) from r0 on and j < PREFILL_KEYS, where row r of the tile starts at
  *     q_tile + r / G * pos_stride + r % G * D;
- *   softmax_block(s, R, G, first_pos, k0, masked, scale, m, l, alpha): the scores of keys k0 .. k0 + 15 into
- *     weights in place (0 past each row's position when masked), the rows' running max m and sum l updated and
+ *   softmax_block(s, R, G, first_pos, k0, masked, scale, m, l, alpha): the scores of keys k0 .. k0 + PREFILL_KEYS - 1
+ *     into weights in place (0 past each row's position when masked), the rows' running max m and sum l updated and
  *     alpha, each row's rescaling of what it accumulated so far;
  *   accumulate_values(p, R, v, v_stride, n, D, alpha, acc): acc[r] = alpha[r] acc[r] + sum over j < n of p[r][j] V_j.
  * Row j of a block starts at row0 + j * stride in the cache. Measured on the default model's heads (9 query, 3 KV
  * of 64), a 512-token chunk after 3,584 cached tokens, fp16 KV, one thread of this project's Zen 4: 75 GFLOP/s on
  * the avx512 path, 80 on avx2; tiles of 32 positions gave 3% more, within the noise, and half the tasks to share
  * among the threads. On the Xeon (Sapphire Rapids) that followed, two threads, the avx512 path went from 127 to 143
- * GFLOP/s (best of three) when its weighted sum of V took 16 columns a vector (cpu_kernels_portable.c). */
+ * GFLOP/s (best of three) when its weighted sum of V took 16 columns a vector (cpu_kernels_portable.c), and from 170
+ * to 204 when each online-softmax step took two blocks (32 keys: half the steps' max, exp of the rescaling and
+ * broadcasts of q per score; the AVX2 file keeps one block, its 16 registers hold no more). */
 #define PREFILL_TILE 16
 
 /* The scores of all R rows of the tile, 6 rows at a time. */
@@ -122,31 +126,35 @@ static inline __attribute__((always_inline)) int prefill_task(
     const int32_t *table = block_tables + b * max_blocks;
     if (!context_fits(table, ctx, max_blocks, num_blocks)) return LP_BAD_INDEX;
     const long G = H / KVH, positions = q_len - i0 < PREFILL_TILE ? q_len - i0 : PREFILL_TILE, R = G * positions;
-    const long rows = (G * PREFILL_TILE + 7) / 8 * 8, floats = rows * (D + 16 + 3) + 32 * D;
+    const long rows = (G * PREFILL_TILE + 7) / 8 * 8, floats = rows * (D + PREFILL_KEYS + 3) + 2 * PREFILL_KEYS * D;
     if (prefill_scratch_floats < floats) {
         free(prefill_scratch);
         prefill_scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
         prefill_scratch_floats = prefill_scratch ? floats : 0;
         if (!prefill_scratch) return LP_OUT_OF_MEMORY;
     }
-    float *acc = prefill_scratch, *s = acc + rows * D, *m = s + rows * 16, *l = m + rows, *alpha = l + rows;
-    float *kt = alpha + rows, *vb = kt + 16 * D;
+    float *acc = prefill_scratch, *s = acc + rows * D, *m = s + rows * PREFILL_KEYS, *l = m + rows, *alpha = l + rows;
+    float *kt = alpha + rows, *vb = kt + PREFILL_KEYS * D;
     for (long r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f, alpha[r] = 0.0f; /* rows past R: padding lanes */
     for (long i = 0; i < R * D; i++) acc[i] = 0.0f;
     const long first_pos = ctx - q_len + i0, end = first_pos + positions; /* keys 0 .. end - 1 */
     const float *q_tile = q + ((q_start + i0) * H + kvh * G) * D;
     const long stride = KVH * D;
-    for (long blk = 0; blk * 16 < end; blk++) {
-        const long k0 = blk * 16, n = end - k0 < 16 ? end - k0 : 16, row0 = (long)table[blk] * 16 * stride + kvh * D;
-        transpose_k_block(KV, k_cache, row0, stride, n, D, kt);
-        const float *v = (const float *)v_cache + row0;
-        long v_stride = stride;
-        if (KV != LP_KV_F32) {
-            value_rows(KV, v_cache, row0, stride, n, D, vb);
-            v = vb, v_stride = D;
+    for (long k0 = 0; k0 < end; k0 += PREFILL_KEYS) {
+        const long n = end - k0 < PREFILL_KEYS ? end - k0 : PREFILL_KEYS;
+        /* An fp32 cache's V rows of a single block are read in place; else they are widened or gathered into vb. */
+        const int in_place = KV == LP_KV_F32 && PREFILL_KEYS == 16;
+        const float *v = vb;
+        long v_stride = D;
+        for (long b = 0; b < PREFILL_KEYS / 16; b++) { /* the step's blocks; past the end, kt is zeros */
+            const long kb = k0 + 16 * b, nb = kb >= end ? 0 : end - kb < 16 ? end - kb : 16;
+            const long row0 = nb ? (long)table[kb / 16] * 16 * stride + kvh * D : 0;
+            transpose_k_block(KV, k_cache, row0, stride, nb, D, kt + 16 * b);
+            if (in_place) v = (const float *)v_cache + row0, v_stride = stride;
+            else value_rows(KV, v_cache, row0, stride, nb, D, vb + 16 * b * D);
         }
         block_scores(q_tile, G, H * D, R, kt, D, s);
-        softmax_block(s, R, G, first_pos, k0, k0 + 15 > first_pos, scale, m, l, alpha);
+        softmax_block(s, R, G, first_pos, k0, k0 + PREFILL_KEYS - 1 > first_pos, scale, m, l, alpha);
         accumulate_values(s, R, v, v_stride, n, D, alpha, acc);
     }
     for (long r = 0; r < R; r++) {
