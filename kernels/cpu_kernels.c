@@ -436,157 +436,146 @@ static inline __attribute__((always_inline)) void rope_write_row(
         for (long i = 0; i < KVH * D; i += 8) store_kv8(KV, v_cache, slot * KVH * D + i, _mm256_loadu_ps(row + (H + KVH) * D + i));
 }
 
-/* The steps of a prefill tile (prefill_task in cpu_kv_dispatch.h says what each computes), over PREFILL_KEYS keys a
- * step: one block of 16 here. */
+/* The steps of a prefill tile (prefill_task in cpu_kv_dispatch.h says what each computes): scores and weights key by
+ * key, ROW_LANES = 8 rows to a register, one block of 16 keys a step, the scores 4 keys at a time. */
+#define ROW_LANES 8
 #define PREFILL_KEYS 16
+#define KEY_GROUP 4
 
-/* r[0..7] transposed in registers: r[i][j] becomes r[j][i]. */
-static inline __attribute__((always_inline)) void transpose8x8(__m256 r[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20), r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+/* 2^x for 8 floats, x clamped at -126, as exp2_16 in cpu_kernels_portable.c (Cephes' exp2f polynomial). */
+static inline __m256 exp2_8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(x, n);
+    __m256 y = _mm256_set1_ps(1.535336188319500e-4f);
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.339887440266574e-3f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(9.618437357674640e-3f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.550332471162809e-2f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.402264791363012e-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(6.931472028550421e-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-static inline __attribute__((always_inline)) void transpose_k_block(const int KV, const void *k_cache, long row0,
-                                                                    long stride, long n, long D, float *kt) {
-    for (long j0 = 0; j0 < 16; j0 += 8)
-        for (long d0 = 0; d0 < D; d0 += 8) {
-            __m256 r[8];
-            for (long t = 0; t < 8; t++)
-                r[t] = j0 + t < n ? load_kv8(KV, k_cache, row0 + (j0 + t) * stride + d0) : _mm256_setzero_ps();
-            transpose8x8(r);
-            for (long t = 0; t < 8; t++) _mm256_storeu_ps(kt + (d0 + t) * PREFILL_KEYS + j0, r[t]);
-        }
+static inline __attribute__((always_inline)) void widen_rows(const int KV, const void *cache, long row0, long stride,
+                                                             long n, long D, long width, float *out) {
+    for (long j = 0; j < n; j++) /* width == D: D is a multiple of ROW_LANES */
+        for (long d = 0; d < D; d += 8)
+            _mm256_storeu_ps(out + j * width + d, load_kv8(KV, cache, row0 + j * stride + d));
 }
 
-static inline __attribute__((always_inline)) void value_rows(const int KV, const void *v_cache, long row0, long stride,
-                                                             long n, long D, float *vb) {
-    for (long j = 0; j < n; j++)
-        for (long d = 0; d < D; d += 8) _mm256_storeu_ps(vb + j * D + d, load_kv8(KV, v_cache, row0 + j * stride + d));
-}
-
-/* Scores of ROWS rows from row r0 on (ROWS <= 6, a constant after inlining) against the 16 keys of kt: each row's
- * 16 sums are two registers, and each step over d reads kt's two vectors once for all the rows. */
-static inline __attribute__((always_inline)) void rows_times_keys(const int ROWS, const float *q_tile, long G,
-                                                                  long pos_stride, long r0, const float *kt, long D,
-                                                                  float *s) {
-    const float *qr[6];
-    __m256 lo[6], hi[6];
-    for (int i = 0; i < ROWS; i++) {
-        qr[i] = q_tile + (r0 + i) / G * pos_stride + (r0 + i) % G * D;
-        lo[i] = hi[i] = _mm256_setzero_ps();
-    }
+/* s[j][v0 * 8 ..] for the KEY_GROUP keys from k (rows k_stride apart) and VECS vectors of rows from v0 * 8 on: 12
+ * accumulators, 3 vectors of q and a broadcast key value fill the 16 registers. (One vector of rows and 8 keys at a
+ * time, as the portable file does, measured 10% slower here.) */
+static inline __attribute__((always_inline)) void keys_times_row_vectors(const int VECS, const float *k, long k_stride,
+                                                                         const float *qt, long rows, long v0, long D,
+                                                                         float *s) {
+    __m256 a[KEY_GROUP][3];
+    for (int j = 0; j < KEY_GROUP; j++)
+        for (int c = 0; c < VECS; c++) a[j][c] = _mm256_setzero_ps();
     for (long d = 0; d < D; d++) {
-        const __m256 k_lo = _mm256_loadu_ps(kt + d * PREFILL_KEYS), k_hi = _mm256_loadu_ps(kt + d * PREFILL_KEYS + 8);
-        for (int i = 0; i < ROWS; i++) {
-            const __m256 x = _mm256_broadcast_ss(qr[i] + d);
-            lo[i] = _mm256_fmadd_ps(x, k_lo, lo[i]);
-            hi[i] = _mm256_fmadd_ps(x, k_hi, hi[i]);
+        __m256 q[3];
+        for (int c = 0; c < VECS; c++) q[c] = _mm256_loadu_ps(qt + d * rows + (v0 + c) * ROW_LANES);
+        for (int j = 0; j < KEY_GROUP; j++) {
+            const __m256 kd = _mm256_broadcast_ss(k + j * k_stride + d);
+            for (int c = 0; c < VECS; c++) a[j][c] = _mm256_fmadd_ps(kd, q[c], a[j][c]);
         }
     }
-    for (int i = 0; i < ROWS; i++) {
-        _mm256_storeu_ps(s + (r0 + i) * PREFILL_KEYS, lo[i]);
-        _mm256_storeu_ps(s + (r0 + i) * PREFILL_KEYS + 8, hi[i]);
+    for (int j = 0; j < KEY_GROUP; j++)
+        for (int c = 0; c < VECS; c++) _mm256_storeu_ps(s + j * rows + (v0 + c) * ROW_LANES, a[j][c]);
+}
+
+static inline __attribute__((always_inline)) void keys_times_rows(const float *const k[], long k_stride, long n,
+                                                                  const float *qt, long rows, long D, float *s) {
+    for (long j0 = 0; j0 < n; j0 += KEY_GROUP) {
+        const float *kj = k[j0 / 16] + j0 % 16 * k_stride;
+        float *sj = s + j0 * rows;
+        long v0 = 0;
+        for (; v0 + 3 <= rows / ROW_LANES; v0 += 3) keys_times_row_vectors(3, kj, k_stride, qt, rows, v0, D, sj);
+        switch (rows / ROW_LANES - v0) {
+            case 2: keys_times_row_vectors(2, kj, k_stride, qt, rows, v0, D, sj); break;
+            case 1: keys_times_row_vectors(1, kj, k_stride, qt, rows, v0, D, sj); break;
+        }
     }
 }
 
-static inline float max8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+/* All-ones in the lanes of the rows key j lies past (j > last: the row's position less the step's first key). */
+static inline __m256 past(long j, __m256i last) {
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)j), last));
 }
 
-/* All-ones where key k0 + j (lanes j0 .. j0 + 7) lies past position pos. */
-static inline __m256 past8(long k0, long j0, long pos) {
-    const __m256i keys = _mm256_add_epi32(_mm256_set1_epi32((int)(k0 + j0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(keys, _mm256_set1_epi32((int)pos)));
-}
-
-/* Each row's new max goes to alpha first; alpha = exp(old max - new max) is then taken 8 rows at a time (rows past R
- * are padding: their lanes are computed and never read). A masked key's weight is set to 0 outright: exp8 clamps
- * and gives ~1e-38, not 0, for a score of -inf. */
-static inline __attribute__((always_inline)) void softmax_block(float *s, long R, long G, long first_pos, long k0,
-                                                                int masked, float scale, float *m, float *l,
-                                                                float *alpha) {
-    const __m256 minus_inf = _mm256_set1_ps(-INFINITY), sc = _mm256_set1_ps(scale);
-    for (long r = 0; r < R; r++) {
-        float *sr = s + r * PREFILL_KEYS;
-        __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(sr), sc), hi = _mm256_mul_ps(_mm256_loadu_ps(sr + 8), sc);
-        if (masked) {
-            const long pos = first_pos + r / G;
-            lo = _mm256_blendv_ps(lo, minus_inf, past8(k0, 0, pos));
-            hi = _mm256_blendv_ps(hi, minus_inf, past8(k0, 8, pos));
+static inline __attribute__((always_inline)) void softmax_rows(float *s, long rows, const int32_t *pos, long k0,
+                                                               float *m, float *l, float *alpha) {
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+    for (long v = 0; v < rows; v += ROW_LANES) {
+        const __m256i first_key = _mm256_set1_epi32((int)k0);
+        const __m256i last = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(pos + v)), first_key);
+        const int masked = k0 + PREFILL_KEYS - 1 > pos[v]; /* pos[v], the vector's first row, is its least */
+        const __m256 old = _mm256_loadu_ps(m + v);
+        __m256 top = old;
+        for (long j = 0; j < PREFILL_KEYS; j++) {
+            __m256 x = _mm256_loadu_ps(s + j * rows + v);
+            if (masked) x = _mm256_blendv_ps(x, minus_inf, past(j, last));
+            top = _mm256_max_ps(x, top);
         }
-        _mm256_storeu_ps(sr, lo);
-        _mm256_storeu_ps(sr + 8, hi);
-        const float top = max8(_mm256_max_ps(lo, hi));
-        alpha[r] = top > m[r] ? top : m[r];
-    }
-    for (long r = 0; r < R; r += 8) {
-        const __m256 old = _mm256_loadu_ps(m + r), new = _mm256_loadu_ps(alpha + r);
-        _mm256_storeu_ps(m + r, new);
-        _mm256_storeu_ps(alpha + r, exp8(_mm256_sub_ps(old, new)));
-    }
-    for (long r = 0; r < R; r++) {
-        float *sr = s + r * PREFILL_KEYS;
-        const __m256 mx = _mm256_set1_ps(m[r]);
-        __m256 lo = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr), mx)), hi = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + 8), mx));
-        if (masked) {
-            const long pos = first_pos + r / G;
-            lo = _mm256_andnot_ps(past8(k0, 0, pos), lo);
-            hi = _mm256_andnot_ps(past8(k0, 8, pos), hi);
+        const __m256 rescale = exp2_8(_mm256_sub_ps(old, top));
+        __m256 total = _mm256_setzero_ps();
+        for (long j = 0; j < PREFILL_KEYS; j++) {
+            __m256 e = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(s + j * rows + v), top));
+            if (masked) e = _mm256_andnot_ps(past(j, last), e);
+            _mm256_storeu_ps(s + j * rows + v, e);
+            total = _mm256_add_ps(total, e);
         }
-        _mm256_storeu_ps(sr, lo);
-        _mm256_storeu_ps(sr + 8, hi);
-        l[r] = l[r] * alpha[r] + sum8(_mm256_add_ps(lo, hi));
+        _mm256_storeu_ps(m + v, top);
+        _mm256_storeu_ps(alpha + v, rescale);
+        _mm256_storeu_ps(l + v, _mm256_fmadd_ps(_mm256_loadu_ps(l + v), rescale, total));
     }
 }
 
 /* ROWS rows from r0 (<= 4) by VECS vectors of columns from d0 (<= 3): 12 accumulators, the VECS vectors of each V
- * row and a broadcast weight fill the 16 registers. */
+ * row and a broadcast weight fill the 16 registers. Key j's V row is at v[j / 16] + j % 16 * v_stride. */
 static inline __attribute__((always_inline)) void rows_times_values(const int ROWS, const int VECS, const float *p,
-                                                                    long r0, const float *v, long v_stride, long n,
-                                                                    long d0, long D, const float *alpha, float *acc) {
+                                                                    long rows, long r0, const float *const v[],
+                                                                    long v_stride, long n, long d0, long D,
+                                                                    const float *alpha, float *acc) {
     __m256 a[4][3];
     for (int i = 0; i < ROWS; i++) {
         const __m256 rescale = _mm256_set1_ps(alpha[r0 + i]);
         for (int c = 0; c < VECS; c++) a[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + (r0 + i) * D + d0 + 8 * c), rescale);
     }
     for (long j = 0; j < n; j++) {
-        __m256 vj[3];
-        for (int c = 0; c < VECS; c++) vj[c] = _mm256_loadu_ps(v + j * v_stride + d0 + 8 * c);
+        const float *vj = v[j / 16] + j % 16 * v_stride + d0;
+        __m256 x[3];
+        for (int c = 0; c < VECS; c++) x[c] = _mm256_loadu_ps(vj + 8 * c);
         for (int i = 0; i < ROWS; i++) {
-            const __m256 w = _mm256_broadcast_ss(p + (r0 + i) * PREFILL_KEYS + j);
-            for (int c = 0; c < VECS; c++) a[i][c] = _mm256_fmadd_ps(w, vj[c], a[i][c]);
+            const __m256 w = _mm256_broadcast_ss(p + j * rows + r0 + i);
+            for (int c = 0; c < VECS; c++) a[i][c] = _mm256_fmadd_ps(w, x[c], a[i][c]);
         }
     }
     for (int i = 0; i < ROWS; i++)
         for (int c = 0; c < VECS; c++) _mm256_storeu_ps(acc + (r0 + i) * D + d0 + 8 * c, a[i][c]);
 }
 
-static inline __attribute__((always_inline)) void rows_times_value_columns(const int ROWS, const float *p, long r0,
-                                                                           const float *v, long v_stride, long n,
-                                                                           long D, const float *alpha, float *acc) {
+static inline __attribute__((always_inline)) void rows_times_value_columns(const int ROWS, const float *p, long rows,
+                                                                           long r0, const float *const v[],
+                                                                           long v_stride, long n, long D,
+                                                                           const float *alpha, float *acc) {
     for (long d0 = 0; d0 < D; d0 += 24) switch ((D - d0 < 24 ? D - d0 : 24) / 8) {
-            case 3: rows_times_values(ROWS, 3, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
-            case 2: rows_times_values(ROWS, 2, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
-            case 1: rows_times_values(ROWS, 1, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
+            case 3: rows_times_values(ROWS, 3, p, rows, r0, v, v_stride, n, d0, D, alpha, acc); break;
+            case 2: rows_times_values(ROWS, 2, p, rows, r0, v, v_stride, n, d0, D, alpha, acc); break;
+            case 1: rows_times_values(ROWS, 1, p, rows, r0, v, v_stride, n, d0, D, alpha, acc); break;
         }
 }
 
-static inline __attribute__((always_inline)) void accumulate_values(const float *p, long R, const float *v,
-                                                                    long v_stride, long n, long D, const float *alpha,
-                                                                    float *acc) {
+static inline __attribute__((always_inline)) void accumulate_values(const float *p, long rows, long R,
+                                                                    const float *const v[], long v_stride, long n,
+                                                                    long D, const float *alpha, float *acc) {
     long r = 0;
-    for (; r + 4 <= R; r += 4) rows_times_value_columns(4, p, r, v, v_stride, n, D, alpha, acc);
+    for (; r + 4 <= R; r += 4) rows_times_value_columns(4, p, rows, r, v, v_stride, n, D, alpha, acc);
     switch (R - r) {
-        case 3: rows_times_value_columns(3, p, r, v, v_stride, n, D, alpha, acc); break;
-        case 2: rows_times_value_columns(2, p, r, v, v_stride, n, D, alpha, acc); break;
-        case 1: rows_times_value_columns(1, p, r, v, v_stride, n, D, alpha, acc); break;
+        case 3: rows_times_value_columns(3, p, rows, r, v, v_stride, n, D, alpha, acc); break;
+        case 2: rows_times_value_columns(2, p, rows, r, v, v_stride, n, D, alpha, acc); break;
+        case 1: rows_times_value_columns(1, p, rows, r, v, v_stride, n, D, alpha, acc); break;
     }
 }
 

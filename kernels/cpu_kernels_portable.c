@@ -489,199 +489,155 @@ static ALWAYS_INLINE void rope_write_row(const int KV, long n, long slot, const 
             store_kv8(KV, v_cache, slot * KVH * D + i, load8(row + (H + KVH) * D + i));
 }
 
-/* The steps of a prefill tile, as in cpu_kernels.c (prefill_task in cpu_kv_dispatch.h says what each computes). A
- * row's scores of one block are one floats16: one register on AVX-512, where a step takes two blocks (32 keys) and
- * the weighted sum of V 4 rows at a time; elsewhere one block and 2 rows (NEON's 32 registers hold half as many
- * floats, SSE's 16 a quarter). */
+/* The steps of a prefill tile (prefill_task in cpu_kv_dispatch.h says what each computes). Scores and weights lie
+ * key by key, ROW_LANES rows to a vector, so that the softmax's max and sum run down the keys, lane by lane, with no
+ * reduction across a vector. A vector is one register: 16 floats on AVX-512, where a step takes two blocks (32 keys)
+ * and the scores 8 keys at a time; elsewhere 8 floats (two NEON or SSE registers: wider vectors, which GCC splits,
+ * ran the weighted sum of V 6x slower on SSE2), one block a step and the scores 4 keys at a time. */
 #if defined(__AVX512F__)
-#define VALUE_ROWS 4
-#define PREFILL_KEYS 32 /* keys per online-softmax step: two blocks, each row's scores two registers */
+typedef floats16 lanes;
+typedef ints16 lane_ints;
+#define load_lanes load16
+#define store_lanes store16
+#define ROW_LANES 16
+#define PREFILL_KEYS 32
+#define KEY_GROUP 8
+#define VALUE_ROWS 6
 #else
-#define VALUE_ROWS 2
+typedef floats8 lanes;
+typedef ints8 lane_ints;
+#define load_lanes load8
+#define store_lanes store8
+#define ROW_LANES 8
 #define PREFILL_KEYS 16
+#define KEY_GROUP 4
+#define VALUE_ROWS 2
 #endif
+#define VALUE_VECS 4 /* vectors of V columns a pass */
 
-/* r[0..7] transposed: r[i][j] becomes r[j][i], by the interleaves AVX's unpack, shuffle and permute make. */
-static ALWAYS_INLINE void transpose8x8(floats8 r[8]) {
-    floats8 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-        t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-        u[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-        u[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
-        u[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
-        r[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+static ALWAYS_INLINE lane_ints load_lane_ints(const int32_t *p) {
+    lane_ints v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static ALWAYS_INLINE lanes select_lanes(lane_ints mask, lanes yes, lanes no) {
+    return (lanes)((mask & (lane_ints)yes) | (~mask & (lane_ints)no));
+}
+
+/* 2^x: Cephes' exp2f polynomial (relative error 1.7e-7) on x less its nearest integer n, times 2^n through the
+ * exponent bits. x is clamped at -126: 2^-126 ~ 1e-38 stands for 0 (an empty row's rescaling: what it scales is 0),
+ * and softmax_rows zeroes the weights of keys past a row itself. The prefill's scores are in log2 units (q was
+ * scaled by log2 e) for it: 2^x takes 13 vector operations where exp's clamps and Cody-Waite steps took 19. */
+static ALWAYS_INLINE lanes exp2_lanes(lanes x) {
+    const lanes lowest = (lanes){0} - 126.0f;
+    x = select_lanes(x < lowest, lowest, x);
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding and taking it off rounds to the nearest integer */
+    const lanes n = (x + shifter) - shifter, f = x - n;
+    lanes y = 1.535336188319500e-4f + (lanes){0};
+    y = y * f + 1.339887440266574e-3f;
+    y = y * f + 9.618437357674640e-3f;
+    y = y * f + 5.550332471162809e-2f;
+    y = y * f + 2.402264791363012e-1f;
+    y = y * f + 6.931472028550421e-1f;
+    y = y * f + 1.0f;
+    return y * (lanes)((__builtin_convertvector(n, lane_ints) + 127) << 23);
+}
+
+static ALWAYS_INLINE void widen_rows(const int KV, const void *cache, long row0, long stride, long n, long D,
+                                     long width, float *out) {
+    for (long j = 0; j < n; j++) {
+        for (long d = 0; d < D; d += 8) store8(out + j * width + d, load_kv8(KV, cache, row0 + j * stride + d));
+        for (long d = D; d < width; d++) out[j * width + d] = 0.0f;
     }
 }
 
-static ALWAYS_INLINE void transpose_k_block(const int KV, const void *k_cache, long row0, long stride, long n, long D,
-                                            float *kt) {
-    for (long j0 = 0; j0 < 16; j0 += 8)
-        for (long d0 = 0; d0 < D; d0 += 8) {
-            floats8 r[8];
-            for (long t = 0; t < 8; t++)
-                r[t] = j0 + t < n ? load_kv8(KV, k_cache, row0 + (j0 + t) * stride + d0) : (floats8){0};
-            transpose8x8(r);
-            for (long t = 0; t < 8; t++) store8(kt + (d0 + t) * PREFILL_KEYS + j0, r[t]);
-        }
-}
-
-static ALWAYS_INLINE void value_rows(const int KV, const void *v_cache, long row0, long stride, long n, long D,
-                                     float *vb) {
-    for (long j = 0; j < n; j++)
-        for (long d = 0; d < D; d += 8) store8(vb + j * D + d, load_kv8(KV, v_cache, row0 + j * stride + d));
-}
-
-/* Scores of ROWS rows from row r0 on (ROWS <= 6) against the PREFILL_KEYS keys of kt, each step over d reading kt
- * once. */
-static ALWAYS_INLINE void rows_times_keys(const int ROWS, const float *q_tile, long G, long pos_stride, long r0,
-                                          const float *kt, long D, float *s) {
-    enum { VECS = PREFILL_KEYS / 16 };
-    const float *qr[6];
-    floats16 a[6][VECS];
-    for (int i = 0; i < ROWS; i++) {
-        qr[i] = q_tile + (r0 + i) / G * pos_stride + (r0 + i) % G * D;
-        for (int c = 0; c < VECS; c++) a[i][c] = (floats16){0};
-    }
+/* s[j][r0 ..] for the KEY_GROUP keys from k (rows k_stride apart) and the ROW_LANES rows from r0: KEY_GROUP
+ * accumulators, each k[j][d] broadcast. Several vectors of rows a pass measured no faster on AVX-512 and, with
+ * GCC's 8-float vectors on SSE2, 5x slower. */
+static ALWAYS_INLINE void keys_times_row_vector(const float *k, long k_stride, const float *qt, long rows, long r0,
+                                                long D, float *s) {
+    lanes a[KEY_GROUP];
+    for (int j = 0; j < KEY_GROUP; j++) a[j] = (lanes){0};
     for (long d = 0; d < D; d++) {
-        floats16 k[VECS];
-        for (int c = 0; c < VECS; c++) k[c] = load16(kt + d * PREFILL_KEYS + 16 * c);
-        for (int i = 0; i < ROWS; i++)
-            for (int c = 0; c < VECS; c++) a[i][c] += qr[i][d] * k[c];
+        const lanes q = load_lanes(qt + d * rows + r0);
+        for (int j = 0; j < KEY_GROUP; j++) a[j] += k[j * k_stride + d] * q;
     }
-    for (int i = 0; i < ROWS; i++)
-        for (int c = 0; c < VECS; c++) store16(s + (r0 + i) * PREFILL_KEYS + 16 * c, a[i][c]);
+    for (int j = 0; j < KEY_GROUP; j++) store_lanes(s + j * rows + r0, a[j]);
 }
 
-static ALWAYS_INLINE float max8(floats8 v) {
-    const floats4 h = __builtin_shufflevector(v, v, 0, 1, 2, 3), g = __builtin_shufflevector(v, v, 4, 5, 6, 7);
-    float top = h[0] > g[0] ? h[0] : g[0];
-    for (int i = 1; i < 4; i++) {
-        const float pair = h[i] > g[i] ? h[i] : g[i];
-        top = pair > top ? pair : top;
-    }
-    return top;
+static ALWAYS_INLINE void keys_times_rows(const float *const k[], long k_stride, long n, const float *qt, long rows,
+                                          long D, float *s) {
+    for (long j0 = 0; j0 < n; j0 += KEY_GROUP)
+        for (long r0 = 0; r0 < rows; r0 += ROW_LANES)
+            keys_times_row_vector(k[j0 / 16] + j0 % 16 * k_stride, k_stride, qt, rows, r0, D, s + j0 * rows);
 }
 
-/* All-ones where key k0 + j (lanes j0 .. j0 + 7) lies past position pos. */
-static ALWAYS_INLINE ints8 past8(long k0, long j0, long pos) {
-    const ints8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    return (ints8){0} + (int32_t)(k0 + j0) + lane > (int32_t)pos;
-}
-
-/* As softmax_block in cpu_kernels.c: the new maxima in alpha, rescales 8 rows at a time, masked weights set to 0. */
-static ALWAYS_INLINE void softmax_block(float *s, long R, long G, long first_pos, long k0, int masked, float scale,
-                                        float *m, float *l, float *alpha) {
-    const floats8 minus_inf = (floats8){0} - INFINITY;
-    for (long r = 0; r < R; r++) {
-        float *sr = s + r * PREFILL_KEYS;
-        floats8 top8 = minus_inf;
-        for (long j0 = 0; j0 < PREFILL_KEYS; j0 += 8) {
-            floats8 x = load8(sr + j0) * scale;
-            if (masked) x = select8(past8(k0, j0, first_pos + r / G), minus_inf, x);
-            store8(sr + j0, x);
-            top8 = select8(x > top8, x, top8);
+static ALWAYS_INLINE void softmax_rows(float *s, long rows, const int32_t *pos, long k0, float *m, float *l,
+                                       float *alpha) {
+    const lanes minus_inf = (lanes){0} - INFINITY;
+    for (long v = 0; v < rows; v += ROW_LANES) {
+        const lane_ints last = load_lane_ints(pos + v) - (int32_t)k0; /* key j is past a row when j > last */
+        const int masked = k0 + PREFILL_KEYS - 1 > pos[v];            /* pos[v], the vector's first row, is its least */
+        const lanes old = load_lanes(m + v);
+        lanes top = old;
+        for (long j = 0; j < PREFILL_KEYS; j++) {
+            lanes x = load_lanes(s + j * rows + v);
+            if (masked) x = select_lanes((lane_ints){0} + (int32_t)j > last, minus_inf, x);
+            top = select_lanes(x > top, x, top);
         }
-        const float top = max8(top8);
-        alpha[r] = top > m[r] ? top : m[r];
-    }
-    for (long r = 0; r < R; r += 8) {
-        const floats8 old = load8(m + r), new = load8(alpha + r);
-        store8(m + r, new);
-        store8(alpha + r, exp8(old - new));
-    }
-    for (long r = 0; r < R; r++) {
-        float *sr = s + r * PREFILL_KEYS;
-        floats8 total = {0};
-        for (long j0 = 0; j0 < PREFILL_KEYS; j0 += 8) {
-            floats8 e = exp8(load8(sr + j0) - m[r]);
-            if (masked) e = select8(past8(k0, j0, first_pos + r / G), (floats8){0}, e);
-            store8(sr + j0, e);
+        const lanes rescale = exp2_lanes(old - top);
+        lanes total = {0};
+        for (long j = 0; j < PREFILL_KEYS; j++) {
+            lanes e = exp2_lanes(load_lanes(s + j * rows + v) - top);
+            if (masked) e = select_lanes((lane_ints){0} + (int32_t)j > last, (lanes){0}, e);
+            store_lanes(s + j * rows + v, e);
             total += e;
         }
-        l[r] = l[r] * alpha[r] + sum8(total);
+        store_lanes(m + v, top);
+        store_lanes(alpha + v, rescale);
+        store_lanes(l + v, load_lanes(l + v) * rescale + total);
     }
 }
 
-/* ROWS rows from r0 (<= VALUE_ROWS) by VECS vectors of columns from d0 (<= 4). */
-static ALWAYS_INLINE void rows_times_values(const int ROWS, const int VECS, const float *p, long r0, const float *v,
-                                            long v_stride, long n, long d0, long D, const float *alpha, float *acc) {
-    floats8 a[VALUE_ROWS][4];
-    for (int i = 0; i < ROWS; i++)
-        for (int c = 0; c < VECS; c++) a[i][c] = load8(acc + (r0 + i) * D + d0 + 8 * c) * alpha[r0 + i];
-    for (long j = 0; j < n; j++) {
-        floats8 vj[4];
-        for (int c = 0; c < VECS; c++) vj[c] = load8(v + j * v_stride + d0 + 8 * c);
-        for (int i = 0; i < ROWS; i++) {
-            const float w = p[(r0 + i) * PREFILL_KEYS + j];
-            for (int c = 0; c < VECS; c++) a[i][c] += w * vj[c];
-        }
-    }
-    for (int i = 0; i < ROWS; i++)
-        for (int c = 0; c < VECS; c++) store8(acc + (r0 + i) * D + d0 + 8 * c, a[i][c]);
-}
-
-static ALWAYS_INLINE void rows_times_value_columns(const int ROWS, const float *p, long r0, const float *v,
-                                                   long v_stride, long n, long D, const float *alpha, float *acc) {
-    for (long d0 = 0; d0 < D; d0 += 32) switch ((D - d0 < 32 ? D - d0 : 32) / 8) {
-            case 4: rows_times_values(ROWS, 4, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
-            case 3: rows_times_values(ROWS, 3, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
-            case 2: rows_times_values(ROWS, 2, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
-            case 1: rows_times_values(ROWS, 1, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
-        }
-}
-
-#if defined(__AVX512F__)
-/* As rows_times_values, each vector 16 columns: one AVX-512 register, so half the multiply-adds of 8-wide vectors
- * (GCC splits a 16-float vector into two 8-float ones without AVX-512, and NEON's 32 registers would not hold the
- * 16 accumulators). The chunked prefill ran 1.12x faster for it (kernels/cpu_kv_dispatch.h says on what). */
-static ALWAYS_INLINE void rows_times_values16(const int ROWS, const int VECS, const float *p, long r0, const float *v,
-                                              long v_stride, long n, long d0, long D, const float *alpha, float *acc) {
-    floats16 a[VALUE_ROWS][4];
-    for (int i = 0; i < ROWS; i++)
-        for (int c = 0; c < VECS; c++) a[i][c] = load16(acc + (r0 + i) * D + d0 + 16 * c) * alpha[r0 + i];
-    for (long j = 0; j < n; j++) {
-        floats16 vj[4];
-        for (int c = 0; c < VECS; c++) vj[c] = load16(v + j * v_stride + d0 + 16 * c);
-        for (int i = 0; i < ROWS; i++) {
-            const float w = p[(r0 + i) * PREFILL_KEYS + j];
-            for (int c = 0; c < VECS; c++) a[i][c] += w * vj[c];
-        }
-    }
-    for (int i = 0; i < ROWS; i++)
-        for (int c = 0; c < VECS; c++) store16(acc + (r0 + i) * D + d0 + 16 * c, a[i][c]);
-}
-
-static ALWAYS_INLINE void rows_times_value_columns16(const int ROWS, const float *p, long r0, const float *v,
-                                                     long v_stride, long n, long D, const float *alpha, float *acc) {
-    for (long d0 = 0; d0 < D; d0 += 64) switch ((D - d0 < 64 ? D - d0 : 64) / 16) {
-            case 4: rows_times_values16(ROWS, 4, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
-            case 3: rows_times_values16(ROWS, 3, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
-            case 2: rows_times_values16(ROWS, 2, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
-            case 1: rows_times_values16(ROWS, 1, p, r0, v, v_stride, n, d0, D, alpha, acc); break;
-        }
-}
-#endif
-
-static ALWAYS_INLINE void accumulate_values(const float *p, long R, const float *v, long v_stride, long n, long D,
+/* ROWS rows from r0 (<= VALUE_ROWS) by VECS vectors of columns from d0 (<= VALUE_VECS): acc = alpha acc + p V, key
+ * j's V row at v[j / 16] + j % 16 * v_stride. */
+static ALWAYS_INLINE void rows_times_values(const int ROWS, const int VECS, const float *p, long rows, long r0,
+                                            const float *const v[], long v_stride, long n, long d0, long D,
                                             const float *alpha, float *acc) {
-    long r = 0;
-#if defined(__AVX512F__)
-    if (D % 16 == 0) {
-        for (; r + VALUE_ROWS <= R; r += VALUE_ROWS)
-            rows_times_value_columns16(VALUE_ROWS, p, r, v, v_stride, n, D, alpha, acc);
-        for (; r < R; r++) rows_times_value_columns16(1, p, r, v, v_stride, n, D, alpha, acc);
-        return;
+    lanes a[VALUE_ROWS][VALUE_VECS];
+    for (int i = 0; i < ROWS; i++)
+        for (int c = 0; c < VECS; c++) a[i][c] = load_lanes(acc + (r0 + i) * D + d0 + ROW_LANES * c) * alpha[r0 + i];
+    for (long j = 0; j < n; j++) {
+        const float *vj = v[j / 16] + j % 16 * v_stride + d0;
+        lanes x[VALUE_VECS];
+        for (int c = 0; c < VECS; c++) x[c] = load_lanes(vj + ROW_LANES * c);
+        for (int i = 0; i < ROWS; i++) {
+            const float w = p[j * rows + r0 + i];
+            for (int c = 0; c < VECS; c++) a[i][c] += w * x[c];
+        }
     }
-#endif
-    for (; r + VALUE_ROWS <= R; r += VALUE_ROWS) rows_times_value_columns(VALUE_ROWS, p, r, v, v_stride, n, D, alpha, acc);
-    for (; r < R; r++) rows_times_value_columns(1, p, r, v, v_stride, n, D, alpha, acc);
+    for (int i = 0; i < ROWS; i++)
+        for (int c = 0; c < VECS; c++) store_lanes(acc + (r0 + i) * D + d0 + ROW_LANES * c, a[i][c]);
+}
+
+static ALWAYS_INLINE void rows_times_value_columns(const int ROWS, const float *p, long rows, long r0,
+                                                   const float *const v[], long v_stride, long n, long D,
+                                                   const float *alpha, float *acc) {
+    enum { PASS = ROW_LANES * VALUE_VECS };
+    for (long d0 = 0; d0 < D; d0 += PASS) switch ((D - d0 < PASS ? D - d0 : PASS) / ROW_LANES) {
+            case 4: rows_times_values(ROWS, 4, p, rows, r0, v, v_stride, n, d0, D, alpha, acc); break;
+            case 3: rows_times_values(ROWS, 3, p, rows, r0, v, v_stride, n, d0, D, alpha, acc); break;
+            case 2: rows_times_values(ROWS, 2, p, rows, r0, v, v_stride, n, d0, D, alpha, acc); break;
+            case 1: rows_times_values(ROWS, 1, p, rows, r0, v, v_stride, n, d0, D, alpha, acc); break;
+        }
+}
+
+static ALWAYS_INLINE void accumulate_values(const float *p, long rows, long R, const float *const v[], long v_stride,
+                                            long n, long D, const float *alpha, float *acc) {
+    long r = 0;
+    for (; r + VALUE_ROWS <= R; r += VALUE_ROWS)
+        rows_times_value_columns(VALUE_ROWS, p, rows, r, v, v_stride, n, D, alpha, acc);
+    for (; r < R; r++) rows_times_value_columns(1, p, rows, r, v, v_stride, n, D, alpha, acc);
 }
 
 #include "cpu_kv_dispatch.h"

@@ -67,45 +67,33 @@ int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const
 
 /* Chunked prefill: flash attention straight over the block table. One task is one tile of PREFILL_TILE query
  * positions of one sequence and the G = H / KVH query heads of one KV head (R = G x positions rows, row r being
- * position r / G, head r % G: a position's G heads lie side by side in q). It walks the sequence's keys up to the
- * tile's last position, PREFILL_KEYS a step (each file defines it: 16, one block, or 32, two): each block's K is
- * widened to fp32 and transposed into kt [D][PREFILL_KEYS], its V widened into vb [PREFILL_KEYS][D] (an fp32
- * cache's single block is read in place), once for all R rows, and folded into the rows' accumulators with an
- * online softmax in fp32. The prefix is thus read once per tile and never gathered. The steps are each file's:
- *   transpose_k_block(KV, k_cache, row0, stride, n, D, kt): kt[d][j] = K_j[d] for j < n, 0 for n <= j < 16, the
- *     rows of kt PREFILL_KEYS apart (a step's second block goes to kt + 16);
- *   value_rows(KV, v_cache, row0, stride, n, D, vb): vb[j][d] = V_j[d] for j < n;
- *   rows_times_keys(ROWS, q_tile, G, pos_stride, r0, kt, D, s): s[r][j] = q_r . K_j for the ROWS rows (at most 6, a
- *     constant after inlining) from r0 on and j < PREFILL_KEYS, where row r of the tile starts at
- *     q_tile + r / G * pos_stride + r % G * D;
- *   softmax_block(s, R, G, first_pos, k0, masked, scale, m, l, alpha): the scores of keys k0 .. k0 + PREFILL_KEYS - 1
- *     into weights in place (0 past each row's position when masked), the rows' running max m and sum l updated and
- *     alpha, each row's rescaling of what it accumulated so far;
- *   accumulate_values(p, R, v, v_stride, n, D, alpha, acc): acc[r] = alpha[r] acc[r] + sum over j < n of p[r][j] V_j.
- * Row j of a block starts at row0 + j * stride in the cache. Measured on the default model's heads (9 query, 3 KV
- * of 64), a 512-token chunk after 3,584 cached tokens, fp16 KV, one thread of this project's Zen 4: 75 GFLOP/s on
- * the avx512 path, 80 on avx2; tiles of 32 positions gave 3% more, within the noise, and half the tasks to share
- * among the threads. On the Xeon (Sapphire Rapids) that followed, two threads, the avx512 path went from 127 to 143
- * GFLOP/s (best of three) when its weighted sum of V took 16 columns a vector (cpu_kernels_portable.c), and from 170
- * to 204 when each online-softmax step took two blocks (32 keys: half the steps' max, exp of the rescaling and
- * broadcasts of q per score; the AVX2 file keeps one block, its 16 registers hold no more). */
+ * position r / G, head r % G: a position's G heads lie side by side in q). The tile's q, times scale and log2 e
+ * (the softmax takes powers of 2), is laid out transposed once, qt [D][rows] (rows: R rounded up to ROW_LANES, the
+ * padding rows zeros), so that scores and weights lie key by key, s [PREFILL_KEYS][rows], ROW_LANES rows to a
+ * vector. The task walks the sequence's keys up to the tile's last position, PREFILL_KEYS a step (each file defines
+ * it: 16, one block, or 32, two); each block's K and V rows are widened to fp32 (kb, vb [PREFILL_KEYS][width]; an
+ * fp32 cache's are read in place), once for all R rows, and folded into the rows' accumulators with an online
+ * softmax in fp32. The prefix is thus read once per tile and never gathered. The steps are each file's:
+ *   widen_rows(KV, cache, row0, stride, n, D, width, out): out[j][d] = the cache's row j (from row0, stride apart)
+ *     for j < n, d < D, and 0 for D <= d < width (the rows of out width apart);
+ *   keys_times_rows(k, k_stride, n, qt, rows, D, s): s[j][r] = q_r . K_j for every row and at least the keys j < n
+ *     (later ones are left as they were), key j's row at k[j / 16] + j % 16 * k_stride;
+ *   softmax_rows(s, rows, pos, k0, m, l, alpha): the scores of keys k0 .. k0 + PREFILL_KEYS - 1 into weights in
+ *     place, 0 for keys past a row's position pos[r] (keys past the step's n lie past every row's), each row's
+ *     running max m and sum l updated and alpha, its rescaling of what it accumulated so far;
+ *   accumulate_values(p, rows, R, v, v_stride, n, D, alpha, acc): acc[r] = alpha[r] acc[r] + sum over j < n of
+ *     p[j][r] V_j, key j's V row at v[j / 16] + j % 16 * v_stride.
+ * Keys by rows puts the softmax's max and sum down the keys, lane by lane. Rows by keys (each row's scores one or two
+ * vectors, as this kernel had them before) took a reduction across vectors for each row's max and sum: on this
+ * project's 2-core Zen 4 (avx512 path, the default model's heads, 9 query and 3 KV of 64, a 512-token chunk after
+ * 3,584 cached tokens, fp16 KV, best of 30 calls) the softmax was 6 of the chunk's 28.2 ms, measured by leaving it
+ * out. Keys by rows with exp2 (q scaled by log2 e, exp2's polynomial cheaper than exp's) took it to 25.2 ms (avx2:
+ * 28.9 to 25.3), where the two products run at about this CPU's fp32 FMA peak (117 GFLOP/s a thread, measured with
+ * 12 independent FMA chains) and the softmax takes about 3 ms. Tiles of 32 positions measured the same as 16 and
+ * leave half the tasks to share among the threads. */
 #define PREFILL_TILE 16
 
-/* The scores of all R rows of the tile, 6 rows at a time. */
-static inline __attribute__((always_inline)) void block_scores(const float *q_tile, long G, long pos_stride, long R,
-                                                               const float *kt, long D, float *s) {
-    long r = 0;
-    for (; r + 6 <= R; r += 6) rows_times_keys(6, q_tile, G, pos_stride, r, kt, D, s);
-    switch (R - r) {
-        case 5: rows_times_keys(5, q_tile, G, pos_stride, r, kt, D, s); break;
-        case 4: rows_times_keys(4, q_tile, G, pos_stride, r, kt, D, s); break;
-        case 3: rows_times_keys(3, q_tile, G, pos_stride, r, kt, D, s); break;
-        case 2: rows_times_keys(2, q_tile, G, pos_stride, r, kt, D, s); break;
-        case 1: rows_times_keys(1, q_tile, G, pos_stride, r, kt, D, s); break;
-    }
-}
-
-static __thread float *prefill_scratch = NULL; /* per OpenMP thread: acc, s, m, l, alpha, kt, vb */
+static __thread float *prefill_scratch = NULL; /* per OpenMP thread: acc, s, qt, m, l, alpha, pos, kb, vb */
 static __thread long prefill_scratch_floats = 0;
 
 /* Whether sequence b's rows lie inside q and its chunk inside its context: 0 <= cu[b] <= cu[b + 1] <= num_q and
@@ -126,39 +114,50 @@ static inline __attribute__((always_inline)) int prefill_task(
     const int32_t *table = block_tables + b * max_blocks;
     if (!context_fits(table, ctx, max_blocks, num_blocks)) return LP_BAD_INDEX;
     const long G = H / KVH, positions = q_len - i0 < PREFILL_TILE ? q_len - i0 : PREFILL_TILE, R = G * positions;
-    const long rows = (G * PREFILL_TILE + 7) / 8 * 8, floats = rows * (D + PREFILL_KEYS + 3) + 2 * PREFILL_KEYS * D;
+    const long rows = (R + ROW_LANES - 1) / ROW_LANES * ROW_LANES; /* this tile's; most: a whole tile's */
+    const long most = (G * PREFILL_TILE + ROW_LANES - 1) / ROW_LANES * ROW_LANES;
+    /* acc's rows and the widened K/V rows: D rounded up to whole vectors (AVX-512's 16 lanes, a D of 8 more) */
+    const long width = (D + ROW_LANES - 1) / ROW_LANES * ROW_LANES;
+    const long floats = most * (width + D + PREFILL_KEYS + 4) + 2 * PREFILL_KEYS * width;
     if (prefill_scratch_floats < floats) {
         free(prefill_scratch);
         prefill_scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
         prefill_scratch_floats = prefill_scratch ? floats : 0;
         if (!prefill_scratch) return LP_OUT_OF_MEMORY;
     }
-    float *acc = prefill_scratch, *s = acc + rows * D, *m = s + rows * PREFILL_KEYS, *l = m + rows, *alpha = l + rows;
-    float *kt = alpha + rows, *vb = kt + PREFILL_KEYS * D;
-    for (long r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f, alpha[r] = 0.0f; /* rows past R: padding lanes */
-    for (long i = 0; i < R * D; i++) acc[i] = 0.0f;
+    float *acc = prefill_scratch, *s = acc + most * width, *qt = s + most * PREFILL_KEYS, *m = qt + most * D;
+    float *l = m + most, *alpha = l + most, *kb = alpha + most + most, *vb = kb + PREFILL_KEYS * width;
+    int32_t *pos = (int32_t *)(alpha + most);
     const long first_pos = ctx - q_len + i0, end = first_pos + positions; /* keys 0 .. end - 1 */
-    const float *q_tile = q + ((q_start + i0) * H + kvh * G) * D;
+    const float *q_tile = q + ((q_start + i0) * H + kvh * G) * D, scale_log2 = scale * 1.44269504088896341f;
+    for (long r = 0; r < rows; r++) {
+        const long row = r < R ? r : R - 1; /* a padding row takes the last row's position; its q is zeros */
+        m[r] = -INFINITY, l[r] = 0.0f, pos[r] = (int32_t)(first_pos + row / G);
+        const float *qr = q_tile + row / G * H * D + row % G * D;
+        for (long d = 0; d < D; d++) qt[d * rows + r] = r < R ? qr[d] * scale_log2 : 0.0f;
+    }
+    for (long i = 0; i < R * width; i++) acc[i] = 0.0f;
     const long stride = KVH * D;
+    const int in_place = KV == LP_KV_F32 && width == D; /* an fp32 cache's rows are read where they lie */
     for (long k0 = 0; k0 < end; k0 += PREFILL_KEYS) {
         const long n = end - k0 < PREFILL_KEYS ? end - k0 : PREFILL_KEYS;
-        /* An fp32 cache's V rows of a single block are read in place; else they are widened or gathered into vb. */
-        const int in_place = KV == LP_KV_F32 && PREFILL_KEYS == 16;
-        const float *v = vb;
-        long v_stride = D;
-        for (long b = 0; b < PREFILL_KEYS / 16; b++) { /* the step's blocks; past the end, kt is zeros */
-            const long kb = k0 + 16 * b, nb = kb >= end ? 0 : end - kb < 16 ? end - kb : 16;
-            const long row0 = nb ? (long)table[kb / 16] * 16 * stride + kvh * D : 0;
-            transpose_k_block(KV, k_cache, row0, stride, nb, D, kt + 16 * b);
-            if (in_place) v = (const float *)v_cache + row0, v_stride = stride;
-            else value_rows(KV, v_cache, row0, stride, nb, D, vb + 16 * b * D);
+        const float *k[PREFILL_KEYS / 16], *v[PREFILL_KEYS / 16];
+        const long kv_stride = in_place ? stride : width;
+        for (long j0 = 0; j0 < n; j0 += 16) { /* the step's blocks */
+            const long nb = n - j0 < 16 ? n - j0 : 16, row0 = (long)table[(k0 + j0) / 16] * 16 * stride + kvh * D;
+            if (in_place) {
+                k[j0 / 16] = (const float *)k_cache + row0, v[j0 / 16] = (const float *)v_cache + row0;
+            } else {
+                widen_rows(KV, k_cache, row0, stride, nb, D, width, kb + j0 * width), k[j0 / 16] = kb + j0 * width;
+                widen_rows(KV, v_cache, row0, stride, nb, D, width, vb + j0 * width), v[j0 / 16] = vb + j0 * width;
+            }
         }
-        block_scores(q_tile, G, H * D, R, kt, D, s);
-        softmax_block(s, R, G, first_pos, k0, k0 + PREFILL_KEYS - 1 > first_pos, scale, m, l, alpha);
-        accumulate_values(s, R, v, v_stride, n, D, alpha, acc);
+        keys_times_rows(k, kv_stride, n, qt, rows, D, s);
+        softmax_rows(s, rows, pos, k0, m, l, alpha);
+        accumulate_values(s, rows, R, v, kv_stride, n, width, alpha, acc);
     }
     for (long r = 0; r < R; r++) {
-        const float inv = 1.0f / l[r], *a = acc + r * D;
+        const float inv = 1.0f / l[r], *a = acc + r * width;
         float *o = out + ((q_start + i0 + r / G) * H + kvh * G + r % G) * D;
         for (long d = 0; d < D; d++) o[d] = a[d] * inv;
     }
