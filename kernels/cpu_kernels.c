@@ -268,17 +268,19 @@ static inline __attribute__((always_inline)) void store_kv8(const int KV, void *
     _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
 }
 
-/* o[0 : 8*VECS] = inv * sum over the context of p[t] * V row t, from column col of each row on. VECS and KV are
- * constants after inlining, so the accumulators stay in registers. Rows of a block are `stride` values apart. */
-static inline __attribute__((always_inline)) void weighted_rows(const int KV, const int VECS, const float *p, long ctx,
-                                                                const int32_t *table, const void *v, long col,
-                                                                long stride, __m256 inv, float *o) {
+/* o[0 : 8*VECS] = inv * sum over keys first .. first + n - 1 (first a multiple of 16) of p[t] * V row t, from column
+ * col of each row on. VECS and KV are constants after inlining, so the accumulators stay in registers. Rows of a
+ * block are `stride` values apart. */
+static inline __attribute__((always_inline)) void weighted_rows(const int KV, const int VECS, const float *p,
+                                                                long first, long n, const int32_t *table,
+                                                                const void *v, long col, long stride, __m256 inv,
+                                                                float *o) {
     __m256 a[8];
     for (int i = 0; i < VECS; i++) a[i] = _mm256_setzero_ps();
-    for (long blk = 0; blk * 16 < ctx; blk++) {
-        const long vb = (long)table[blk] * 16 * stride + col;
-        const long n = ctx - blk * 16 < 16 ? ctx - blk * 16 : 16;
-        for (long t = 0; t < n; t++) {
+    for (long blk = 0; blk * 16 < n; blk++) {
+        const long vb = (long)table[first / 16 + blk] * 16 * stride + col;
+        const long count = n - blk * 16 < 16 ? n - blk * 16 : 16;
+        for (long t = 0; t < count; t++) {
             const __m256 w = _mm256_set1_ps(p[blk * 16 + t]);
             for (int i = 0; i < VECS; i++) a[i] = _mm256_fmadd_ps(w, load_kv8(KV, v, vb + t * stride + 8 * i), a[i]);
         }
@@ -289,19 +291,21 @@ static inline __attribute__((always_inline)) void weighted_rows(const int KV, co
 static __thread float *scores = NULL; /* [G, context] per OpenMP thread */
 static __thread long scores_floats = 0;
 
-/* Sequence b's G = H / KVH query heads of KV head kvh over its context (see lp_paged_decode in cpu_kv_dispatch.h):
- * LP_OK, or the status saying why nothing was written. KV is a constant after inlining. */
+/* Sequence b's G = H / KVH query heads of KV head kvh over its keys first .. end - 1 (see lp_paged_decode in
+ * cpu_kv_dispatch.h), into o_rows [G][D]: normalised where stats is NULL, else unnormalised with each head's max
+ * score and sum of weights in stats [G][2]. LP_OK, or the status saying why nothing was written. KV is a constant
+ * after inlining. */
 static inline __attribute__((always_inline)) int decode_task(
-    const int KV, long b, long kvh, const float *q, const void *k_cache, const void *v_cache,
+    const int KV, long b, long kvh, long first, long end, const float *q, const void *k_cache, const void *v_cache,
     const int32_t *block_tables, const int32_t *context_lens, long H, long KVH, long D, long max_blocks,
-    long num_blocks, float scale, float *out) {
-    const long G = H / KVH, BS = 16, ctx = context_lens[b];
+    long num_blocks, float scale, float *o_rows, float *stats) {
+    const long G = H / KVH, BS = 16, ctx = context_lens[b], n = end - first;
     const int32_t *table = block_tables + b * max_blocks;
     if (!context_fits(table, ctx, max_blocks, num_blocks)) return LP_BAD_INDEX;
-    if (scores_floats < G * ctx) {
+    if (scores_floats < G * n) {
         free(scores);
-        scores = malloc(G * ctx * sizeof(float));
-        scores_floats = scores ? G * ctx : 0;
+        scores = malloc(G * n * sizeof(float));
+        scores_floats = scores ? G * n : 0;
         if (!scores) return LP_OUT_OF_MEMORY;
     }
     const float *qh = q + (b * H + kvh * G) * D;
@@ -309,55 +313,56 @@ static inline __attribute__((always_inline)) int decode_task(
     for (long g = 0; g < G; g++) {
         const float *qg = qh + g * D;
         long j = 0;
-        for (; j + 8 <= ctx; j += 8) { /* 8 tokens at a time: 8 independent FMA chains */
+        for (; j + 8 <= n; j += 8) { /* 8 tokens at a time: 8 independent FMA chains */
             long k[8];
             __m256 acc[8];
-            for (int t = 0; t < 8; t++) { k[t] = KROW(j + t); acc[t] = _mm256_setzero_ps(); }
+            for (int t = 0; t < 8; t++) { k[t] = KROW(first + j + t); acc[t] = _mm256_setzero_ps(); }
             for (long d = 0; d < D; d += 8) {
                 const __m256 qd = _mm256_loadu_ps(qg + d);
                 for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qd, load_kv8(KV, k_cache, k[t] + d), acc[t]);
             }
-            _mm256_storeu_ps(scores + g * ctx + j, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
+            _mm256_storeu_ps(scores + g * n + j, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
         }
-        for (; j < ctx; j++) {
-            const long k = KROW(j);
+        for (; j < n; j++) {
+            const long k = KROW(first + j);
             __m256 acc = _mm256_setzero_ps();
             for (long d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load_kv8(KV, k_cache, k + d), acc);
-            scores[g * ctx + j] = sum8(acc) * scale;
+            scores[g * n + j] = sum8(acc) * scale;
         }
     }
 #undef KROW
     for (long g = 0; g < G; g++) {
-        float *s = scores + g * ctx, mx = s[0], total = 0.0f;
-        for (long j = 1; j < ctx; j++) mx = s[j] > mx ? s[j] : mx;
+        float *s = scores + g * n, mx = s[0], total = 0.0f;
+        for (long j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
         long j = 0;
         __m256 sum = _mm256_setzero_ps();
-        for (; j + 8 <= ctx; j += 8) {
+        for (; j + 8 <= n; j += 8) {
             __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx)));
             _mm256_storeu_ps(s + j, e);
             sum = _mm256_add_ps(sum, e);
         }
         total = sum8(sum);
-        if (j < ctx) {
+        if (j < n) {
             float tail[8] = {0};
-            for (long t = j; t < ctx; t++) tail[t - j] = s[t] - mx;
+            for (long t = j; t < n; t++) tail[t - j] = s[t] - mx;
             __m256 e = exp8(_mm256_loadu_ps(tail));
             _mm256_storeu_ps(tail, e);
-            for (long t = j; t < ctx; t++) { s[t] = tail[t - j]; total += tail[t - j]; }
+            for (long t = j; t < n; t++) { s[t] = tail[t - j]; total += tail[t - j]; }
         }
-        const __m256 inv = _mm256_set1_ps(1.0f / total);
-        float *o = out + (b * H + kvh * G + g) * D;
+        const __m256 inv = _mm256_set1_ps(stats ? 1.0f : 1.0f / total); /* a part's sum goes with it, unapplied */
+        if (stats) stats[2 * g] = mx, stats[2 * g + 1] = total;
+        float *o = o_rows + g * D;
         for (long d0 = 0; d0 < D; d0 += 64) { /* up to 64 columns per walk over the tokens */
             const long col = kvh * D + d0, stride = KVH * D;
             switch ((D - d0 < 64 ? D - d0 : 64) / 8) {
-                case 8: weighted_rows(KV, 8, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 7: weighted_rows(KV, 7, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 6: weighted_rows(KV, 6, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 5: weighted_rows(KV, 5, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 4: weighted_rows(KV, 4, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 3: weighted_rows(KV, 3, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 2: weighted_rows(KV, 2, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 1: weighted_rows(KV, 1, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 8: weighted_rows(KV, 8, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 7: weighted_rows(KV, 7, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 6: weighted_rows(KV, 6, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 5: weighted_rows(KV, 5, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 4: weighted_rows(KV, 4, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 3: weighted_rows(KV, 3, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 2: weighted_rows(KV, 2, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 1: weighted_rows(KV, 1, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
             }
         }
     }

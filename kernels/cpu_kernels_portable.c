@@ -332,16 +332,17 @@ static ALWAYS_INLINE void store_kv8(const int KV, void *p, long i, floats8 x) {
     memcpy((uint16_t *)p + i, &h, sizeof h);
 }
 
-/* o[0 : 8*VECS] = inv * sum over the context of p[t] * V row t, from column col of each row on, as weighted_rows in
- * cpu_kernels.c. */
-static ALWAYS_INLINE void weighted_rows(const int KV, const int VECS, const float *p, long ctx, const int32_t *table,
-                                        const void *v, long col, long stride, float inv, float *o) {
+/* o[0 : 8*VECS] = inv * sum over keys first .. first + n - 1 (first a multiple of 16) of p[t] * V row t, from column
+ * col of each row on, as weighted_rows in cpu_kernels.c. */
+static ALWAYS_INLINE void weighted_rows(const int KV, const int VECS, const float *p, long first, long n,
+                                        const int32_t *table, const void *v, long col, long stride, float inv,
+                                        float *o) {
     floats8 a[8];
     for (int i = 0; i < VECS; i++) a[i] = (floats8){0};
-    for (long blk = 0; blk * 16 < ctx; blk++) {
-        const long vb = (long)table[blk] * 16 * stride + col;
-        const long n = ctx - blk * 16 < 16 ? ctx - blk * 16 : 16;
-        for (long t = 0; t < n; t++) {
+    for (long blk = 0; blk * 16 < n; blk++) {
+        const long vb = (long)table[first / 16 + blk] * 16 * stride + col;
+        const long count = n - blk * 16 < 16 ? n - blk * 16 : 16;
+        for (long t = 0; t < count; t++) {
             const float w = p[blk * 16 + t];
             for (int i = 0; i < VECS; i++) a[i] += w * load_kv8(KV, v, vb + t * stride + 8 * i);
         }
@@ -352,18 +353,19 @@ static ALWAYS_INLINE void weighted_rows(const int KV, const int VECS, const floa
 static __thread float *scores = NULL; /* [G, context] per OpenMP thread */
 static __thread long scores_floats = 0;
 
-/* Sequence b's G = H / KVH query heads of KV head kvh over its context, as decode_task in cpu_kernels.c. */
-static ALWAYS_INLINE int decode_task(const int KV, long b, long kvh, const float *q, const void *k_cache,
-                                     const void *v_cache, const int32_t *block_tables, const int32_t *context_lens,
-                                     long H, long KVH, long D, long max_blocks, long num_blocks, float scale,
-                                     float *out) {
-    const long G = H / KVH, BS = 16, ctx = context_lens[b];
+/* Sequence b's G = H / KVH query heads of KV head kvh over its keys first .. end - 1, as decode_task in
+ * cpu_kernels.c. */
+static ALWAYS_INLINE int decode_task(const int KV, long b, long kvh, long first, long end, const float *q,
+                                     const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                                     const int32_t *context_lens, long H, long KVH, long D, long max_blocks,
+                                     long num_blocks, float scale, float *o_rows, float *stats) {
+    const long G = H / KVH, BS = 16, ctx = context_lens[b], n = end - first;
     const int32_t *table = block_tables + b * max_blocks;
     if (!context_fits(table, ctx, max_blocks, num_blocks)) return LP_BAD_INDEX;
-    if (scores_floats < G * ctx) {
+    if (scores_floats < G * n) {
         free(scores);
-        scores = malloc(G * ctx * sizeof(float));
-        scores_floats = scores ? G * ctx : 0;
+        scores = malloc(G * n * sizeof(float));
+        scores_floats = scores ? G * n : 0;
         if (!scores) return LP_OUT_OF_MEMORY;
     }
     const float *qh = q + (b * H + kvh * G) * D;
@@ -371,54 +373,55 @@ static ALWAYS_INLINE int decode_task(const int KV, long b, long kvh, const float
     for (long g = 0; g < G; g++) {
         const float *qg = qh + g * D;
         long j = 0;
-        for (; j + 8 <= ctx; j += 8) { /* 8 tokens at a time: 8 independent chains */
+        for (; j + 8 <= n; j += 8) { /* 8 tokens at a time: 8 independent chains */
             long k[8];
             floats8 acc[8];
-            for (int t = 0; t < 8; t++) k[t] = KROW(j + t), acc[t] = (floats8){0};
+            for (int t = 0; t < 8; t++) k[t] = KROW(first + j + t), acc[t] = (floats8){0};
             for (long d = 0; d < D; d += 8) {
                 const floats8 qd = load8(qg + d);
                 for (int t = 0; t < 8; t++) acc[t] += qd * load_kv8(KV, k_cache, k[t] + d);
             }
-            for (int t = 0; t < 8; t++) scores[g * ctx + j + t] = sum8(acc[t]) * scale;
+            for (int t = 0; t < 8; t++) scores[g * n + j + t] = sum8(acc[t]) * scale;
         }
-        for (; j < ctx; j++) {
-            const long k = KROW(j);
+        for (; j < n; j++) {
+            const long k = KROW(first + j);
             floats8 acc = {0};
             for (long d = 0; d < D; d += 8) acc += load8(qg + d) * load_kv8(KV, k_cache, k + d);
-            scores[g * ctx + j] = sum8(acc) * scale;
+            scores[g * n + j] = sum8(acc) * scale;
         }
     }
 #undef KROW
     for (long g = 0; g < G; g++) {
-        float *s = scores + g * ctx, mx = s[0], total = 0.0f;
-        for (long j = 1; j < ctx; j++) mx = s[j] > mx ? s[j] : mx;
+        float *s = scores + g * n, mx = s[0], total = 0.0f;
+        for (long j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
         long j = 0;
         floats8 sum = {0};
-        for (; j + 8 <= ctx; j += 8) {
+        for (; j + 8 <= n; j += 8) {
             const floats8 e = exp8(load8(s + j) - mx);
             store8(s + j, e);
             sum += e;
         }
         total = sum8(sum);
-        if (j < ctx) {
+        if (j < n) {
             float tail[8] = {0};
-            for (long t = j; t < ctx; t++) tail[t - j] = s[t] - mx;
+            for (long t = j; t < n; t++) tail[t - j] = s[t] - mx;
             const floats8 e = exp8(load8(tail));
-            for (long t = j; t < ctx; t++) s[t] = e[t - j], total += e[t - j];
+            for (long t = j; t < n; t++) s[t] = e[t - j], total += e[t - j];
         }
-        const float inv = 1.0f / total;
-        float *o = out + (b * H + kvh * G + g) * D;
+        const float inv = stats ? 1.0f : 1.0f / total; /* a part of the keys: its sum goes with it, unapplied */
+        if (stats) stats[2 * g] = mx, stats[2 * g + 1] = total;
+        float *o = o_rows + g * D;
         for (long d0 = 0; d0 < D; d0 += 64) { /* up to 64 columns per walk over the tokens */
             const long col = kvh * D + d0, stride = KVH * D;
             switch ((D - d0 < 64 ? D - d0 : 64) / 8) {
-                case 8: weighted_rows(KV, 8, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 7: weighted_rows(KV, 7, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 6: weighted_rows(KV, 6, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 5: weighted_rows(KV, 5, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 4: weighted_rows(KV, 4, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 3: weighted_rows(KV, 3, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 2: weighted_rows(KV, 2, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
-                case 1: weighted_rows(KV, 1, s, ctx, table, v_cache, col, stride, inv, o + d0); break;
+                case 8: weighted_rows(KV, 8, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 7: weighted_rows(KV, 7, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 6: weighted_rows(KV, 6, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 5: weighted_rows(KV, 5, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 4: weighted_rows(KV, 4, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 3: weighted_rows(KV, 3, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 2: weighted_rows(KV, 2, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
+                case 1: weighted_rows(KV, 1, s, first, n, table, v_cache, col, stride, inv, o + d0); break;
             }
         }
     }
@@ -527,7 +530,7 @@ static ALWAYS_INLINE lanes select_lanes(lane_ints mask, lanes yes, lanes no) {
 /* 2^x: Cephes' exp2f polynomial (relative error 1.7e-7) on x less its nearest integer n, times 2^n through the
  * exponent bits. x is clamped at -126: 2^-126 ~ 1e-38 stands for 0 (an empty row's rescaling: what it scales is 0),
  * and softmax_rows zeroes the weights of keys past a row itself. The prefill's scores are in log2 units (q was
- * scaled by log2 e) for it: 2^x takes 13 vector operations where exp's clamps and Cody-Waite steps took 19. */
+ * scaled by log2 e) for it: 2^x takes 15 vector operations where exp, with its Cody-Waite steps, takes 20. */
 static ALWAYS_INLINE lanes exp2_lanes(lanes x) {
     const lanes lowest = (lanes){0} - 126.0f;
     x = select_lanes(x < lowest, lowest, x);

@@ -4,35 +4,92 @@
  * sin, H, KVH, D, k_cache, v_cache, q_out), one token's, and the steps of a prefill tile (see prefill_task below),
  * each inlined for KV a constant LP_KV_* type, then include this file once. */
 
+/* Keys a decode task takes at most: a longer context is split into parts of this many (a multiple of 16), each its own
+ * task, then combined. With one task per (sequence, KV head), one chat's 3 KV heads kept one of two threads idle
+ * half the time, and its attention over a 2,500-token context read the cache at (measured) below half of this
+ * CPU's bandwidth. A context of DECODE_SPAN keys or fewer is one part, computed as it always was. */
+#define DECODE_SPAN 512
+
+static inline long decode_parts(long ctx) { return ctx > DECODE_SPAN ? (ctx + DECODE_SPAN - 1) / DECODE_SPAN : 1; }
+
+static inline __attribute__((always_inline)) int decode_part(const int KV, long b, long kvh, long first, long end,
+                                                             const float *q, const void *k_cache,
+                                                             const void *v_cache, const int32_t *block_tables,
+                                                             const int32_t *context_lens, long H, long KVH, long D,
+                                                             long max_blocks, long num_blocks, float scale,
+                                                             float *o_rows, float *stats) {
+    if (KV == LP_KV_BF16)
+        return decode_task(LP_KV_BF16, b, kvh, first, end, q, k_cache, v_cache, block_tables, context_lens, H, KVH,
+                           D, max_blocks, num_blocks, scale, o_rows, stats);
+    if (KV == LP_KV_F16)
+        return decode_task(LP_KV_F16, b, kvh, first, end, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D,
+                           max_blocks, num_blocks, scale, o_rows, stats);
+    return decode_task(LP_KV_F32, b, kvh, first, end, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D,
+                       max_blocks, num_blocks, scale, o_rows, stats);
+}
+
 /* One query per sequence over its paged context: q [B, H, D] fp32, caches [num_blocks, 16, KVH, D] of kv_dtype
- * (an LP_KV_* type), out [B, H, D] fp32. One task per (sequence, KV head) takes that head's G = H / KVH query
- * heads, so each K and V row is read once for all of them. D is a multiple of 8. A sequence whose context does
- * not fit its table or the cache is skipped (its output left unwritten) and reported as LP_BAD_INDEX. Each cache
- * type is its own inlined instance, picked per task (a branch per task costs nothing beside the task). */
+ * (an LP_KV_* type), out [B, H, D] fp32. One task per (part of a sequence's context, KV head) takes that head's
+ * G = H / KVH query heads, so each K and V row is read once for all of them; a context split into parts (see
+ * DECODE_SPAN) is combined after, each part's output rescaled by exp(its max - the overall max). D is a multiple
+ * of 8. A sequence whose context does not fit its table or the cache is skipped (its output left unwritten) and
+ * reported as LP_BAD_INDEX. Each cache type is its own inlined instance, picked per task (a branch per task costs
+ * nothing beside the task). */
 int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                     const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH,
                     int64_t D, int64_t max_blocks, int64_t num_blocks, float scale, float *out) {
     if (B < 0 || KVH <= 0 || H % KVH || D <= 0 || D % 8 || kv_dtype < LP_KV_F32 || kv_dtype > LP_KV_F16)
         return LP_BAD_ARGUMENT;
+    long parts = 0;
+    for (long b = 0; b < B; b++) parts += decode_parts(context_lens[b]);
+    /* part p's sequence, its first key, and where its unnormalised rows and stats go (split sequences only) */
+    long *part_seq = malloc(parts * sizeof(long)), *part_first = malloc(parts * sizeof(long));
+    float *partial = parts > B ? malloc(parts * H * (D + 2) * sizeof(float)) : NULL;
+    char *failed = calloc(B ? B : 1, 1); /* sequences a part of which was not computed: not combined */
+    if (!part_seq || !part_first || (parts > B && !partial) || !failed) {
+        free(part_seq), free(part_first), free(partial), free(failed);
+        return LP_OUT_OF_MEMORY;
+    }
+    for (long b = 0, p = 0; b < B; b++)
+        for (long i = 0; i < decode_parts(context_lens[b]); i++, p++)
+            part_seq[p] = b, part_first[p] = i * DECODE_SPAN;
+    float *partial_stats = partial ? partial + parts * H * D : NULL;
     int status = LP_OK;
 #pragma omp parallel for schedule(dynamic)
-    for (long task = 0; task < B * KVH; task++) {
-        const long b = task / KVH, kvh = task % KVH;
-        int s;
-        if (kv_dtype == LP_KV_BF16)
-            s = decode_task(LP_KV_BF16, b, kvh, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D,
-                            max_blocks, num_blocks, scale, out);
-        else if (kv_dtype == LP_KV_F16)
-            s = decode_task(LP_KV_F16, b, kvh, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D,
-                            max_blocks, num_blocks, scale, out);
-        else
-            s = decode_task(LP_KV_F32, b, kvh, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D,
-                            max_blocks, num_blocks, scale, out);
+    for (long task = 0; task < parts * KVH; task++) {
+        const long p = task / KVH, b = part_seq[p], kvh = task % KVH, ctx = context_lens[b], head = kvh * (H / KVH);
+        const int split = decode_parts(ctx) > 1;
+        const long first = part_first[p], end = split && first + DECODE_SPAN < ctx ? first + DECODE_SPAN : ctx;
+        float *o_rows = split ? partial + (p * H + head) * D : out + (b * H + head) * D;
+        float *stats = split ? partial_stats + (p * H + head) * 2 : NULL;
+        const int s = decode_part(kv_dtype, b, kvh, first, end, q, k_cache, v_cache, block_tables, context_lens, H,
+                                  KVH, D, max_blocks, num_blocks, scale, o_rows, stats);
         if (s != LP_OK) {
+#pragma omp atomic write
+            failed[b] = 1;
 #pragma omp atomic write
             status = s;
         }
     }
+    if (partial)
+        for (long b = 0, p = 0; b < B; p += decode_parts(context_lens[b]), b++) {
+            const long n = decode_parts(context_lens[b]);
+            if (n == 1 || failed[b]) continue;
+            for (long h = 0; h < H; h++) {
+                float top = -INFINITY, total = 0.0f;
+                for (long i = 0; i < n; i++) top = fmaxf(top, partial_stats[((p + i) * H + h) * 2]);
+                float *o = out + (b * H + h) * D;
+                for (long d = 0; d < D; d++) o[d] = 0.0f;
+                for (long i = 0; i < n; i++) {
+                    const float *st = partial_stats + ((p + i) * H + h) * 2, *part = partial + ((p + i) * H + h) * D;
+                    const float weight = expf(st[0] - top);
+                    total += weight * st[1];
+                    for (long d = 0; d < D; d++) o[d] += weight * part[d];
+                }
+                for (long d = 0; d < D; d++) o[d] /= total;
+            }
+        }
+    free(part_seq), free(part_first), free(partial), free(failed);
     return status;
 }
 
