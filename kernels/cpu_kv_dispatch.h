@@ -1,16 +1,26 @@
 /* lp_paged_decode, lp_paged_prefill and lp_rope_write_kv, the same for every path: cpu_kernels.c and
- * cpu_kernels_portable.c each define decode_task(KV, b, kvh, q, k_cache, v_cache, block_tables, context_lens, H, KVH,
- * D, max_blocks, num_blocks, scale, out), the work of one (sequence, KV head), rope_write_row(KV, n, slot, qkv, cos,
- * sin, H, KVH, D, k_cache, v_cache, q_out), one token's, and the steps of a prefill tile (see prefill_task below),
- * each inlined for KV a constant LP_KV_* type, then include this file once. */
+ * cpu_kernels_portable.c each define decode_task(KV, b, kvh, first, end, q, k_cache, v_cache, block_tables,
+ * context_lens, H, KVH, D, max_blocks, num_blocks, scale, o_rows, stats), the work of one (sequence, KV head) over
+ * keys first .. end - 1, rope_write_row(KV, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out), one
+ * token's, and the steps of a prefill tile (see prefill_task below), each inlined for KV a constant LP_KV_* type,
+ * then include this file once. */
 
-/* Keys a decode task takes at most: a longer context is split into parts of this many (a multiple of 16), each its own
- * task, then combined. With one task per (sequence, KV head), one chat's 3 KV heads kept one of two threads idle
- * half the time, and its attention over a 2,500-token context read the cache at (measured) below half of this
- * CPU's bandwidth. A context of DECODE_SPAN keys or fewer is one part, computed as it always was. */
+#include <omp.h>
+
+/* How many parts sequence b's context is split into, a task each, combined after: enough tasks for four a thread
+ * where the batch has few (sequences x KV heads), parts of at least 64 keys, and of at most DECODE_SPAN keys however
+ * many tasks there are. With one task per (sequence, KV head), one chat's 3 KV heads on 2 threads kept one thread
+ * idle a third of the time. A context of one part is computed as it always was. */
 #define DECODE_SPAN 512
 
-static inline long decode_parts(long ctx) { return ctx > DECODE_SPAN ? (ctx + DECODE_SPAN - 1) / DECODE_SPAN : 1; }
+static inline long decode_span(long ctx, long B, long KVH, long threads) {
+    const long wanted = (4 * threads + B * KVH - 1) / (B * KVH); /* parts a sequence for 4 tasks a thread */
+    long span = (ctx + wanted - 1) / wanted;
+    span = (span + 15) / 16 * 16; /* whole blocks: weighted_rows walks a part's blocks from its first */
+    return span < 64 ? 64 : span > DECODE_SPAN ? DECODE_SPAN : span;
+}
+
+static inline long decode_parts(long ctx, long span) { return ctx > span ? (ctx + span - 1) / span : 1; }
 
 static inline __attribute__((always_inline)) int decode_part(const int KV, long b, long kvh, long first, long end,
                                                              const float *q, const void *k_cache,
@@ -40,30 +50,35 @@ int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, in
                     int64_t D, int64_t max_blocks, int64_t num_blocks, float scale, float *out) {
     if (B < 0 || KVH <= 0 || H % KVH || D <= 0 || D % 8 || kv_dtype < LP_KV_F32 || kv_dtype > LP_KV_F16)
         return LP_BAD_ARGUMENT;
+    const long threads = omp_get_max_threads();
     long parts = 0;
-    for (long b = 0; b < B; b++) parts += decode_parts(context_lens[b]);
-    /* part p's sequence, its first key, and where its unnormalised rows and stats go (split sequences only) */
+    for (long b = 0; b < B; b++) parts += decode_parts(context_lens[b], decode_span(context_lens[b], B, KVH, threads));
+    /* each part's sequence and keys; where a split sequence's unnormalised rows and stats go */
     long *part_seq = malloc(parts * sizeof(long)), *part_first = malloc(parts * sizeof(long));
+    long *part_end = malloc(parts * sizeof(long));
     float *partial = parts > B ? malloc(parts * H * (D + 2) * sizeof(float)) : NULL;
     char *failed = calloc(B ? B : 1, 1); /* sequences a part of which was not computed: not combined */
-    if (!part_seq || !part_first || (parts > B && !partial) || !failed) {
-        free(part_seq), free(part_first), free(partial), free(failed);
+    if (!part_seq || !part_first || !part_end || (parts > B && !partial) || !failed) {
+        free(part_seq), free(part_first), free(part_end), free(partial), free(failed);
         return LP_OUT_OF_MEMORY;
     }
-    for (long b = 0, p = 0; b < B; b++)
-        for (long i = 0; i < decode_parts(context_lens[b]); i++, p++)
-            part_seq[p] = b, part_first[p] = i * DECODE_SPAN;
+    for (long b = 0, p = 0; b < B; b++) {
+        const long ctx = context_lens[b], span = decode_span(ctx, B, KVH, threads), n = decode_parts(ctx, span);
+        for (long i = 0; i < n; i++, p++) {
+            part_seq[p] = b, part_first[p] = i * span;
+            part_end[p] = n == 1 || (i + 1) * span > ctx ? ctx : (i + 1) * span;
+        }
+    }
     float *partial_stats = partial ? partial + parts * H * D : NULL;
     int status = LP_OK;
 #pragma omp parallel for schedule(dynamic)
     for (long task = 0; task < parts * KVH; task++) {
-        const long p = task / KVH, b = part_seq[p], kvh = task % KVH, ctx = context_lens[b], head = kvh * (H / KVH);
-        const int split = decode_parts(ctx) > 1;
-        const long first = part_first[p], end = split && first + DECODE_SPAN < ctx ? first + DECODE_SPAN : ctx;
+        const long p = task / KVH, b = part_seq[p], kvh = task % KVH, head = kvh * (H / KVH);
+        const int split = part_first[p] > 0 || part_end[p] < context_lens[b];
         float *o_rows = split ? partial + (p * H + head) * D : out + (b * H + head) * D;
         float *stats = split ? partial_stats + (p * H + head) * 2 : NULL;
-        const int s = decode_part(kv_dtype, b, kvh, first, end, q, k_cache, v_cache, block_tables, context_lens, H,
-                                  KVH, D, max_blocks, num_blocks, scale, o_rows, stats);
+        const int s = decode_part(kv_dtype, b, kvh, part_first[p], part_end[p], q, k_cache, v_cache, block_tables,
+                                  context_lens, H, KVH, D, max_blocks, num_blocks, scale, o_rows, stats);
         if (s != LP_OK) {
 #pragma omp atomic write
             failed[b] = 1;
@@ -71,10 +86,11 @@ int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, in
             status = s;
         }
     }
-    if (partial)
-        for (long b = 0, p = 0; b < B; p += decode_parts(context_lens[b]), b++) {
-            const long n = decode_parts(context_lens[b]);
-            if (n == 1 || failed[b]) continue;
+    for (long p = 0; partial && p < parts;) { /* each split sequence's parts, combined */
+        const long b = part_seq[p];
+        long n = 1;
+        while (p + n < parts && part_seq[p + n] == b) n++;
+        if (n > 1 && !failed[b])
             for (long h = 0; h < H; h++) {
                 float top = -INFINITY, total = 0.0f;
                 for (long i = 0; i < n; i++) top = fmaxf(top, partial_stats[((p + i) * H + h) * 2]);
@@ -88,8 +104,9 @@ int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, in
                 }
                 for (long d = 0; d < D; d++) o[d] /= total;
             }
-        }
-    free(part_seq), free(part_first), free(partial), free(failed);
+        p += n;
+    }
+    free(part_seq), free(part_first), free(part_end), free(partial), free(failed);
     return status;
 }
 
