@@ -51,34 +51,38 @@ int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, in
     if (B < 0 || KVH <= 0 || H % KVH || D <= 0 || D % 8 || kv_dtype < LP_KV_F32 || kv_dtype > LP_KV_F16)
         return LP_BAD_ARGUMENT;
     const long threads = omp_get_max_threads();
-    long parts = 0;
-    for (long b = 0; b < B; b++) parts += decode_parts(context_lens[b], decode_span(context_lens[b], B, KVH, threads));
-    /* each part's sequence and keys; where a split sequence's unnormalised rows and stats go */
-    long *part_seq = malloc(parts * sizeof(long)), *part_first = malloc(parts * sizeof(long));
-    long *part_end = malloc(parts * sizeof(long));
-    float *partial = parts > B ? malloc(parts * H * (D + 2) * sizeof(float)) : NULL;
-    char *failed = calloc(B ? B : 1, 1); /* sequences a part of which was not computed: not combined */
-    if (!part_seq || !part_first || !part_end || (parts > B && !partial) || !failed) {
-        free(part_seq), free(part_first), free(part_end), free(partial), free(failed);
+    /* sequence b's parts are first_part[b] .. first_part[b + 1] - 1, of span[b] keys each (its last, fewer) */
+    long *first_part = malloc((B + 1) * sizeof(long)), *span = malloc((B ? B : 1) * sizeof(long));
+    if (!first_part || !span) {
+        free(first_part), free(span);
         return LP_OUT_OF_MEMORY;
     }
-    for (long b = 0, p = 0; b < B; b++) {
-        const long ctx = context_lens[b], span = decode_span(ctx, B, KVH, threads), n = decode_parts(ctx, span);
-        for (long i = 0; i < n; i++, p++) {
-            part_seq[p] = b, part_first[p] = i * span;
-            part_end[p] = n == 1 || (i + 1) * span > ctx ? ctx : (i + 1) * span;
-        }
+    first_part[0] = 0;
+    for (long b = 0; b < B; b++) {
+        span[b] = decode_span(context_lens[b], B, KVH, threads);
+        first_part[b + 1] = first_part[b] + decode_parts(context_lens[b], span[b]);
     }
+    const long parts = first_part[B];
+    long *part_seq = malloc(parts * sizeof(long)); /* each part's sequence */
+    float *partial = parts > B ? malloc(parts * H * (D + 2) * sizeof(float)) : NULL; /* split sequences' rows, stats */
+    char *failed = calloc(B ? B : 1, 1); /* sequences a part of which was not computed: not combined */
+    if (!part_seq || (parts > B && !partial) || !failed) {
+        free(first_part), free(span), free(part_seq), free(partial), free(failed);
+        return LP_OUT_OF_MEMORY;
+    }
+    for (long b = 0; b < B; b++)
+        for (long p = first_part[b]; p < first_part[b + 1]; p++) part_seq[p] = b;
     float *partial_stats = partial ? partial + parts * H * D : NULL;
     int status = LP_OK;
 #pragma omp parallel for schedule(dynamic)
     for (long task = 0; task < parts * KVH; task++) {
-        const long p = task / KVH, b = part_seq[p], kvh = task % KVH, head = kvh * (H / KVH);
-        const int split = part_first[p] > 0 || part_end[p] < context_lens[b];
+        const long p = task / KVH, b = part_seq[p], kvh = task % KVH, head = kvh * (H / KVH), ctx = context_lens[b];
+        const long first = (p - first_part[b]) * span[b], end = first + span[b] < ctx ? first + span[b] : ctx;
+        const int split = first_part[b + 1] - first_part[b] > 1;
         float *o_rows = split ? partial + (p * H + head) * D : out + (b * H + head) * D;
         float *stats = split ? partial_stats + (p * H + head) * 2 : NULL;
-        const int s = decode_part(kv_dtype, b, kvh, part_first[p], part_end[p], q, k_cache, v_cache, block_tables,
-                                  context_lens, H, KVH, D, max_blocks, num_blocks, scale, o_rows, stats);
+        const int s = decode_part(kv_dtype, b, kvh, first, end, q, k_cache, v_cache, block_tables, context_lens, H,
+                                  KVH, D, max_blocks, num_blocks, scale, o_rows, stats);
         if (s != LP_OK) {
 #pragma omp atomic write
             failed[b] = 1;
@@ -86,27 +90,24 @@ int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, in
             status = s;
         }
     }
-    for (long p = 0; partial && p < parts;) { /* each split sequence's parts, combined */
-        const long b = part_seq[p];
-        long n = 1;
-        while (p + n < parts && part_seq[p + n] == b) n++;
-        if (n > 1 && !failed[b])
-            for (long h = 0; h < H; h++) {
-                float top = -INFINITY, total = 0.0f;
-                for (long i = 0; i < n; i++) top = fmaxf(top, partial_stats[((p + i) * H + h) * 2]);
-                float *o = out + (b * H + h) * D;
-                for (long d = 0; d < D; d++) o[d] = 0.0f;
-                for (long i = 0; i < n; i++) {
-                    const float *st = partial_stats + ((p + i) * H + h) * 2, *part = partial + ((p + i) * H + h) * D;
-                    const float weight = expf(st[0] - top);
-                    total += weight * st[1];
-                    for (long d = 0; d < D; d++) o[d] += weight * part[d];
-                }
-                for (long d = 0; d < D; d++) o[d] /= total;
+    for (long b = 0; b < B; b++) { /* each split sequence's parts, combined */
+        const long p = first_part[b], n = first_part[b + 1] - p;
+        if (n == 1 || failed[b]) continue;
+        for (long h = 0; h < H; h++) {
+            float top = -INFINITY, total = 0.0f;
+            for (long i = 0; i < n; i++) top = fmaxf(top, partial_stats[((p + i) * H + h) * 2]);
+            float *o = out + (b * H + h) * D;
+            for (long d = 0; d < D; d++) o[d] = 0.0f;
+            for (long i = 0; i < n; i++) {
+                const float *st = partial_stats + ((p + i) * H + h) * 2, *part = partial + ((p + i) * H + h) * D;
+                const float weight = expf(st[0] - top);
+                total += weight * st[1];
+                for (long d = 0; d < D; d++) o[d] += weight * part[d];
             }
-        p += n;
+            for (long d = 0; d < D; d++) o[d] /= total;
+        }
     }
-    free(part_seq), free(part_first), free(part_end), free(partial), free(failed);
+    free(first_part), free(span), free(part_seq), free(partial), free(failed);
     return status;
 }
 
@@ -213,10 +214,10 @@ static inline __attribute__((always_inline)) int prefill_task(
     for (long i = 0; i < R * width; i++) acc[i] = 0.0f;
     const long stride = KVH * D;
     const int in_place = KV == LP_KV_F32 && width == D; /* an fp32 cache's rows are read where they lie */
+    const long kv_stride = in_place ? stride : width;
     for (long k0 = 0; k0 < end; k0 += PREFILL_KEYS) {
         const long n = end - k0 < PREFILL_KEYS ? end - k0 : PREFILL_KEYS;
         const float *k[PREFILL_KEYS / 16], *v[PREFILL_KEYS / 16];
-        const long kv_stride = in_place ? stride : width;
         for (long j0 = 0; j0 < n; j0 += 16) { /* the step's blocks */
             const long nb = n - j0 < 16 ? n - j0 : 16, row0 = (long)table[(k0 + j0) / 16] * 16 * stride + kvh * D;
             if (in_place) {
