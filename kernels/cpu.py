@@ -338,7 +338,7 @@ def pack_blocks(
     """Reorder ``q`` [N, K] int8 and ``scale``/``minimum`` [N, K/G] (G in GROUPS) into tiles of 16 rows (padded with zeros).
 
     q is stored in as few bits as its range needs (shifted to start at 0): 4 for Q4_*'s 16 values (two
-    rows share a byte: row j's in the low half, row j+8's in the high), 5 for Q5_*'s 32 (the same
+    columns share a byte: a row's value in column k in the low half, in column k+1 in the high), 5 for Q5_*'s 32 (the same
     nibbles and a plane of high bits), else 8. A Q5_0 weight then costs 0.75 bytes with its scale
     instead of 1.25 as int8 with a scale and a zero min: decode reads every weight once per step.
     ``int8_activations`` packs for ``qgemm`` with X in int8 (cpu_qgemm_int8.c's quads), in 4 bits or else 8

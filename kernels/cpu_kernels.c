@@ -14,8 +14,9 @@
  * Packed layout (see kernels/cpu.py pack_blocks): for tile t of 16 rows, j = row within the tile,
  * k = column, q = stored value - offset (one integer per weight; Q4_0's -8..7 are stored as 0..15):
  *   8 bits: q[t][k][j] int8
- *   4 bits: q[t][k][j] for j < 8, a byte holding row j in its low four bits and row j + 8 in its high four
- *   5 bits: those K * 8 bytes, then K 16-bit words: bit j of word k is bit 4 of row j's value
+ *   4 bits: q[t][k/2][j] for even k, a byte holding row j's value in column k in its low four bits and in
+ *           column k + 1 in its high four (a tile column's 16 values in 8 bytes, read two columns at a time)
+ *   5 bits: those K * 8 bytes, then K 16-bit words: bit j of word k is bit 4 of row j's value in column k
  *   scale[t][k/G][j] fp32,  min[t][k/G][j] fp32     (G: the group, 32 or 16; min NULL where every min is 0:
  *                                                    Q4_0, Q5_0, Q8_0, Q6_K, whose weights are scale * q alone)
  *
@@ -35,35 +36,39 @@ int lp_abi_version(void) { return LP_ABI_VERSION; }
 static __thread float *panel = NULL; /* one per OpenMP thread, grown to the widest K seen */
 static __thread long panel_floats = 0;
 
-/* Column k of a tile: its 16 q values as two vectors of 8 floats (rows 0-7 and 8-15). 4-bit values with no
- * offset (Q4_1, Q4_K: 0..15) widen straight from their nibbles. Otherwise the 16 values are first put together
- * as bytes (nibbles side by side, the fifth bits spread by a byte shuffle, the offset taken off), then widened
- * the same way for every width. The 4-bit shortcut measured 84 -> 68 us on the default model's down_proj (1 row
- * x 1536 -> 576, Q4_1, one thread): the generic path's unpack and sign-widening cost that much per column. */
-static inline __attribute__((always_inline)) void load_column(
-    const int BITS, const int HAS_OFFSET, const int8_t *q, long K, long k, __m128i offset, __m256 *lo, __m256 *hi) {
-    if (BITS == 4 && !HAS_OFFSET) {
-        const __m128i b = _mm_loadl_epi64((const __m128i *)(q + k * TILE / 2)), low4 = _mm_set1_epi8(0x0F);
-        *lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, low4)));
-        *hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)));
-        return;
-    }
-    __m128i v;
+/* Columns k and k + 1 of a tile (k even): their 16 q values each as two vectors of 8 floats (rows 0-7 and 8-15),
+ * w[c][0] and w[c][1] for column k + c. 4-bit values with no offset (Q4_1, Q4_K: 0..15) widen straight from their
+ * nibbles. Otherwise each column's 16 values are first put together as bytes (the fifth bits spread by a byte
+ * shuffle, the offset taken off), then widened the same way for every width. The 4-bit shortcut measured 84 -> 68
+ * us on the default model's down_proj (1 row x 1536 -> 576, Q4_1, one thread): the generic path's unpack and
+ * sign-widening cost that much per column. */
+static inline __attribute__((always_inline)) void load_columns(
+    const int BITS, const int HAS_OFFSET, const int8_t *q, long K, long k, __m128i offset, __m256 w[2][2]) {
+    __m128i v[2];
     if (BITS == 8) {
-        v = _mm_loadu_si128((const __m128i *)(q + k * TILE));
+        for (int c = 0; c < 2; c++) v[c] = _mm_loadu_si128((const __m128i *)(q + (k + c) * TILE));
     } else {
-        const __m128i b = _mm_loadl_epi64((const __m128i *)(q + k * TILE / 2)), low4 = _mm_set1_epi8(0x0F);
-        v = _mm_unpacklo_epi64(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4)); /* rows 0-15 */
-        if (BITS == 5) {
-            const __m128i word = _mm_set1_epi16(((const int16_t *)(q + K * TILE / 2))[k]);
+        const __m128i b = _mm_loadu_si128((const __m128i *)(q + k * TILE / 2)), low4 = _mm_set1_epi8(0x0F);
+        v[0] = _mm_and_si128(b, low4), v[1] = _mm_and_si128(_mm_srli_epi16(b, 4), low4); /* rows 0-15 */
+        if (BITS == 4 && !HAS_OFFSET) {
+            for (int c = 0; c < 2; c++) {
+                w[c][0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v[c]));
+                w[c][1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v[c], 8)));
+            }
+            return;
+        }
+        for (int c = 0; c < 2 && BITS == 5; c++) {
+            const __m128i word = _mm_set1_epi16(((const int16_t *)(q + K * TILE / 2))[k + c]);
             const __m128i spread = _mm_shuffle_epi8(word, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
             const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-            v = _mm_or_si128(v, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(16)));
+            v[c] = _mm_or_si128(v[c], _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(16)));
         }
-        if (HAS_OFFSET) v = _mm_sub_epi8(v, offset);
+        for (int c = 0; c < 2 && HAS_OFFSET; c++) v[c] = _mm_sub_epi8(v[c], offset);
     }
-    *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-    *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+    for (int c = 0; c < 2; c++) {
+        w[c][0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v[c]));
+        w[c][1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v[c], 8)));
+    }
 }
 
 static inline __attribute__((always_inline)) void expand_panel(
@@ -73,13 +78,15 @@ static inline __attribute__((always_inline)) void expand_panel(
         __m256 s0 = _mm256_loadu_ps(scale + kb * TILE), s1 = _mm256_loadu_ps(scale + kb * TILE + 8);
         __m256 m0 = _mm256_setzero_ps(), m1 = m0;
         if (HAS_MIN) m0 = _mm256_loadu_ps(min + kb * TILE), m1 = _mm256_loadu_ps(min + kb * TILE + 8);
-        for (long k = kb * GROUP; k < (kb + 1) * GROUP; k++) {
-            __m256 q0, q1;
-            load_column(BITS, HAS_OFFSET, q, K, k, offset, &q0, &q1);
-            __m256 w0 = _mm256_mul_ps(s0, q0), w1 = _mm256_mul_ps(s1, q1);
-            if (HAS_MIN) w0 = _mm256_add_ps(w0, m0), w1 = _mm256_add_ps(w1, m1);
-            _mm256_store_ps(P + k * TILE, w0);
-            _mm256_store_ps(P + k * TILE + 8, w1);
+        for (long k = kb * GROUP; k < (kb + 1) * GROUP; k += 2) {
+            __m256 qc[2][2];
+            load_columns(BITS, HAS_OFFSET, q, K, k, offset, qc);
+            for (int c = 0; c < 2; c++) {
+                __m256 w0 = _mm256_mul_ps(s0, qc[c][0]), w1 = _mm256_mul_ps(s1, qc[c][1]);
+                if (HAS_MIN) w0 = _mm256_add_ps(w0, m0), w1 = _mm256_add_ps(w1, m1);
+                _mm256_store_ps(P + (k + c) * TILE, w0);
+                _mm256_store_ps(P + (k + c) * TILE + 8, w1);
+            }
         }
     }
 }
@@ -129,14 +136,15 @@ static inline __attribute__((always_inline)) void rows_times_tile(
     for (long kb = 0; kb < K / GROUP; kb++) {
         __m256 g0[4], g1[4]; /* each row's sum of x q over the group */
         for (int i = 0; i < R; i++) g0[i] = g1[i] = _mm256_setzero_ps();
-        for (long k = kb * GROUP; k < (kb + 1) * GROUP; k++) {
-            __m256 q0, q1;
-            load_column(BITS, HAS_OFFSET, q, K, k, offset, &q0, &q1);
-            for (int i = 0; i < R; i++) {
-                const __m256 x = _mm256_broadcast_ss(X + i * K + k);
-                g0[i] = _mm256_fmadd_ps(x, q0, g0[i]);
-                g1[i] = _mm256_fmadd_ps(x, q1, g1[i]);
-            }
+        for (long k = kb * GROUP; k < (kb + 1) * GROUP; k += 2) {
+            __m256 qc[2][2];
+            load_columns(BITS, HAS_OFFSET, q, K, k, offset, qc);
+            for (int c = 0; c < 2; c++)
+                for (int i = 0; i < R; i++) {
+                    const __m256 x = _mm256_broadcast_ss(X + i * K + k + c);
+                    g0[i] = _mm256_fmadd_ps(x, qc[c][0], g0[i]);
+                    g1[i] = _mm256_fmadd_ps(x, qc[c][1], g1[i]);
+                }
         }
         const __m256 s0 = _mm256_loadu_ps(scale + kb * TILE), s1 = _mm256_loadu_ps(scale + kb * TILE + 8);
         for (int i = 0; i < R; i++) {
