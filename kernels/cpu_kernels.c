@@ -299,17 +299,15 @@ static inline __attribute__((always_inline)) void weighted_rows(const int KV, co
 static __thread float *scores = NULL; /* [G, context] per OpenMP thread */
 static __thread long scores_floats = 0;
 
-/* Sequence b's G = H / KVH query heads of KV head kvh over its keys first .. end - 1 (see lp_paged_decode in
- * cpu_kv_dispatch.h), into o_rows [G][D]: normalised where stats is NULL, else unnormalised with each head's max
- * score and sum of weights in stats [G][2]. LP_OK, or the status saying why nothing was written. KV is a constant
- * after inlining. */
-static inline __attribute__((always_inline)) int decode_task(
-    const int KV, long b, long kvh, long first, long end, const float *q, const void *k_cache, const void *v_cache,
-    const int32_t *block_tables, const int32_t *context_lens, long H, long KVH, long D, long max_blocks,
-    long num_blocks, float scale, float *o_rows, float *stats) {
-    const long G = H / KVH, BS = 16, ctx = context_lens[b], n = end - first;
-    const int32_t *table = block_tables + b * max_blocks;
-    if (!context_fits(table, ctx, max_blocks, num_blocks)) return LP_BAD_INDEX;
+/* Sequence b's G = H / KVH query heads of KV head kvh over its keys first .. end - 1, through its block table row
+ * (checked by the caller, see lp_paged_decode in cpu_kv_dispatch.h), into o_rows [G][D]: normalised where stats is
+ * NULL, else unnormalised with each head's max score and sum of weights in stats [G][2]. LP_OK, or LP_OUT_OF_MEMORY
+ * with nothing written. KV is a constant after inlining. */
+static inline __attribute__((always_inline)) int decode_task(const int KV, long b, long kvh, long first, long end,
+                                                             const float *q, const void *k_cache, const void *v_cache,
+                                                             const int32_t *table, long H, long KVH, long D,
+                                                             float scale, float *o_rows, float *stats) {
+    const long G = H / KVH, BS = 16, n = end - first;
     if (scores_floats < G * n) {
         free(scores);
         scores = malloc(G * n * sizeof(float));

@@ -369,12 +369,9 @@ static __thread long scores_floats = 0;
 /* Sequence b's G = H / KVH query heads of KV head kvh over its keys first .. end - 1, as decode_task in
  * cpu_kernels.c. */
 static ALWAYS_INLINE int decode_task(const int KV, long b, long kvh, long first, long end, const float *q,
-                                     const void *k_cache, const void *v_cache, const int32_t *block_tables,
-                                     const int32_t *context_lens, long H, long KVH, long D, long max_blocks,
-                                     long num_blocks, float scale, float *o_rows, float *stats) {
-    const long G = H / KVH, BS = 16, ctx = context_lens[b], n = end - first;
-    const int32_t *table = block_tables + b * max_blocks;
-    if (!context_fits(table, ctx, max_blocks, num_blocks)) return LP_BAD_INDEX;
+                                     const void *k_cache, const void *v_cache, const int32_t *table, long H, long KVH,
+                                     long D, float scale, float *o_rows, float *stats) {
+    const long G = H / KVH, BS = 16, n = end - first;
     if (scores_floats < G * n) {
         free(scores);
         scores = malloc(G * n * sizeof(float));

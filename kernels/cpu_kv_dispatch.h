@@ -1,7 +1,7 @@
 /* lp_paged_decode, lp_paged_prefill and lp_rope_write_kv, the same for every path: cpu_kernels.c and
- * cpu_kernels_portable.c each define decode_task(KV, b, kvh, first, end, q, k_cache, v_cache, block_tables,
- * context_lens, H, KVH, D, max_blocks, num_blocks, scale, o_rows, stats), the work of one (sequence, KV head) over
- * keys first .. end - 1, rope_write_row(KV, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out), one
+ * cpu_kernels_portable.c each define decode_task(KV, b, kvh, first, end, q, k_cache, v_cache, table, H, KVH, D,
+ * scale, o_rows, stats), the work of one (sequence, KV head) over keys first .. end - 1 through its block table row
+ * (checked here first), rope_write_row(KV, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out), one
  * token's, and the steps of a prefill tile (see prefill_task below), each inlined for KV a constant LP_KV_* type,
  * then include this file once. */
 
@@ -22,20 +22,37 @@ static inline long decode_span(long ctx, long B, long KVH, long threads) {
 
 static inline long decode_parts(long ctx, long span) { return ctx > span ? (ctx + span - 1) / span : 1; }
 
+/* Asks for the K and V rows of keys first .. end - 1 of KV head kvh (each D values of size bytes) to be brought
+ * into this core's L2. A decode step's KV comes from memory (the layer's weights, streamed in between, push it out of
+ * every cache), its rows 16 at a time from blocks anywhere in the pool, and without this each part waited out one
+ * miss after another: the paged decode of one chat (3 KV heads, ~200 keys, fp16) took 46 us a layer inside a decode
+ * step against 11 us with its KV already in cache; with this, 36 us, and one short chat's decode 130.6 -> 137.1
+ * tok/s (medians of 8 runs, with and without, alternating in one process). */
+static inline void prefetch_rows(const void *k_cache, const void *v_cache, long size, const int32_t *table, long first,
+                                 long end, long kvh, long KVH, long D) {
+    for (long j = first; j < end; j++) {
+        const long row = (((long)table[j / 16] * 16 + j % 16) * KVH + kvh) * D * size;
+        for (long byte = 0; byte < D * size; byte += 64) {
+            __builtin_prefetch((const char *)k_cache + row + byte, 0, 2);
+            __builtin_prefetch((const char *)v_cache + row + byte, 0, 2);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) int decode_part(const int KV, long b, long kvh, long first, long end,
                                                              const float *q, const void *k_cache,
                                                              const void *v_cache, const int32_t *block_tables,
                                                              const int32_t *context_lens, long H, long KVH, long D,
                                                              long max_blocks, long num_blocks, float scale,
                                                              float *o_rows, float *stats) {
+    const int32_t *table = block_tables + b * max_blocks;
+    if (!context_fits(table, context_lens[b], max_blocks, num_blocks)) return LP_BAD_INDEX;
+    prefetch_rows(k_cache, v_cache, KV == LP_KV_F32 ? 4 : 2, table, first, end, kvh, KVH, D);
     if (KV == LP_KV_BF16)
-        return decode_task(LP_KV_BF16, b, kvh, first, end, q, k_cache, v_cache, block_tables, context_lens, H, KVH,
-                           D, max_blocks, num_blocks, scale, o_rows, stats);
+        return decode_task(LP_KV_BF16, b, kvh, first, end, q, k_cache, v_cache, table, H, KVH, D, scale, o_rows, stats);
     if (KV == LP_KV_F16)
-        return decode_task(LP_KV_F16, b, kvh, first, end, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D,
-                           max_blocks, num_blocks, scale, o_rows, stats);
-    return decode_task(LP_KV_F32, b, kvh, first, end, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D,
-                       max_blocks, num_blocks, scale, o_rows, stats);
+        return decode_task(LP_KV_F16, b, kvh, first, end, q, k_cache, v_cache, table, H, KVH, D, scale, o_rows, stats);
+    return decode_task(LP_KV_F32, b, kvh, first, end, q, k_cache, v_cache, table, H, KVH, D, scale, o_rows, stats);
 }
 
 /* One query per sequence over its paged context: q [B, H, D] fp32, caches [num_blocks, 16, KVH, D] of kv_dtype
