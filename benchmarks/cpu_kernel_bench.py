@@ -135,11 +135,13 @@ def cases(context: int) -> dict[str, Callable[[], object]]:
         q = torch.randint(*q_range, (n, k), generator=gen, dtype=torch.int8)
         scale = torch.rand(n, k // 32, generator=gen) * 0.02
         minimum = -torch.rand(n, k // 32, generator=gen) * 0.1 if q_range[0] == 0 else torch.zeros(n, k // 32)
-        for int8 in (False, True):
-            packed = cpu.pack_blocks(q, scale, minimum, int8_activations=int8)
+        for activations in cpu.ACTIVATIONS:
+            packed = cpu.pack_blocks(q, scale, minimum, activations)
             for m in (1, 16):
                 x = torch.randn(m, k, generator=gen)
-                label = f"qgemm {name}, {m} row{'s' * (m > 1)}{', int8 x' if int8 else ''}"
+                label = f"qgemm {name}, {m} row{'s' * (m > 1)}" + (
+                    "" if activations == "float32" else f", {activations} x"
+                )
                 calls[label] = lambda x=x, packed=packed: cpu.qgemm(x, packed)
     heads, kv_heads, d = 9, 3, 64
     for b in (1, 16):

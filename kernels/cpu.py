@@ -44,11 +44,14 @@ from localpaged.errors import ConfigError, KernelArgumentError, KernelError
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
-ABI_VERSION = 4  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
+ABI_VERSION = 5  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
 BITS = (4, 5, 8)  # packed widths of q (pack_blocks)
+# How a packed weight's input rows are taken, in cpu_kernels.h's LP_ACT_* order: as they are (the exact path),
+# rounded to int16 or to int8 per run (cpu_qgemm_int16.c, cpu_qgemm_int8.c).
+ACTIVATIONS = ("float32", "int16", "int8")
 # Statuses the kernels return (cpu_kernels.h's LP_* codes); any other is LP_BAD_ARGUMENT, sizes refused.
 OK, OUT_OF_MEMORY, BAD_INDEX = 0, 1, 2
 POINTER, SIZE, INT, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -287,13 +290,15 @@ class PackedBlocks:
     scale: torch.Tensor  # float32 [tiles, K/G, 16]
     minimum: torch.Tensor | None  # None where every min is 0 (Q4_0, Q5_0, Q8_0, Q6_K): nothing to read or add
     rows: int  # the weight's rows before padding to whole tiles
-    bits: int  # 8 (int8 as is), 4 or 5 (unsigned, stored as q + offset); int8_activations: 4 or 8, unsigned
+    bits: int  # 8 (int8 as is), 4 or 5 (unsigned, stored as q + offset); for int8 activations: 4 or 8, unsigned
     offset: int
     group: int  # weights per scale/min run: one of GROUPS
-    int8_activations: bool = False  # packed in quads for qgemm_int8 (cpu_qgemm_int8.c), else for the float32 kernel
+    activations: str = "float32"  # one of ACTIVATIONS; "int8" is packed in quads (cpu_qgemm_int8.c)
 
     def __post_init__(self) -> None:
-        widths = (4, 8) if self.int8_activations else BITS  # lp_pack_quads stores 5-bit values in 8 bits
+        if self.activations not in ACTIVATIONS:
+            raise KernelArgumentError(f"packed weights for {self.activations!r} activations: need one of {ACTIVATIONS}")
+        widths = (4, 8) if self.activations == "int8" else BITS  # lp_pack_quads stores 5-bit values in 8 bits
         if self.bits not in widths or self.group not in GROUPS:
             raise KernelArgumentError(
                 f"packed weights of {self.bits} bits in groups of {self.group}: need {widths}, {GROUPS}"
@@ -327,13 +332,13 @@ _lp_pack_q = Kernel("lp_pack_q", [POINTER, SIZE, SIZE, INT, INT, POINTER])
 _lp_pack_quads = Kernel("lp_pack_quads", [POINTER, SIZE, SIZE, INT, INT, POINTER])
 
 
-def int8_is_fast() -> bool:
-    """Whether ``qgemm`` of weights packed for int8 activations runs the VNNI kernel here (else plain C: slow)."""
+def vnni_is_fast() -> bool:
+    """Whether ``qgemm`` with int16 or int8 activations runs a VNNI kernel here (else plain C: slow)."""
     return library() is not None and cpu_isa.VNNI_FLAGS <= cpu_isa.cpu_flags()
 
 
 def pack_blocks(
-    q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, int8_activations: bool = False
+    q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, activations: str = "float32"
 ) -> PackedBlocks:
     """Reorder ``q`` [N, K] int8 and ``scale``/``minimum`` [N, K/G] (G in GROUPS) into tiles of 16 rows (padded with zeros).
 
@@ -341,8 +346,8 @@ def pack_blocks(
     columns share a byte: a row's value in column k in the low half, in column k+1 in the high), 5 for Q5_*'s 32 (the same
     nibbles and a plane of high bits), else 8. A Q5_0 weight then costs 0.75 bytes with its scale
     instead of 1.25 as int8 with a scale and a zero min: decode reads every weight once per step.
-    ``int8_activations`` packs for ``qgemm`` with X in int8 (cpu_qgemm_int8.c's quads), in 4 bits or else 8
-    (5-bit values too), every value shifted to start at 0.
+    ``activations`` (one of ACTIVATIONS) says how ``qgemm`` takes X: float32 and int16 read this layout, int8
+    packs in cpu_qgemm_int8.c's quads, in 4 bits or else 8 (5-bit values too), every value shifted to start at 0.
     """
     _expect("q", q, torch.int8, 2)
     _expect("scale", scale, torch.float32, 2)
@@ -360,7 +365,7 @@ def pack_blocks(
         )
     low, high = (int(v) for v in torch.aminmax(q))
     offset = -min(low, 0)
-    if int8_activations:
+    if activations == "int8":
         bits = 4 if high + offset <= 15 else 8
     else:
         bits = 4 if high + offset <= 15 else 5 if high + offset <= 31 else 8
@@ -368,7 +373,7 @@ def pack_blocks(
     tiles = -(-n // TILE)
     q = q.contiguous()
     packed = torch.empty(tiles, k * 2 * bits, dtype=torch.uint8)
-    pack = _lp_pack_quads if int8_activations else _lp_pack_q
+    pack = _lp_pack_quads if activations == "int8" else _lp_pack_q
     pack(q.data_ptr(), n, k, bits, offset, packed.data_ptr())
 
     def tiled(t: torch.Tensor) -> torch.Tensor:  # [N, K/G] -> [tiles, K/G, 16], padded with zeros
@@ -376,17 +381,20 @@ def pack_blocks(
         return t.reshape(tiles, TILE, t.shape[1]).transpose(1, 2).contiguous()
 
     minimum = tiled(minimum) if bool(minimum.any()) else None
-    return PackedBlocks(packed, tiled(scale), minimum, n, bits, offset, group, int8_activations)
+    return PackedBlocks(packed, tiled(scale), minimum, n, bits, offset, group, activations)
 
 
 _lp_qgemm = Kernel("lp_qgemm", [POINTER, SIZE, SIZE, POINTER, POINTER, POINTER, SIZE, INT, INT, INT, POINTER])
+_lp_qgemm_int16 = Kernel("lp_qgemm_int16", _lp_qgemm.argtypes)
 _lp_qgemm_int8 = Kernel("lp_qgemm_int8", _lp_qgemm.argtypes)
+_QGEMM = {"float32": _lp_qgemm, "int16": _lp_qgemm_int16, "int8": _lp_qgemm_int8}  # by PackedBlocks.activations
 
 
 def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
     """``x`` [M, K] float32 times the packed weight's transpose: [M, rows]. ``x`` is copied if not contiguous.
 
-    A weight packed for int8 activations goes to lp_qgemm_int8, which rounds each run of x to int8 first."""
+    A weight packed for int16 or int8 activations goes to lp_qgemm_int16 or lp_qgemm_int8, which round each run of
+    x to that width first."""
     _expect("x", x, torch.float32, 2)
     if not isinstance(w, PackedBlocks):
         raise KernelArgumentError(f"w must be PackedBlocks (from pack_blocks), not {type(w).__name__}")
@@ -396,7 +404,7 @@ def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
         raise KernelArgumentError(f"x has {k} columns but the packed weight takes {w.cols} (x must be [M, {w.cols}])")
     padded = w.q.shape[0] * TILE
     out = torch.empty(m, padded)
-    (_lp_qgemm_int8 if w.int8_activations else _lp_qgemm)(
+    _QGEMM[w.activations](
         x.data_ptr(),
         m,
         k,
@@ -631,7 +639,7 @@ class Projection(ctypes.Structure):
         ("bits", ctypes.c_int32),
         ("offset", ctypes.c_int32),
         ("group", ctypes.c_int32),
-        ("int8_activations", ctypes.c_int32),
+        ("activations", ctypes.c_int32),  # LP_ACT_*: ACTIVATIONS' index
     ]
 
     @classmethod
@@ -640,7 +648,8 @@ class Projection(ctypes.Structure):
         if w.rows != w.q.shape[0] * TILE:
             raise KernelArgumentError(f"a packed weight of {w.rows} rows pads its last tile: need a multiple of {TILE}")
         minimum = w.minimum.data_ptr() if w.minimum is not None else None
-        return cls(w.q.data_ptr(), w.scale.data_ptr(), minimum, w.rows, w.bits, w.offset, w.group, w.int8_activations)
+        activations = ACTIVATIONS.index(w.activations)
+        return cls(w.q.data_ptr(), w.scale.data_ptr(), minimum, w.rows, w.bits, w.offset, w.group, activations)
 
 
 class DecoderLayer(ctypes.Structure):

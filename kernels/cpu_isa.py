@@ -32,7 +32,8 @@ KV_DISPATCH = HERE / "cpu_kv_dispatch.h"  # lp_paged_decode's and lp_rope_write_
 PACK = HERE / "cpu_pack.c"
 DECODE_STEP = HERE / "cpu_decode_step.c"  # lp_llama_decode: a decode step's layers over the path's own kernels
 QGEMM_INT8 = HERE / "cpu_qgemm_int8.c"  # lp_qgemm_int8: int8 activations, plain C and AVX-512 VNNI chosen at run time
-# What the CPU must report for lp_qgemm_int8 to run its VNNI kernel (the same test as the C file's own).
+QGEMM_INT16 = HERE / "cpu_qgemm_int16.c"  # lp_qgemm_int16: int16 activations, the same way
+# What the CPU must report for lp_qgemm_int8 and lp_qgemm_int16 to run their VNNI kernels (the C files' own test).
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx512vl", "avx512bw"})
 ENV = "LOCALPAGED_CPU_KERNELS"
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
@@ -43,7 +44,7 @@ class KernelPath:
     """One build of the kernels: its sources, its flags, and the x86 CPU flags it needs (none: any CPU)."""
 
     name: str
-    source: Path  # the kernels; PACK, DECODE_STEP, QGEMM_INT8 and the headers go into every build
+    source: Path  # the kernels; PACK, DECODE_STEP, QGEMM_INT8, QGEMM_INT16 and the headers go into every build
     flags: tuple[str, ...]
     cpu_flags: frozenset[str]
     includes: tuple[Path, ...] = ()  # other sources the kernels' file includes
@@ -56,7 +57,7 @@ class KernelPath:
     @property
     def sources(self) -> tuple[Path, ...]:
         """The C files compiled together."""
-        return (self.source, PACK, DECODE_STEP, QGEMM_INT8)
+        return (self.source, PACK, DECODE_STEP, QGEMM_INT8, QGEMM_INT16)
 
     @property
     def inputs(self) -> tuple[Path, ...]:

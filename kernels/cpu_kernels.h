@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define TILE 16 /* weight rows per packed tile */
-#define LP_ABI_VERSION 4
+#define LP_ABI_VERSION 5
 
 enum {
     LP_OK = 0,
@@ -35,6 +35,8 @@ int lp_qgemm(const float *X, int64_t M, int64_t K, const int8_t *q, const float 
 int lp_pack_q(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out);
 int lp_qgemm_int8(const float *X, int64_t M, int64_t K, const int8_t *q, const float *scale, const float *min,
                   int64_t N_padded, int bits, int offset, int group, float *Y);
+int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const float *scale, const float *min,
+                   int64_t N_padded, int bits, int offset, int group, float *Y);
 int lp_pack_quads(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out);
 int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                     const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH,
@@ -50,6 +52,11 @@ int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const
                      int64_t KVH, int64_t D, int64_t num_slots, void *k_cache, void *v_cache, int kv_dtype,
                      float *q_out);
 
+/* How a projection's input rows meet its weights: as they are (lp_qgemm, the exact path), rounded to int16 per run
+ * (lp_qgemm_int16, the same packed layout) or to int8 (lp_qgemm_int8, packed by lp_pack_quads). kernels/cpu.py's
+ * ACTIVATIONS lists them in this order. */
+enum { LP_ACT_F32 = 0, LP_ACT_INT16 = 1, LP_ACT_INT8 = 2 };
+
 /* A Llama model's decoder layers as lp_llama_decode (cpu_decode_step.c) runs them, prepared once by
  * engine/cpu_decode.py; kernels/cpu.py declares the same structures field for field. */
 typedef struct {
@@ -57,7 +64,7 @@ typedef struct {
     const float *scale, *min;
     int64_t rows; /* output features: whole tiles, no padding row */
     int32_t bits, offset, group;
-    int32_t int8_activations; /* 1: packed by lp_pack_quads, for lp_qgemm_int8; 0: by lp_pack_q, for lp_qgemm */
+    int32_t activations; /* LP_ACT_*: the kernel its inputs go through, and so how q was packed */
 } lp_projection;
 
 typedef struct {

@@ -35,9 +35,10 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None  # bytes for the block pool; None sizes it from free memory
     kv_cache_dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16": the KV pool's values (auto: float16
     # where the native CPU kernels run a float32 model, else the model's dtype; float32 is the exact path)
-    activations: str = "float32"  # GGUF blocks on the CPU kernels: each matmul's input rows as "float32" (the
-    # exact path) or rounded to "int8" per run of 32 as llama.cpp does (faster; needs AVX-512 VNNI; greedy
-    # output parts from the exact path's early: see the README)
+    activations: str = "auto"  # GGUF blocks on the CPU kernels: each matmul's input rows as "float32" (the exact
+    # path), rounded to "int16" per run of 32 (faster on AVX-512 VNNI; greedy output as the exact path's, see the
+    # README) or to "int8" as llama.cpp does (faster still; parts from the exact path early). auto: int16 where the
+    # CPU has AVX-512 VNNI, else float32
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # token budget per step; None picks one for the device
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
@@ -60,10 +61,10 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r}: use 'auto', 'float32' (the exact path), 'bfloat16' "
                 "or 'float16' (16 bits halve the KV cache's memory; attention still computes in float32)"
             )
-        if self.activations not in ("float32", "int8"):
+        if self.activations not in ("auto", "float32", "int16", "int8"):
             raise ConfigError(
-                f"activations={self.activations!r}: use 'float32' (the exact path) or 'int8' (faster on a GGUF's "
-                "blocks where the CPU has AVX-512 VNNI; each input row rounded to 8 bits)"
+                f"activations={self.activations!r}: use 'auto', 'float32' (the exact path), 'int16' or 'int8' "
+                "(faster on a GGUF's blocks where the CPU has AVX-512 VNNI; each input row rounded to 16 or 8 bits)"
             )
         if self.weights not in ("auto", "float"):
             raise ConfigError(
@@ -101,7 +102,7 @@ class EngineConfig:
             "dtype": ((str,), False, "text, e.g. 'float32'"),
             "weights": ((str,), False, "text, 'auto' or 'float'"),
             "kv_cache_dtype": ((str,), False, "text, e.g. 'bfloat16'"),
-            "activations": ((str,), False, "text, 'float32' or 'int8'"),
+            "activations": ((str,), False, "text, 'auto', 'float32', 'int16' or 'int8'"),
             "max_num_seqs": ((int,), False, "a whole number"),
             "max_num_batched_tokens": ((int,), True, "a whole number"),
             "max_model_len": ((int,), True, "a whole number"),

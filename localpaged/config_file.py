@@ -19,7 +19,7 @@ the built-in default, and :meth:`Settings.entries` says which, for ``localpaged 
     [engine]
     kv_cache_memory = "2GiB"
     kv_cache_dtype = "bfloat16"  # KV values in 16 bits: half the memory, faster with many long chats
-    activations = "int8"         # a GGUF's matmuls on int8 inputs, as llama.cpp: faster, not the exact path
+    activations = "float32"      # a GGUF's matmuls on the exact path's inputs (auto: int16 where the CPU has VNNI)
     max_num_seqs = 16
     max_model_len = 8192
     kv_disk = true               # keep KV blocks on disk, so chats resume warm after a restart
@@ -175,8 +175,8 @@ UNSET = {
     "sampling.max_tokens": "no limit: until the model stops or the context is full",
     "sampling.seed": "random",
     "engine.kv_cache_memory": "sized from free memory",
-    "engine.kv_cache_dtype": "auto: the model's dtype (float32 on the CPU, the exact path)",
-    "engine.activations": "float32: the exact path",
+    "engine.kv_cache_dtype": "auto: float16 where the native CPU kernels run, else the model's dtype",
+    "engine.activations": "auto: int16 where the CPU has AVX-512 VNNI, else float32 (the exact path)",
     "engine.max_num_seqs": "64",
     "engine.max_model_len": "the model's, at most 8192",
     "engine.kv_disk": "true: KV blocks are kept on disk across restarts",

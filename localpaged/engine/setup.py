@@ -91,29 +91,37 @@ def use_block_weights(config: EngineConfig, files, device: torch.device, dtype: 
     return config.weights == "auto" and files.gguf is not None and cpu.runs(device, dtype)
 
 
-def check_int8_activations(activations: str, blocks: bool) -> None:
-    """Refuse ``activations="int8"`` where it cannot pay: float weights, or a CPU without AVX-512 VNNI.
+def resolve_activations(activations: str, blocks: bool) -> str:
+    """What ``activations`` becomes for this model: "auto" is int16 on a GGUF's blocks where the CPU has AVX-512 VNNI,
+    else float32 (the exact path, and all a float model has); int16 and int8 are refused where they cannot pay.
 
-    int8 inputs (kernels/cpu_qgemm_int8.c) are opt-in, not the default: measured on the default model,
-    this project's Xeon, median of three alternating rounds, one chat decoded at 86.6 against 65.4 tok/s
-    and 16 sessions at 315.3 against 259.5; but over the parity prompts only 22.5% of greedy tokens
-    agreed with the exact path (28.5% with float16 KV). On one chat prompt the logits moved by an RMS of
-    1.2 (their standard deviation is ~4), 0.26 with the MLPs' down projections left in float32: their
-    inputs' outliers leave the rest of each run of 32 a few levels of 8 bits. llama.cpp rounds the same way.
-    Without VNNI the plain C kernel would run, slower than the float32 one.
+    int16 is the default where it runs: measured on the default model on this project's AMD EPYC (Zen 4, 2 threads),
+    16 sessions decoded at 506.9 against 403.9 tok/s with float32 inputs (median of 4 alternating rounds), and over
+    the parity prompts every greedy token agreed with the exact path's (float16 KV or float32). Rounding a run of 32
+    to 16 bits moves each value by under 2^-16 of the run's largest, less than a float16 KV cache's rounding.
+
+    int8 inputs (kernels/cpu_qgemm_int8.c) are opt-in: measured on the default model, this project's Xeon, median of
+    three alternating rounds, one chat decoded at 86.6 against 65.4 tok/s and 16 sessions at 315.3 against 259.5;
+    but over the parity prompts only 22.5% of greedy tokens agreed with the exact path (28.5% with float16 KV). On
+    one chat prompt the logits moved by an RMS of 1.2 (their standard deviation is ~4), 0.26 with the MLPs' down
+    projections left in float32: their inputs' outliers leave the rest of each run of 32 a few levels of 8 bits.
+    llama.cpp rounds the same way. Without VNNI the plain C kernels would run, slower than the float32 one.
     """
-    if activations != "int8":
-        return
+    if activations == "auto":
+        return "int16" if blocks and cpu.vnni_is_fast() else "float32"
+    if activations == "float32":
+        return activations
     if not blocks:
         raise ConfigError(
-            "activations='int8' applies to a GGUF's blocks on the native CPU kernels (weights='auto', dtype float32, "
-            "a CPU with a C compiler); this model runs float weights: use activations='float32'"
+            f"activations={activations!r} applies to a GGUF's blocks on the native CPU kernels (weights='auto', dtype "
+            "float32, a CPU with a C compiler); this model runs float weights: use activations='float32'"
         )
-    if not cpu.int8_is_fast():
+    if not cpu.vnni_is_fast():
         raise ConfigError(
-            "activations='int8' needs a CPU with AVX-512 VNNI (this one lacks it, and the plain C int8 kernel is "
+            f"activations={activations!r} needs a CPU with AVX-512 VNNI (this one lacks it, and the plain C kernel is "
             "slower than the float32 one): use activations='float32'"
         )
+    return activations
 
 
 def dequantized(tensor: torch.Tensor | BlockQuantized) -> torch.Tensor:
@@ -212,14 +220,14 @@ def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | 
     model = model.to_empty(device=device).to(dtype)
     model.rotary_emb.init_tables()
     blocks = use_block_weights(config, files, device, dtype)
-    check_int8_activations(config.activations, blocks)
+    config.activations = resolve_activations(config.activations, blocks)
     if files.gguf is None:
         config.weights = "float"
         model.load_hf_state_dict(load_state_dict(files.folder))
     else:
         weights = GGUFWeights(GGUFFile(files.gguf), model.hf_weight_names(), hf_config)
         if blocks:
-            model.load_hf_state_dict(swap_in_blocks(model, weights, config.activations == "int8"))
+            model.load_hf_state_dict(swap_in_blocks(model, weights, config.activations))
         else:  # float weights, or the GPU: dequantised from the file into the model's dtype on its device
             config.weights = "float"
             model.load_hf_state_dict({n: dequantized(weights.read(n)) for n in weights.names})

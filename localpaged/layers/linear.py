@@ -37,7 +37,8 @@ class BlockLinear(nn.Module):
     ``q`` ``[out, in]`` int8 with a ``scale`` and ``minimum`` per run of 32 or 16 weights, as a GGUF
     stores them: 0.75-1.5 bytes a weight instead of 4, and decode reads every weight once a step
     (``engine/setup.py``'s ``use_block_weights`` says when a model keeps its blocks, and what it bought).
-    With ``int8_activations`` each input row is rounded to int8 per run first (``check_int8_activations`` there).
+    ``activations`` (kernels/cpu.py's ACTIVATIONS) says how input rows meet the weights: as they are, or rounded
+    to int16 or int8 per run first (``resolve_activations`` there says which a model gets, and why).
     """
 
     def __init__(
@@ -46,11 +47,11 @@ class BlockLinear(nn.Module):
         scale: torch.Tensor,
         minimum: torch.Tensor,
         bias: nn.Parameter | None,
-        int8_activations: bool = False,
+        activations: str = "float32",
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.packed = cpu.pack_blocks(q, scale, minimum, int8_activations)
+        self.packed = cpu.pack_blocks(q, scale, minimum, activations)
         for name in ("q", "scale", "minimum"):  # registered too, so the model's memory counts them
             self.register_buffer(name, getattr(self.packed, name))
         self.bias = bias

@@ -34,7 +34,7 @@ class BlockEmbedding(nn.Module):
         return unpack(self.rows[ids.numpy()], self.kind).dequantize()
 
 
-def swap_in_blocks(model: nn.Module, weights: GGUFWeights, int8_activations: bool = False) -> dict[str, torch.Tensor]:
+def swap_in_blocks(model: nn.Module, weights: GGUFWeights, activations: str = "float32") -> dict[str, torch.Tensor]:
     """Put block modules in ``model`` where every shard of a weight is blocks; return the float tensors to load.
 
     Each weight is read, packed and dropped before the next is read, the tall head first (its unpacked
@@ -59,7 +59,7 @@ def swap_in_blocks(model: nn.Module, weights: GGUFWeights, int8_activations: boo
             new: nn.Module = BlockEmbedding(weights.rows(hf[0]), weights.info(hf[0]).kind)
         else:
             blocks = BlockQuantized.cat([weights.read(n) for n in hf])
-            new = BlockLinear(blocks.q, blocks.scale, blocks.minimum, module.bias, int8_activations)
+            new = BlockLinear(blocks.q, blocks.scale, blocks.minimum, module.bias, activations)
             del blocks  # the unpacked weight goes before the next one is read
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
         consumed.update(hf)

@@ -14,8 +14,7 @@ from tests.oracle import exact_llm
 
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler or no 64-bit CPU: no native kernels")
 
-NEEDS_VNNI = pytest.mark.skipif(not cpu.int8_is_fast(), reason="int8 activations need AVX-512 VNNI")
-NEEDS_VNNI = pytest.mark.skipif(not cpu.int8_is_fast(), reason="int8 activations need AVX-512 VNNI")
+NEEDS_VNNI = pytest.mark.skipif(not cpu.vnni_is_fast(), reason="integer activations need AVX-512 VNNI")
 
 
 def logits_of_each_step(llm, prompts: list[list[int]], params: SamplingParams) -> tuple[list[torch.Tensor], list]:
@@ -33,7 +32,12 @@ def logits_of_each_step(llm, prompts: list[list[int]], params: SamplingParams) -
 
 @pytest.mark.parametrize(
     "kv_cache_dtype,activations",
-    [("float32", "float32"), ("float16", "float32"), pytest.param("float16", "int8", marks=NEEDS_VNNI)],
+    [
+        ("float32", "float32"),
+        ("float16", "float32"),
+        pytest.param("float16", "int16", marks=NEEDS_VNNI),
+        pytest.param("float16", "int8", marks=NEEDS_VNNI),
+    ],
 )
 def test_native_decode_steps_give_the_module_paths_logits_bit_for_bit(native_llama, kv_cache_dtype, activations):
     llm = LLM(

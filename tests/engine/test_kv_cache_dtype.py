@@ -92,9 +92,10 @@ def test_auto_is_float16_on_the_avx_cpu_kernels_else_the_models_dtype(tiny_llm):
 
 
 @pytest.mark.model
-def test_the_default_float16_kv_repeats_the_exact_path_on_the_default_model(default_llm):
-    """The default KV on the CPU (float16) against float32 KV (the exact path, ``default_llm``) over the
-    parity prompts: issue 13's goal is at least 99% of the greedy tokens the same (measured: 100%)."""
+def test_the_defaults_repeat_the_exact_path_on_the_default_model(default_llm):
+    """The CPU's defaults (float16 KV, and int16 activations where the CPU has AVX-512 VNNI) against float32 KV and
+    activations (the exact path, ``default_llm``) over the parity prompts: issue 13's goal is at least 99% of the
+    greedy tokens the same (measured: 100%, both together and each alone)."""
     from localpaged import LLM
     from tests.conftest import DEFAULT_MODEL, DEVICE
 
@@ -109,4 +110,5 @@ def test_the_default_float16_kv_repeats_the_exact_path_on_the_default_model(defa
     prompts = _prompts(llm.tokenizer)
     exact = [o.token_ids for o in default_llm.generate(prompts, GREEDY)]
     ours = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert llm.config.activations == ("int16" if cpu.vnni_is_fast() else "float32")
     assert agreement(ours, exact) >= 0.99

@@ -107,6 +107,14 @@ static void check_qgemm(int low, int high, int with_min, int group, long M) {
         for (long n = 0; n < N; n++) got[r * N + n] = y[r * tiles * TILE + n];
     if (status != LP_OK) printf("FAIL qgemm status %d\n", status), failures++;
     expect_close("qgemm (bits, rows)", bits, (int)M, got, ref, M * N, 1e-5);
+    /* The same packed weights with x rounded to int16 a group (cpu_qgemm_int16.c: the VNNI kernel where the CPU has
+     * it, else plain C): within 2e-4 of the largest output (measured: under 5e-5). */
+    status = lp_qgemm_int16(x, M, K, (const int8_t *)packed, tiled_s, with_min ? tiled_m : NULL, tiles * TILE, bits,
+                            offset, group, y);
+    for (long r = 0; r < M; r++)
+        for (long n = 0; n < N; n++) got[r * N + n] = y[r * tiles * TILE + n];
+    if (status != LP_OK) printf("FAIL qgemm_int16 status %d\n", status), failures++;
+    expect_close("qgemm_int16 (bits, rows)", bits, (int)M, got, ref, M * N, 2e-4);
     /* The same product with x rounded to int8 a group (cpu_qgemm_int8.c: the VNNI kernel where the CPU has it, else
      * plain C), packed in quads of 4 or else 8 bits: within 2% of the largest output (measured: under 1%). */
     const int quad_bits = high + shift <= 16 ? 4 : 8;

@@ -110,7 +110,7 @@ def prefill_args(q_lens: list[int], context_lens: list[int]) -> dict:
         ),
         (
             lambda: cpu.PackedBlocks(
-                torch.zeros(1, 640, dtype=torch.uint8), torch.ones(1, 2, 16), None, 16, 5, 16, 32, int8_activations=True
+                torch.zeros(1, 640, dtype=torch.uint8), torch.ones(1, 2, 16), None, 16, 5, 16, 32, activations="int8"
             ),
             r"packed weights of 5 bits in groups of 32: need \(4, 8\)",
         ),

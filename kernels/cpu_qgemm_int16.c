@@ -1,0 +1,297 @@
+/* lp_qgemm_int16: Y[M, N] = X[M, K] @ W[N, K]^T with X's rows rounded to int16, on the same packed tiles as lp_qgemm
+ * (cpu_kernels.c's layout, lp_pack_q). Built into every path's library: plain C, plus an AVX-512 VNNI kernel
+ * (vpdpwssd: 32 products of int16 pairs a register, added into 16 int32 lanes) compiled for that instruction set
+ * alone and chosen at run time where the CPU has it.
+ *
+ * Why: for a batch of decode rows the float32 kernel is bound by its FMAs, 16 products an instruction; vpdpwssd
+ * makes 32 in the same time (both one a cycle on this project's AMD EPYC, Zen 4), and a weight's small integer is an
+ * int16 as it is. Each run ("group") of 32 or 16 values of a row of X becomes int16 with one fp32 scale
+ * (amax / 32767, values rounded to nearest even), and a group's dot product is exact integer arithmetic:
+ *   sum_k w_k x_k ~= w_scale * x_scale * (sum_k u_k xq_k - offset * sum_k xq_k) + w_min * sum_k x_k
+ * (u the stored value, q + offset; the last term in fp32 from X itself). The only rounding added is X's to 16 bits,
+ * a relative error under 2^-16 of each group's largest value, where a float16 KV cache rounds every value to 11
+ * bits (engine/setup.py says when a model runs this way, and what its greedy output measured against the exact path).
+ *
+ * The VNNI kernel puts a tile's row j in lane j, as the int16 pair of its values at columns 2p and 2p + 1, so one
+ * vpdpwssd against a row of X's pair (2p, 2p + 1) broadcast adds 2 columns x 16 rows. The plain C kernel computes
+ * the same integers, scales and fused multiply-adds; only each run's float sum (the min term's) is added in another
+ * order. Measured against lp_qgemm on the default model's shapes (AVX-512 path, 2 threads, best of 0.3 s each),
+ * 16 rows: gate_up 292 -> 181 us, down 147 -> 105, qkv 95 -> 64, o 59 -> 43, the Q8_0 head 5849 -> 3746; one row:
+ * gate_up 39 -> 29 us, the head 590 -> 538.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+/* X's rows in groups of G: xq [M, K] int16, and per (row, group) its scale, the sum of its int16 values (for the
+ * offset) and the sum of its fp32 values (for the min term), in one allocation. */
+typedef struct {
+    int16_t *xq;
+    float *scale, *sum;
+    int32_t *qsum;
+} rows16;
+
+/* One group of G values of x: its int16 values, scale, sum of ints and sum of floats, in plain C. */
+static void quantize_group_plain(const float *x, long G, int16_t *xq, float *scale, float *sum, int32_t *qsum) {
+    float amax = 0.0f, total = 0.0f;
+    for (long k = 0; k < G; k++) {
+        amax = fmaxf(amax, fabsf(x[k]));
+        total += x[k];
+    }
+    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    int32_t qtotal = 0;
+    for (long k = 0; k < G; k++) {
+        const float v = nearbyintf(x[k] * inv); /* |x inv| <= 32767 (+ an ulp) */
+        xq[k] = (int16_t)(v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v);
+        qtotal += xq[k];
+    }
+    *scale = amax / 32767.0f, *sum = total, *qsum = qtotal;
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define VNNI16 __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")))
+
+/* The same with AVX-512, a group in one or two registers: the same ints and scale (the same divisions, and the
+ * conversion rounds to nearest even as nearbyintf does), the float sum in another order. A plain C loop here was
+ * most of a 16-row matmul's time (down_proj 1536 -> 576: +31 us). */
+static VNNI16 void quantize_group_avx512(const float *x, long G, int16_t *xq, float *scale, float *sum,
+                                         int32_t *qsum) {
+    const __m512 a = _mm512_loadu_ps(x), b = G == 32 ? _mm512_loadu_ps(x + 16) : _mm512_setzero_ps();
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    _mm256_storeu_si256((__m256i *)xq, _mm512_cvtsepi32_epi16(qa));
+    if (G == 32) _mm256_storeu_si256((__m256i *)(xq + 16), _mm512_cvtsepi32_epi16(qb));
+    *scale = amax / 32767.0f;
+    *sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+
+static int has_vnni16(void) {
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw");
+}
+#endif
+
+static int quantize_rows16(const float *X, long M, long K, long G, int vector, rows16 *r) {
+    const long groups = M * (K / G);
+    char *memory = malloc(M * K * sizeof(int16_t) + groups * (2 * sizeof(float) + sizeof(int32_t)) + 64);
+    if (!memory) return LP_OUT_OF_MEMORY;
+    r->scale = (float *)memory;
+    r->sum = r->scale + groups;
+    r->qsum = (int32_t *)(r->sum + groups);
+    r->xq = (int16_t *)(r->qsum + groups);
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (long g = 0; g < groups; g++) {
+#if defined(__x86_64__)
+        if (vector) {
+            quantize_group_avx512(X + g * G, G, r->xq + g * G, r->scale + g, r->sum + g, r->qsum + g);
+            continue;
+        }
+#endif
+        quantize_group_plain(X + g * G, G, r->xq + g * G, r->scale + g, r->sum + g, r->qsum + g);
+    }
+    return LP_OK;
+}
+
+/* Row j of tile qt at column k: its stored u (lp_pack_q's layout, see cpu_kernels.c). */
+static inline int stored16(const int8_t *qt, int bits, long K, long k, int j) {
+    if (bits == 8) return qt[k * TILE + j];
+    const uint8_t byte = (uint8_t)qt[k / 2 * TILE + j];
+    int u = k % 2 ? byte >> 4 : byte & 15;
+    if (bits == 5) {
+        const uint8_t *words = (const uint8_t *)qt + K * TILE / 2;
+        u |= ((words[2 * k + j / 8] >> (j % 8)) & 1) << 4;
+    }
+    return u;
+}
+
+/* A group's integer dot product into a row's fp32 sum, as fused multiply-adds whatever the build's contraction: the
+ * VNNI kernel rounds the same way. */
+static inline float scaled_group(float acc, int32_t dot, float w_scale, float x_scale) {
+    return fmaf(w_scale, x_scale * (float)dot, acc);
+}
+
+/* Every row of X against tile t, in plain C: any CPU. */
+static void tile_rows_plain16(const rows16 *x, long M, long K, long G, const int8_t *qt, int bits, int offset,
+                              const float *scale, const float *min, float *y, long ldy) {
+    for (long i = 0; i < M; i++)
+        for (int j = 0; j < TILE; j++) {
+            float acc = 0.0f;
+            for (long g = 0; g < K / G; g++) {
+                int32_t dot = 0;
+                for (long k = g * G; k < (g + 1) * G; k++) dot += stored16(qt, bits, K, k, j) * x->xq[i * K + k];
+                dot -= offset * x->qsum[i * (K / G) + g];
+                acc = scaled_group(acc, dot, scale[g * TILE + j], x->scale[i * (K / G) + g]);
+                if (min) acc = fmaf(min[g * TILE + j], x->sum[i * (K / G) + g], acc);
+            }
+            y[i * ldy + j] = acc;
+        }
+}
+
+#if defined(__x86_64__)
+/* Columns 2p and 2p + 1 of a tile: lane j holds row j's two stored values as int16 (2p's in the low half). 4 and 5
+ * bits: row j's byte holds both nibbles; 5 bits add each column's fifth bit from its 16-bit word. 8 bits: the two
+ * columns' 16 bytes each, sign-widened, then interleaved. */
+static inline __attribute__((always_inline)) VNNI16 __m512i pair_weights(const int BITS, const int8_t *qt, long K,
+                                                                         long p) {
+    if (BITS == 8) {
+        const __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qt + 2 * p * TILE)));
+        const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
+                                                    7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        return _mm512_permutexvar_epi16(interleave, words);
+    }
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qt + p * TILE)));
+    /* (bytes | bytes << 12) & 0x000F000F: the low nibble stays, the high one moves to bit 16 */
+    __m512i w = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+    if (BITS == 5) {
+        uint32_t words;
+        memcpy(&words, qt + K * TILE / 2 + 4 * p, sizeof words); /* columns 2p and 2p + 1: bit j is row j's */
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i bits = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)words), lane),
+                                              _mm512_set1_epi32(0x00010001));
+        w = _mm512_or_si512(w, _mm512_slli_epi32(bits, 4));
+    }
+    return w;
+}
+
+/* acc + each lane's two int16 products of w and the pair at x (broadcast to every lane), summed: one vpdpwssd, its
+ * pair read straight from memory. Written out because GCC 12 copied every accumulator twice around its builtin and
+ * spilled the weights to the stack each step (6 rows: 12 register moves and a store and a load per 6 vpdpwssd). */
+static inline __attribute__((always_inline)) VNNI16 __m512i add_pair_products(__m512i acc, __m512i w,
+                                                                              const int16_t *x) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
+}
+
+/* R rows (<= 6, a constant after inlining) from r0 against one tile, its pairs from the expanded panel P (PANEL) or
+ * unpacked from qt as they are needed: per group, each row's 16 integer dot products in one register, then scaled
+ * into fp32 accumulators as scaled_group does. */
+static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
+    const int BITS, const int GROUP, const int HAS_OFFSET, const int HAS_MIN, const int PANEL, const int R,
+    const rows16 *x, long r0, long K, const int8_t *qt, const __m512i *P, int offset, const float *scale,
+    const float *min, float *y, long ldy) {
+    const long groups = K / GROUP;
+    __m512 f[6];
+    for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
+    for (long g = 0; g < groups; g++) {
+        __m512i a[6];
+        for (int i = 0; i < R; i++) a[i] = _mm512_setzero_si512();
+        for (long p = g * GROUP / 2; p < (g + 1) * GROUP / 2; p++) {
+            const __m512i w = PANEL ? _mm512_load_si512(P + p) : pair_weights(BITS, qt, K, p);
+            for (int i = 0; i < R; i++) a[i] = add_pair_products(a[i], w, x->xq + (r0 + i) * K + 2 * p);
+        }
+        const __m512 s = _mm512_loadu_ps(scale + g * TILE);
+        for (int i = 0; i < R; i++) {
+            const long at = (r0 + i) * groups + g;
+            if (HAS_OFFSET) a[i] = _mm512_sub_epi32(a[i], _mm512_set1_epi32(offset * x->qsum[at]));
+            const __m512 scaled = _mm512_mul_ps(_mm512_set1_ps(x->scale[at]), _mm512_cvtepi32_ps(a[i]));
+            f[i] = _mm512_fmadd_ps(s, scaled, f[i]);
+            if (HAS_MIN) f[i] = _mm512_fmadd_ps(_mm512_loadu_ps(min + g * TILE), _mm512_set1_ps(x->sum[at]), f[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(y + (r0 + i) * ldy, f[i]);
+}
+
+/* Up to 4 rows take each pair straight from the packed bytes; more unpack the tile once into a panel of pairs (in
+ * L1/L2, K * 32 bytes, one per thread) swept 6 rows at a time. One instance per (bits, group, offset or not, min or
+ * not), each with its OpenMP loop where those are literals (see cpu_kernels.c's QGEMM_FN for why). */
+#define TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, PANEL, R) \
+    tile_rows_vnni16(BITS, GROUP, HAS_OFFSET, HAS_MIN, PANEL, R, x, r, K, qt, panel, offset, st, mt, y, N_padded)
+#define QGEMM_INT16_FN(BITS, GROUP, HAS_OFFSET, HAS_MIN)                                                              \
+    static VNNI16 int qgemm_int16_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(                                         \
+        const rows16 *x, long M, long K, const int8_t *q, int offset, const float *scale, const float *min,          \
+        long N_padded, float *Y) {                                                                                     \
+        const long groups = K / GROUP, tile_bytes = K * 2 * BITS;                                                      \
+        int status = LP_OK;                                                                                            \
+        _Pragma("omp parallel") {                                                                                      \
+            __m512i *panel = M > 4 ? aligned_alloc(64, K / 2 * sizeof(__m512i)) : NULL;                               \
+            if (M > 4 && !panel) {                                                                                     \
+                _Pragma("omp atomic write") status = LP_OUT_OF_MEMORY;                                                 \
+            }                                                                                                          \
+            _Pragma("omp for schedule(static)") for (long t = 0; t < N_padded / TILE; t++) {                          \
+                const int8_t *qt = q + t * tile_bytes;                                                                 \
+                const float *st = scale + t * groups * TILE, *mt = HAS_MIN ? min + t * groups * TILE : NULL;          \
+                float *y = Y + t * TILE;                                                                               \
+                long r = 0;                                                                                            \
+                if (M <= 4) {                                                                                          \
+                    switch (M) {                                                                                       \
+                        case 4: TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, 0, 4); break;                                                                \
+                        case 3: TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, 0, 3); break;                                                                \
+                        case 2: TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, 0, 2); break;                                                                \
+                        case 1: TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, 0, 1); break;                                                                \
+                    }                                                                                                  \
+                    continue;                                                                                          \
+                }                                                                                                      \
+                if (!panel) continue;                                                                                  \
+                for (long p = 0; p < K / 2; p++) _mm512_store_si512(panel + p, pair_weights(BITS, qt, K, p));          \
+                for (; r + 6 <= M; r += 6) TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, 1, 6);                                                            \
+                switch (M - r) {                                                                                       \
+                    case 5: TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, 1, 5); break;                                                                    \
+                    case 4: TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, 1, 4); break;                                                                    \
+                    case 3: TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, 1, 3); break;                                                                    \
+                    case 2: TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, 1, 2); break;                                                                    \
+                    case 1: TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, 1, 1); break;                                                                    \
+                }                                                                                                      \
+            }                                                                                                          \
+            free(panel);                                                                                               \
+        }                                                                                                              \
+        return status;                                                                                                 \
+    }
+#define QGEMM_INT16_FNS(BITS, GROUP)                                                                       \
+    QGEMM_INT16_FN(BITS, GROUP, 0, 0) QGEMM_INT16_FN(BITS, GROUP, 0, 1) QGEMM_INT16_FN(BITS, GROUP, 1, 0) \
+        QGEMM_INT16_FN(BITS, GROUP, 1, 1)
+QGEMM_INT16_FNS(4, 32)
+QGEMM_INT16_FNS(4, 16)
+QGEMM_INT16_FNS(5, 32)
+QGEMM_INT16_FNS(5, 16)
+QGEMM_INT16_FN(8, 32, 0, 0)
+QGEMM_INT16_FN(8, 32, 0, 1)
+QGEMM_INT16_FN(8, 16, 0, 0)
+QGEMM_INT16_FN(8, 16, 0, 1)
+
+#define QGEMM_INT16_CALL(BITS, GROUP, HAS_OFFSET, HAS_MIN) \
+    qgemm_int16_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(&x, M, K, q, offset, scale, min, N_padded, Y)
+#define QGEMM_INT16_BY_MIN(BITS, GROUP, HAS_OFFSET) \
+    (min ? QGEMM_INT16_CALL(BITS, GROUP, HAS_OFFSET, 1) : QGEMM_INT16_CALL(BITS, GROUP, HAS_OFFSET, 0))
+#define QGEMM_INT16_BY_OFFSET(BITS, GROUP) \
+    (offset ? QGEMM_INT16_BY_MIN(BITS, GROUP, 1) : QGEMM_INT16_BY_MIN(BITS, GROUP, 0))
+#define QGEMM_INT16_BY_GROUP(BITS) \
+    (group == 16 ? QGEMM_INT16_BY_OFFSET(BITS, 16) : QGEMM_INT16_BY_OFFSET(BITS, 32))
+#endif
+
+/* X: [M, K] fp32; q, scale, min (or NULL), bits (8, 4 or 5), offset and group (32 or 16, dividing K) as lp_qgemm
+ * takes them (8-bit values never have an offset); Y: [M, N_padded]. */
+int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const float *scale, const float *min,
+                   int64_t N_padded, int bits, int offset, int group, float *Y) {
+    if ((bits != 4 && bits != 5 && bits != 8) || (bits == 8 && offset) || (group != 16 && group != 32) || K % group ||
+        N_padded % TILE || M < 0 || K <= 0)
+        return LP_BAD_ARGUMENT;
+    int vnni = 0;
+#if defined(__x86_64__)
+    vnni = has_vnni16();
+#endif
+    rows16 x;
+    int status = quantize_rows16(X, M, K, group, vnni, &x);
+    if (status != LP_OK) return status;
+#if defined(__x86_64__)
+    if (vnni) {
+        status = bits == 4   ? QGEMM_INT16_BY_GROUP(4)
+                 : bits == 5 ? QGEMM_INT16_BY_GROUP(5)
+                             : (group == 16 ? QGEMM_INT16_BY_MIN(8, 16, 0) : QGEMM_INT16_BY_MIN(8, 32, 0));
+        free(x.scale);
+        return status;
+    }
+#endif
+    const long groups = K / group, tile_bytes = K * 2 * bits;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < N_padded / TILE; t++)
+        tile_rows_plain16(&x, M, K, group, q + t * tile_bytes, bits, offset, scale + t * groups * TILE,
+                          min ? min + t * groups * TILE : NULL, Y + t * TILE, N_padded);
+    free(x.scale);
+    return status;
+}

@@ -1,0 +1,81 @@
+"""Integer activations (``activations``): a GGUF's blocks take each matmul's input rounded per run to int16 (the
+default where the CPU has AVX-512 VNNI) or to int8 (as llama.cpp does); greedy output stays close to the exact
+path's (float32 activations), which the parity tests run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from localpaged.kernels import cpu
+
+from localpaged import LLM, SamplingParams
+from localpaged.errors import ConfigError
+from localpaged.layers.linear import BlockLinear
+from tests.engine.test_parity import _prompts
+from tests.oracle import exact_llm
+
+NEEDS_VNNI = pytest.mark.skipif(not cpu.vnni_is_fast(), reason="no native kernels or no AVX-512 VNNI: refused")
+# How far each prompt's first logits may move from the exact path's, as an RMS over their standard deviation.
+# Measured over the parity prompts on the tiny GGUF llama: int16 1.1e-4 to 2.3e-4, int8 0.03-0.17 (the default
+# model: 0.08-0.35, see engine/setup.py); a kernel reading the wrong weights gives ~1.4.
+MOST_MOVED = {"int16": 2e-3, "int8": 0.3}
+
+
+def first_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """The logits of each prompt's first generated token."""
+    seen: list[torch.Tensor] = []
+    model = llm.runner.model
+    real = model.compute_logits
+    model.compute_logits = lambda hidden: seen.append(real(hidden)) or seen[-1]
+    try:
+        for prompt in prompts:
+            llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    finally:
+        del model.compute_logits
+    return [logits[0] for logits in seen]
+
+
+@NEEDS_VNNI
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_integer_activations_pack_every_block_for_their_kernel_and_stay_near_the_exact_logits(
+    native_llama, activations
+):
+    exact = exact_llm(native_llama, max_model_len=1024)
+    llm = LLM(
+        str(native_llama),
+        dtype="float32",
+        kv_cache_dtype="float32",
+        activations=activations,
+        kv_cache_memory="64MiB",
+        max_model_len=1024,
+    )
+    assert llm.config.activations == activations and exact.config.activations == "float32"
+    blocks = [m for m in llm.runner.model.modules() if isinstance(m, BlockLinear)]
+    assert blocks and all(m.packed.activations == activations for m in blocks)
+    assert llm.runner.native_decode is not None  # decode steps in one native call, on the same kernel
+    assert llm.kv_disk.layout.fingerprint != exact.kv_disk.layout.fingerprint  # their KV values differ
+    prompts = _prompts(llm.tokenizer)
+    for i, (ours, want) in enumerate(zip(first_logits(llm, prompts), first_logits(exact, prompts))):
+        moved = float((ours - want).pow(2).mean().sqrt() / want.std())
+        assert 0 < moved < MOST_MOVED[activations], f"prompt {i}: the logits moved by {moved:.3g} of their spread"
+
+
+def test_auto_is_int16_where_vnni_runs_and_integer_activations_are_refused_where_they_cannot_pay(
+    native_llama, tiny_model_path, monkeypatch
+):
+    def make(model, **config):
+        return LLM(str(model), dtype="float32", kv_cache_memory="64MiB", max_model_len=512, **config)
+
+    assert make(native_llama).config.activations == ("int16" if cpu.vnni_is_fast() else "float32")
+    assert make(tiny_model_path).config.activations == "float32"  # float weights: nothing to round for
+    for activations in ("int16", "int8"):
+        for model, config in ((native_llama, {"weights": "float"}), (tiny_model_path, {})):
+            with pytest.raises(ConfigError, match=f"activations='{activations}' applies to a GGUF's blocks"):
+                make(model, activations=activations, **config)
+    with pytest.raises(ConfigError, match="activations='int4': use 'auto', 'float32'"):
+        LLM(str(native_llama), activations="int4")
+    monkeypatch.setattr(cpu, "vnni_is_fast", lambda: False)  # a CPU without AVX-512 VNNI
+    assert make(native_llama).config.activations == "float32"
+    for activations in ("int16", "int8"):
+        with pytest.raises(ConfigError, match=f"activations='{activations}' needs a CPU with AVX-512 VNNI"):
+            make(native_llama, activations=activations)
