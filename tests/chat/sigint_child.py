@@ -11,6 +11,9 @@ from localpaged.sampling import SamplingParams
 from tests.chat.fake_llm import FakeLLM
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack if we hang
+# Ctrl-C as in a terminal: a test run started in the background (`make test &`) hands its children SIGINT ignored,
+# and Python then installs no KeyboardInterrupt handler at all.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 engine = AsyncLLM(llm=FakeLLM(reply=lambda ids: "s" * 100_000, step_delay=0.005))
 for output in engine.iter_stream("never ending", SamplingParams(max_tokens=100_000)):
     if len(output.text) == 3:
