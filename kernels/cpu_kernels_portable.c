@@ -347,7 +347,8 @@ static ALWAYS_INLINE void store_kv8(const int KV, void *p, long i, floats8 x) {
 
 /* How many query heads of a KV head one walk over its keys serves: each K and V row is widened once for all of them,
  * and each 8 keys' dot products are summed across lanes together (sum8x8) instead of one by one. Three heads'
- * accumulators (3 x 8 vectors of 8) fit AVX-512's 32 registers; elsewhere one head a walk. Measured on this AMD EPYC
+ * accumulators (3 x 8 vectors of 8) fit AVX-512's 32 registers; elsewhere one head a walk (cpu_kernels.c does three
+ * heads with 4 keys at a time in AVX2's 16). Measured on this AMD EPYC
  * (2 threads, the default model's 9 heads over 3 KV heads of 64, fp16 KV, best of 0.5 s, old and new alternating
  * twice): 16 sequences of 400 keys 230-253 -> 154-175 us, 64 of 400 keys 963-1655 -> 656-912 us. */
 #if defined(__AVX512F__)
@@ -356,7 +357,7 @@ static ALWAYS_INLINE void store_kv8(const int KV, void *p, long i, floats8 x) {
 #define HEADS_A_WALK 1
 #endif
 
-/* 8 sums of 8 floats, r[t] = the sum of a[t]'s lanes, by pairwise shuffles and adds (the AVX2 kernels' sum8x8). */
+/* 8 sums of 8 floats, r[t] = the sum of a[t]'s lanes, by pairwise shuffles and adds. */
 static ALWAYS_INLINE floats8 sum8x8(const floats8 a[8]) {
     floats8 b[4], c[2];
     for (int i = 0; i < 4; i++)
@@ -429,11 +430,13 @@ static ALWAYS_INLINE void weighted_rows(const int KV, const int GB, const int VE
         for (int i = 0; i < VECS; i++) store8(o + g * D + 8 * i, a[g][i] * inv[g]);
 }
 
-/* weighted_rows for GB heads (a constant), its VECS picked from the columns left. */
-static ALWAYS_INLINE void weighted_rows_by_width(const int KV, const int GB, long width, const float *p, long first,
-                                                 long n, const int32_t *table, const void *v, long col, long stride,
-                                                 const float *inv, long D, float *o) {
-    switch (width / 8) {
+/* weighted_rows for GB heads (a constant) over the next columns, width of them left, up to 64 a walk. The columns the
+ * walk took. */
+static ALWAYS_INLINE long weighted_rows_walk(const int KV, const int GB, long width, const float *p, long first, long n,
+                                             const int32_t *table, const void *v, long col, long stride,
+                                             const float *inv, long D, float *o) {
+    const long taken = width < 64 ? width : 64;
+    switch (taken / 8) {
         case 8: weighted_rows(KV, GB, 8, p, first, n, table, v, col, stride, inv, D, o); break;
         case 7: weighted_rows(KV, GB, 7, p, first, n, table, v, col, stride, inv, D, o); break;
         case 6: weighted_rows(KV, GB, 6, p, first, n, table, v, col, stride, inv, D, o); break;
@@ -443,64 +446,28 @@ static ALWAYS_INLINE void weighted_rows_by_width(const int KV, const int GB, lon
         case 2: weighted_rows(KV, GB, 2, p, first, n, table, v, col, stride, inv, D, o); break;
         case 1: weighted_rows(KV, GB, 1, p, first, n, table, v, col, stride, inv, D, o); break;
     }
+    return taken;
 }
 
-static __thread float *scores = NULL; /* [G, context] per OpenMP thread */
-static __thread long scores_floats = 0;
-
-/* Sequence b's G = H / KVH query heads of KV head kvh over its keys first .. end - 1, as decode_task in
- * cpu_kernels.c. */
-static ALWAYS_INLINE int decode_task(const int KV, long b, long kvh, long first, long end, const float *q,
-                                     const void *k_cache, const void *v_cache, const int32_t *table, long H, long KVH,
-                                     long D, float scale, float *o_rows, float *stats) {
-    const long G = H / KVH, n = end - first;
-    if (scores_floats < G * n) {
-        free(scores);
-        scores = malloc(G * n * sizeof(float));
-        scores_floats = scores ? G * n : 0;
-        if (!scores) return LP_OUT_OF_MEMORY;
+/* s[0 .. n - 1] (n >= 1) into exp(s - their max) in place; their max and the sum of the exps. */
+static ALWAYS_INLINE void exp_scores(float *s, long n, float *max, float *sum) {
+    float mx = s[0], total = 0.0f;
+    for (long j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    long j = 0;
+    floats8 acc = {0};
+    for (; j + 8 <= n; j += 8) {
+        const floats8 e = exp8(load8(s + j) - mx);
+        store8(s + j, e);
+        acc += e;
     }
-    const float *qh = q + (b * H + kvh * G) * D;
-    for (long g = 0; g < G; g += HEADS_A_WALK) {
-        switch (G - g < HEADS_A_WALK ? G - g : HEADS_A_WALK) {
-            case 3: keys_times_heads(KV, 3, qh + g * D, k_cache, table, first, n, kvh, KVH, D, scale, scores + g * n); break;
-            case 2: keys_times_heads(KV, 2, qh + g * D, k_cache, table, first, n, kvh, KVH, D, scale, scores + g * n); break;
-            case 1: keys_times_heads(KV, 1, qh + g * D, k_cache, table, first, n, kvh, KVH, D, scale, scores + g * n); break;
-        }
+    total = sum8(acc);
+    if (j < n) {
+        float tail[8] = {0};
+        for (long t = j; t < n; t++) tail[t - j] = s[t] - mx;
+        const floats8 e = exp8(load8(tail));
+        for (long t = j; t < n; t++) s[t] = e[t - j], total += e[t - j];
     }
-    float inv[G]; /* each head's 1 / sum of weights, or 1 for a part of the keys: its sum goes with it, unapplied */
-    for (long g = 0; g < G; g++) {
-        float *s = scores + g * n, mx = s[0], total = 0.0f;
-        for (long j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-        long j = 0;
-        floats8 sum = {0};
-        for (; j + 8 <= n; j += 8) {
-            const floats8 e = exp8(load8(s + j) - mx);
-            store8(s + j, e);
-            sum += e;
-        }
-        total = sum8(sum);
-        if (j < n) {
-            float tail[8] = {0};
-            for (long t = j; t < n; t++) tail[t - j] = s[t] - mx;
-            const floats8 e = exp8(load8(tail));
-            for (long t = j; t < n; t++) s[t] = e[t - j], total += e[t - j];
-        }
-        inv[g] = stats ? 1.0f : 1.0f / total;
-        if (stats) stats[2 * g] = mx, stats[2 * g + 1] = total;
-    }
-    for (long g = 0; g < G; g += HEADS_A_WALK)
-        for (long d0 = 0; d0 < D; d0 += 64) { /* up to 64 columns per walk over the tokens */
-            const long col = kvh * D + d0, stride = KVH * D, width = D - d0 < 64 ? D - d0 : 64;
-            const float *p = scores + g * n;
-            float *o = o_rows + g * D + d0;
-            switch (G - g < HEADS_A_WALK ? G - g : HEADS_A_WALK) {
-                case 3: weighted_rows_by_width(KV, 3, width, p, first, n, table, v_cache, col, stride, inv + g, D, o); break;
-                case 2: weighted_rows_by_width(KV, 2, width, p, first, n, table, v_cache, col, stride, inv + g, D, o); break;
-                case 1: weighted_rows_by_width(KV, 1, width, p, first, n, table, v_cache, col, stride, inv + g, D, o); break;
-            }
-        }
-    return LP_OK;
+    *max = mx, *sum = total;
 }
 
 /* The small per-layer steps, as in cpu_kernels.c: rows to OpenMP threads only when there are many. */

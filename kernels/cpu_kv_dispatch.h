@@ -1,9 +1,15 @@
 /* lp_paged_decode, lp_paged_prefill and lp_rope_write_kv, the same for every path: cpu_kernels.c and
- * cpu_kernels_portable.c each define decode_task(KV, b, kvh, first, end, q, k_cache, v_cache, table, H, KVH, D,
- * scale, o_rows, stats), the work of one (sequence, KV head) over keys first .. end - 1 through its block table row
- * (checked here first), rope_write_row(KV, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out), one
- * token's, and the steps of a prefill tile (see prefill_task below), each inlined for KV a constant LP_KV_* type,
- * then include this file once. */
+ * cpu_kernels_portable.c each define the steps below, each inlined for KV a constant LP_KV_* type, then include this
+ * file once:
+ *   HEADS_A_WALK: how many query heads of a KV head one walk over its keys serves (each K and V row widened once);
+ *   keys_times_heads(KV, GB, qh, k_cache, table, first, n, kvh, KVH, D, scale, scores): scores[g][j] (rows n apart)
+ *     = scale * q_g . K row of key first + j for GB <= HEADS_A_WALK heads, q_g at qh + g D;
+ *   exp_scores(s, n, &max, &sum): s[0 .. n - 1] into exp(s - their max) in place, their max and the exps' sum;
+ *   weighted_rows_walk(KV, GB, width, p, first, n, table, v_cache, col, stride, inv, D, o): o_g (rows D apart) =
+ *     inv[g] * sum over the keys of p_g[t] * V row t, from column col of each row on, over as many of the width
+ *     columns left as one walk takes (returned);
+ *   rope_write_row(KV, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out), one token's;
+ *   the steps of a prefill tile (see prefill_task below). */
 
 #include <omp.h>
 
@@ -21,6 +27,56 @@ static inline long decode_span(long ctx, long B, long KVH, long threads) {
 }
 
 static inline long decode_parts(long ctx, long span) { return ctx > span ? (ctx + span - 1) / span : 1; }
+
+static __thread float *scores = NULL; /* [G, keys] per OpenMP thread */
+static __thread long scores_floats = 0;
+
+/* Sequence b's G = H / KVH query heads of KV head kvh over its keys first .. end - 1, through its block table row
+ * (checked by decode_part), into o_rows [G][D]: normalised where stats is NULL, else unnormalised with each head's
+ * max score and sum of weights in stats [G][2]. LP_OK, or LP_OUT_OF_MEMORY with nothing written. The heads go
+ * HEADS_A_WALK at a time through the keys, for the scores and again for the values. */
+static inline __attribute__((always_inline)) int decode_task(const int KV, long b, long kvh, long first, long end,
+                                                             const float *q, const void *k_cache, const void *v_cache,
+                                                             const int32_t *table, long H, long KVH, long D,
+                                                             float scale, float *o_rows, float *stats) {
+    const long G = H / KVH, n = end - first;
+    if (scores_floats < G * n) {
+        free(scores);
+        scores = malloc(G * n * sizeof(float));
+        scores_floats = scores ? G * n : 0;
+        if (!scores) return LP_OUT_OF_MEMORY;
+    }
+    const float *qh = q + (b * H + kvh * G) * D;
+    for (long g = 0; g < G; g += HEADS_A_WALK) {
+        const float *qg = qh + g * D;
+        float *s = scores + g * n;
+        switch (G - g < HEADS_A_WALK ? G - g : HEADS_A_WALK) {
+            case 3: keys_times_heads(KV, 3, qg, k_cache, table, first, n, kvh, KVH, D, scale, s); break;
+            case 2: keys_times_heads(KV, 2, qg, k_cache, table, first, n, kvh, KVH, D, scale, s); break;
+            case 1: keys_times_heads(KV, 1, qg, k_cache, table, first, n, kvh, KVH, D, scale, s); break;
+        }
+    }
+    float inv[G]; /* each head's 1 / sum of weights, or 1 for a part of the keys: its sum goes with it, unapplied */
+    for (long g = 0; g < G; g++) {
+        float max, sum;
+        exp_scores(scores + g * n, n, &max, &sum);
+        inv[g] = stats ? 1.0f : 1.0f / sum;
+        if (stats) stats[2 * g] = max, stats[2 * g + 1] = sum;
+    }
+    const long stride = KVH * D;
+    for (long g = 0; g < G; g += HEADS_A_WALK)
+        for (long d0 = 0; d0 < D;) {
+            const float *p = scores + g * n;
+            float *o = o_rows + g * D + d0;
+            const long col = kvh * D + d0, width = D - d0;
+            switch (G - g < HEADS_A_WALK ? G - g : HEADS_A_WALK) {
+                case 3: d0 += weighted_rows_walk(KV, 3, width, p, first, n, table, v_cache, col, stride, inv + g, D, o); break;
+                case 2: d0 += weighted_rows_walk(KV, 2, width, p, first, n, table, v_cache, col, stride, inv + g, D, o); break;
+                case 1: d0 += weighted_rows_walk(KV, 1, width, p, first, n, table, v_cache, col, stride, inv + g, D, o); break;
+            }
+        }
+    return LP_OK;
+}
 
 /* Asks for the K and V rows of keys first .. end - 1 of KV head kvh (each D values of size bytes) to be brought
  * into this core's L2. A decode step's KV comes from memory (the layer's weights, streamed in between, push it out of
