@@ -343,25 +343,9 @@ static inline __attribute__((always_inline)) void weighted_rows(const int KV, co
         for (int i = 0; i < VECS; i++) _mm256_storeu_ps(o + g * D + 8 * i, _mm256_mul_ps(a[g][i], _mm256_set1_ps(inv[g])));
 }
 
-/* weighted_rows for GB heads (a constant) over the next columns, width of them left: 64 a walk for one head, 32 for
- * more (their accumulators must fit the 16 registers). The columns the walk took. */
-static inline __attribute__((always_inline)) long weighted_rows_walk(const int KV, const int GB, long width,
-                                                                     const float *p, long first, long n,
-                                                                     const int32_t *table, const void *v, long col,
-                                                                     long stride, const float *inv, long D, float *o) {
-    const long most = GB == 1 ? 64 : 32, taken = width < most ? width : most;
-    switch (taken / 8) {
-        case 8: weighted_rows(KV, GB, 8, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 7: weighted_rows(KV, GB, 7, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 6: weighted_rows(KV, GB, 6, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 5: weighted_rows(KV, GB, 5, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 4: weighted_rows(KV, GB, 4, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 3: weighted_rows(KV, GB, 3, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 2: weighted_rows(KV, GB, 2, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 1: weighted_rows(KV, GB, 1, p, first, n, table, v, col, stride, inv, D, o); break;
-    }
-    return taken;
-}
+/* Columns of V one walk takes for GB heads: 64 for one head, 32 for more (their accumulators must fit the 16
+ * registers). */
+#define COLUMNS_A_WALK(GB) ((GB) == 1 ? 64 : 32)
 
 /* s[0 .. n - 1] (n >= 1) into exp(s - their max) in place; their max and the sum of the exps. */
 static inline void exp_scores(float *s, long n, float *max, float *sum) {

@@ -430,24 +430,7 @@ static ALWAYS_INLINE void weighted_rows(const int KV, const int GB, const int VE
         for (int i = 0; i < VECS; i++) store8(o + g * D + 8 * i, a[g][i] * inv[g]);
 }
 
-/* weighted_rows for GB heads (a constant) over the next columns, width of them left, up to 64 a walk. The columns the
- * walk took. */
-static ALWAYS_INLINE long weighted_rows_walk(const int KV, const int GB, long width, const float *p, long first, long n,
-                                             const int32_t *table, const void *v, long col, long stride,
-                                             const float *inv, long D, float *o) {
-    const long taken = width < 64 ? width : 64;
-    switch (taken / 8) {
-        case 8: weighted_rows(KV, GB, 8, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 7: weighted_rows(KV, GB, 7, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 6: weighted_rows(KV, GB, 6, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 5: weighted_rows(KV, GB, 5, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 4: weighted_rows(KV, GB, 4, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 3: weighted_rows(KV, GB, 3, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 2: weighted_rows(KV, GB, 2, p, first, n, table, v, col, stride, inv, D, o); break;
-        case 1: weighted_rows(KV, GB, 1, p, first, n, table, v, col, stride, inv, D, o); break;
-    }
-    return taken;
-}
+#define COLUMNS_A_WALK(GB) 64 /* columns of V one walk takes for GB heads */
 
 /* s[0 .. n - 1] (n >= 1) into exp(s - their max) in place; their max and the sum of the exps. */
 static ALWAYS_INLINE void exp_scores(float *s, long n, float *max, float *sum) {

@@ -5,9 +5,9 @@
  *   keys_times_heads(KV, GB, qh, k_cache, table, first, n, kvh, KVH, D, scale, scores): scores[g][j] (rows n apart)
  *     = scale * q_g . K row of key first + j for GB <= HEADS_A_WALK heads, q_g at qh + g D;
  *   exp_scores(s, n, &max, &sum): s[0 .. n - 1] into exp(s - their max) in place, their max and the exps' sum;
- *   weighted_rows_walk(KV, GB, width, p, first, n, table, v_cache, col, stride, inv, D, o): o_g (rows D apart) =
- *     inv[g] * sum over the keys of p_g[t] * V row t, from column col of each row on, over as many of the width
- *     columns left as one walk takes (returned);
+ *   weighted_rows(KV, GB, VECS, p, first, n, table, v_cache, col, stride, inv, D, o): o_g[0 : 8 VECS] (rows D
+ *     apart) = inv[g] * sum over keys first .. first + n - 1 of p_g[t] * V row t (p_g rows n apart), from column col
+ *     of each row on, VECS <= 8, and COLUMNS_A_WALK(GB), how many columns one such walk may take for GB heads;
  *   rope_write_row(KV, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out), one token's;
  *   the steps of a prefill tile (see prefill_task below). */
 
@@ -27,6 +27,26 @@ static inline long decode_span(long ctx, long B, long KVH, long threads) {
 }
 
 static inline long decode_parts(long ctx, long span) { return ctx > span ? (ctx + span - 1) / span : 1; }
+
+/* weighted_rows for GB heads (a constant) over the next columns, width of them left, as many as one walk takes (its
+ * VECS picked so). The columns the walk took. */
+static inline __attribute__((always_inline)) long weighted_rows_walk(const int KV, const int GB, long width,
+                                                                     const float *p, long first, long n,
+                                                                     const int32_t *table, const void *v, long col,
+                                                                     long stride, const float *inv, long D, float *o) {
+    const long taken = width < COLUMNS_A_WALK(GB) ? width : COLUMNS_A_WALK(GB);
+    switch (taken / 8) {
+        case 8: weighted_rows(KV, GB, 8, p, first, n, table, v, col, stride, inv, D, o); break;
+        case 7: weighted_rows(KV, GB, 7, p, first, n, table, v, col, stride, inv, D, o); break;
+        case 6: weighted_rows(KV, GB, 6, p, first, n, table, v, col, stride, inv, D, o); break;
+        case 5: weighted_rows(KV, GB, 5, p, first, n, table, v, col, stride, inv, D, o); break;
+        case 4: weighted_rows(KV, GB, 4, p, first, n, table, v, col, stride, inv, D, o); break;
+        case 3: weighted_rows(KV, GB, 3, p, first, n, table, v, col, stride, inv, D, o); break;
+        case 2: weighted_rows(KV, GB, 2, p, first, n, table, v, col, stride, inv, D, o); break;
+        case 1: weighted_rows(KV, GB, 1, p, first, n, table, v, col, stride, inv, D, o); break;
+    }
+    return taken;
+}
 
 static __thread float *scores = NULL; /* [G, keys] per OpenMP thread */
 static __thread long scores_floats = 0;
