@@ -3,7 +3,7 @@
 Times each path this CPU runs on the default model's decode shapes (SmolLM2-135M: Q4_1 projections 576 -> 3072
 and 1536 -> 576, the Q8_0 head 576 -> 49152, paged decode of 9 query / 3 KV heads of 64 at 512 tokens over a
 float32, bfloat16 and float16 cache) for one sequence and for 16, and a 512-token prefill chunk after 3,584
-cached tokens. The machines this runs on are shared and
+cached tokens (float32 products, and int16 ones: cpu.paged_prefill's activations). The machines this runs on are shared and
 drift, so each figure is the best of several rounds, the paths interleaved round by round. ``--engine``
 measures the engine on the default model instead, each path in a process of its own (LOCALPAGED_CPU_KERNELS
 set), its KV cache of ``--kv-cache-dtype`` (default auto: float16 on the native kernels): one chat's decode
@@ -161,9 +161,11 @@ def cases(context: int) -> dict[str, Callable[[], object]]:
     tables = torch.randperm(blocks, generator=gen).to(torch.int32)[None]
     cu, lens = torch.tensor([0, chunk], dtype=torch.int32), torch.tensor([chunk + cached], dtype=torch.int32)
     q = torch.randn(chunk, heads, d, generator=gen)
-    calls[f"paged_prefill {chunk} after {cached} tok, float16"] = lambda: cpu.paged_prefill(
-        q, k_cache, v_cache, tables, cu, lens, d**-0.5
-    )
+    for products in ("float32", "int16"):
+        label = f"paged_prefill {chunk} after {cached} tok, float16" + ("" if products == "float32" else ", int16")
+        calls[label] = lambda products=products: cpu.paged_prefill(
+            q, k_cache, v_cache, tables, cu, lens, d**-0.5, products
+        )
     return calls
 
 

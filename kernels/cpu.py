@@ -44,7 +44,7 @@ from localpaged.errors import ConfigError, KernelArgumentError, KernelError
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
-ABI_VERSION = 5  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
+ABI_VERSION = 6  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
@@ -337,6 +337,12 @@ def vnni_is_fast() -> bool:
     return library() is not None and cpu_isa.VNNI_FLAGS <= cpu_isa.cpu_flags()
 
 
+def int16_prefill_runs(head_dim: int) -> bool:
+    """Whether ``paged_prefill``'s int16 products run here for heads of ``head_dim`` (else it is the float32 kernel):
+    a CPU with AVX-512 VNNI and BF16, and heads of whole 16-float vectors."""
+    return library() is not None and cpu_isa.PREFILL_INT16_FLAGS <= cpu_isa.cpu_flags() and head_dim % 16 == 0
+
+
 def pack_blocks(
     q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, activations: str = "float32"
 ) -> PackedBlocks:
@@ -474,6 +480,8 @@ _lp_paged_prefill = Kernel(
         "longer than its block table row, or a block id is outside the cache"
     ),
 )
+_lp_paged_prefill_int16 = Kernel("lp_paged_prefill_int16", _lp_paged_prefill.argtypes, _lp_paged_prefill.bad_index)
+_PREFILL = {"float32": _lp_paged_prefill, "int16": _lp_paged_prefill_int16}
 
 
 def paged_prefill(
@@ -484,11 +492,18 @@ def paged_prefill(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    activations: str = "float32",
 ) -> torch.Tensor:
     """Varlen chunk attention over the paged cache (as ``reference.paged_prefill``): ``q`` [num_q, H, D] float32,
     the rows of sequence b from ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1]``, each seeing its cached prefix and,
     causally, its own chunk; chunks of one query (decode rows) may sit beside longer ones. Caches of any of
-    KV_DTYPES, read in place through ``block_tables`` (never gathered); the math and the output are float32."""
+    KV_DTYPES, read in place through ``block_tables`` (never gathered); the output is float32.
+
+    ``activations="float32"`` computes in float32 (the exact path). ``"int16"`` runs the scores on int16-rounded
+    q and K and the weighted sum on bfloat16 weights and V (``lp_paged_prefill_int16``, cpu_prefill_int16.c says
+    what it rounds and why) where the CPU has AVX-512 VNNI and BF16, and in float32 elsewhere."""
+    if activations not in _PREFILL:
+        raise KernelArgumentError(f"paged_prefill: activations={activations!r}: need one of {tuple(_PREFILL)}")
     num_blocks, kv_heads, kv_dtype = _expect_attention(q, k_cache, v_cache)
     num_q, h, d = q.shape
     _expect("context_lens", context_lens, INDEX_DTYPES, 1)
@@ -502,7 +517,7 @@ def paged_prefill(
         context_lens.to(torch.int32).contiguous(),
     )
     out = torch.empty_like(q)
-    _lp_paged_prefill(
+    _PREFILL[activations](
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

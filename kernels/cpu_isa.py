@@ -33,8 +33,11 @@ PACK = HERE / "cpu_pack.c"
 DECODE_STEP = HERE / "cpu_decode_step.c"  # lp_llama_decode: a decode step's layers over the path's own kernels
 QGEMM_INT8 = HERE / "cpu_qgemm_int8.c"  # lp_qgemm_int8: int8 activations, plain C and AVX-512 VNNI chosen at run time
 QGEMM_INT16 = HERE / "cpu_qgemm_int16.c"  # lp_qgemm_int16: int16 activations, the same way
+PREFILL_INT16 = HERE / "cpu_prefill_int16.c"  # lp_paged_prefill_int16: VNNI and BF16 products, where the CPU has them
 # What the CPU must report for lp_qgemm_int8 and lp_qgemm_int16 to run their VNNI kernels (the C files' own test).
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx512vl", "avx512bw"})
+# And for lp_paged_prefill_int16's (cpu_prefill_int16.c), which adds bfloat16 dot products.
+PREFILL_INT16_FLAGS = VNNI_FLAGS | {"avx512_bf16"}
 ENV = "LOCALPAGED_CPU_KERNELS"
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
@@ -57,7 +60,7 @@ class KernelPath:
     @property
     def sources(self) -> tuple[Path, ...]:
         """The C files compiled together."""
-        return (self.source, PACK, DECODE_STEP, QGEMM_INT8, QGEMM_INT16)
+        return (self.source, PACK, DECODE_STEP, QGEMM_INT8, QGEMM_INT16, PREFILL_INT16)
 
     @property
     def inputs(self) -> tuple[Path, ...]:

@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define TILE 16 /* weight rows per packed tile */
-#define LP_ABI_VERSION 5
+#define LP_ABI_VERSION 6
 
 enum {
     LP_OK = 0,
@@ -45,6 +45,10 @@ int lp_paged_prefill(const float *q, const void *k_cache, const void *v_cache, i
                      const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens,
                      int64_t num_q, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
                      int64_t num_blocks, float scale, float *out);
+int lp_paged_prefill_int16(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
+                           const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens,
+                           int64_t num_q, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+                           int64_t num_blocks, float scale, float *out);
 int lp_add_rms_norm(const float *x, const float *residual, const float *weight, int64_t M, int64_t D, float eps,
                     float *sum, float *out);
 int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out);
@@ -91,6 +95,26 @@ static inline int context_fits(const int32_t *table, long ctx, long max_blocks, 
     for (long blk = 0; blk * 16 < ctx; blk++)
         if (table[blk] < 0 || table[blk] >= num_blocks) return 0;
     return 1;
+}
+
+/* Whether sequence b's rows lie inside q and its chunk inside its context: 0 <= cu[b] <= cu[b + 1] <= num_q and
+ * q_len <= context_lens[b]. */
+static inline int chunk_fits(const int32_t *cu_seqlens_q, const int32_t *context_lens, long b, long num_q) {
+    const long start = cu_seqlens_q[b], end = cu_seqlens_q[b + 1];
+    return 0 <= start && start <= end && end <= num_q && end - start <= context_lens[b];
+}
+
+/* The most tiles of tile_positions queries any sequence's chunk that fits has: at least 1, so that a prefill kernel
+ * makes a task for every sequence and reports one that does not fit. */
+static inline long most_tiles(const int32_t *cu_seqlens_q, const int32_t *context_lens, long B, long num_q,
+                              long tile_positions) {
+    long tiles = 1;
+    for (long b = 0; b < B; b++) {
+        if (!chunk_fits(cu_seqlens_q, context_lens, b, num_q)) continue;
+        const long q_tiles = (cu_seqlens_q[b + 1] - cu_seqlens_q[b] + tile_positions - 1) / tile_positions;
+        if (q_tiles > tiles) tiles = q_tiles;
+    }
+    return tiles;
 }
 
 #endif

@@ -264,13 +264,6 @@ int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const
 static __thread float *prefill_scratch = NULL; /* per OpenMP thread: acc, s, qt, m, l, alpha, pos, kb, vb */
 static __thread long prefill_scratch_floats = 0;
 
-/* Whether sequence b's rows lie inside q and its chunk inside its context: 0 <= cu[b] <= cu[b + 1] <= num_q and
- * q_len <= context_lens[b]. */
-static inline int chunk_fits(const int32_t *cu_seqlens_q, const int32_t *context_lens, long b, long num_q) {
-    const long start = cu_seqlens_q[b], end = cu_seqlens_q[b + 1];
-    return 0 <= start && start <= end && end <= num_q && end - start <= context_lens[b];
-}
-
 static inline __attribute__((always_inline)) int prefill_task(
     const int KV, long b, long kvh, long tile, const float *q, const void *k_cache, const void *v_cache,
     const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens, long num_q, long H,
@@ -347,12 +340,7 @@ int lp_paged_prefill(const float *q, const void *k_cache, const void *v_cache, i
     if (B < 0 || num_q < 0 || KVH <= 0 || H % KVH || D <= 0 || D % 8 || kv_dtype < LP_KV_F32 || kv_dtype > LP_KV_F16)
         return LP_BAD_ARGUMENT;
     if (cu_seqlens_q[0] != 0 || cu_seqlens_q[B] != num_q) return LP_BAD_INDEX; /* some rows would go unwritten */
-    long tiles = 1; /* the most any sequence has; at least 1, so that a sequence that does not fit is reported */
-    for (long b = 0; b < B; b++) {
-        if (!chunk_fits(cu_seqlens_q, context_lens, b, num_q)) continue;
-        const long q_tiles = (cu_seqlens_q[b + 1] - cu_seqlens_q[b] + PREFILL_TILE - 1) / PREFILL_TILE;
-        if (q_tiles > tiles) tiles = q_tiles;
-    }
+    const long tiles = most_tiles(cu_seqlens_q, context_lens, B, num_q, PREFILL_TILE);
     int status = LP_OK;
 #pragma omp parallel for schedule(dynamic)
     for (long task = 0; task < tiles * B * KVH; task++) {

@@ -37,8 +37,9 @@ class EngineConfig:
     # where the native CPU kernels run a float32 model, else the model's dtype; float32 is the exact path)
     activations: str = "auto"  # GGUF blocks on the CPU kernels: each matmul's input rows as "float32" (the exact
     # path), rounded to "int16" per run of 32 (faster on AVX-512 VNNI; greedy output as the exact path's, see the
-    # README) or to "int8" as llama.cpp does (faster still; parts from the exact path early). auto: int16 where the
-    # CPU has AVX-512 VNNI, else float32
+    # README) or to "int8" as llama.cpp does (faster still; parts from the exact path early); with either, the
+    # chunked prefill's attention rounds too (int16 q, K; bfloat16 weights, V). auto: int16 where the CPU has
+    # AVX-512 VNNI, else float32
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # token budget per step; None picks one for the device
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192

@@ -106,6 +106,14 @@ def resolve_activations(activations: str, blocks: bool) -> str:
     one chat prompt the logits moved by an RMS of 1.2 (their standard deviation is ~4), 0.26 with the MLPs' down
     projections left in float32: their inputs' outliers leave the rest of each run of 32 a few levels of 8 bits.
     llama.cpp rounds the same way. Without VNNI the plain C kernels would run, slower than the float32 one.
+
+    The chunked prefill's attention follows (``layers.attention.select_attention``): with int16 or int8 inputs its
+    scores run on int16 q and K and its weighted sum on bfloat16 weights and V, where the CPU has AVX-512 VNNI and
+    BF16 (kernels/cpu_prefill_int16.c). Measured on the default model on the AMD EPYC: a 4,000-token prompt's
+    attention 3.57 -> 1.94-1.98 s (the prompt 520-578 -> 794-822 tok/s); with float16 KV, 100% of the parity
+    prompts' greedy tokens as the exact path's, 96.3% over 16 chats of ~300 tokens (the same as float16 KV alone)
+    and 97.0% over 8 questions after the 2,500-token coding prompt (one parts at its 97th token; 100% with float32
+    prefill products, and 100% with float32 KV).
     """
     if activations == "auto":
         return "int16" if blocks and cpu.vnni_is_fast() else "float32"
@@ -214,13 +222,13 @@ def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | 
     if config.max_num_batched_tokens is None:
         config.max_num_batched_tokens = 8192 if device.type == "cuda" else 512
 
-    attention = select_attention(config.attention, device, dtype, head_dim_of(hf_config))
+    blocks = use_block_weights(config, files, device, dtype)
+    config.activations = resolve_activations(config.activations, blocks)
+    attention = select_attention(config.attention, device, dtype, head_dim_of(hf_config), config.activations)
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, attention, config.max_model_len)
     model = model.to_empty(device=device).to(dtype)
     model.rotary_emb.init_tables()
-    blocks = use_block_weights(config, files, device, dtype)
-    config.activations = resolve_activations(config.activations, blocks)
     if files.gguf is None:
         config.weights = "float"
         model.load_hf_state_dict(load_state_dict(files.folder))

@@ -41,9 +41,10 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, native: bool = False) -> None:
+    def __init__(self, native: bool = False, prefill_products: str = "float32") -> None:
         self.native_decode = native
         self.native_prefill = native
+        self.prefill_products = prefill_products  # the native prefill's: "float32" (exact) or "int16"
 
     def _use_native_decode(self, meta: AttentionMetadata) -> bool:
         return self.native_decode and meta.max_q_len == 1
@@ -62,9 +63,8 @@ class TorchAttention:
         if self._use_native_decode(meta):
             return cpu.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         if self.native_prefill:
-            return cpu.paged_prefill(
-                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale
-            )
+            tables, cu_seqlens_q, lens = meta.block_tables, meta.cu_seqlens_q, meta.context_lens
+            return cpu.paged_prefill(q, k_cache, v_cache, tables, cu_seqlens_q, lens, scale, self.prefill_products)
         assert meta.plan is not None, "prepare() was not called for this step"
         return reference.paged_attention(q, k_cache, v_cache, meta.plan, scale)
 
@@ -104,15 +104,20 @@ class TritonAttention:
 AttentionPath = TorchAttention | TritonAttention
 
 
-def select_attention(name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionPath:
+def select_attention(
+    name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int, activations: str = "float32"
+) -> AttentionPath:
     """``name`` ("triton"/"torch") forces a path; otherwise Triton on CUDA and torch elsewhere.
 
     On the CPU in float32, every step goes to the native kernels where they build (they read heads
-    in runs of 8 floats): decode for all-decode steps, chunked prefill for the rest.
+    in runs of 8 floats): decode for all-decode steps, chunked prefill for the rest. The chunked prefill
+    rounds its products to 16 bits (``cpu.paged_prefill``'s "int16") where the projections' inputs are
+    rounded too (``activations`` int16 or int8); with float32 activations it stays the exact float32 kernel.
     """
     if name == "triton" or (name is None and device.type == "cuda"):
         return TritonAttention()
-    return TorchAttention(native=cpu.runs(device, dtype) and head_dim % 8 == 0)
+    products = "float32" if activations == "float32" else "int16"
+    return TorchAttention(native=cpu.runs(device, dtype) and head_dim % 8 == 0, prefill_products=products)
 
 
 class Attention(nn.Module):

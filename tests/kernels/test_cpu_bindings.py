@@ -155,6 +155,7 @@ def test_rope_write_kv_checks_every_argument(change, match):
             {"v_cache": torch.zeros(3, 16, 2, 32, dtype=torch.float16)},
             "v_cache is torch.float16, k_cache torch.float32: one cache type for both",
         ),
+        ({"activations": "int8"}, r"activations='int8': need one of \('float32', 'int16'\)"),
     ],
 )
 def test_paged_prefill_checks_every_argument(change, match):
@@ -176,15 +177,17 @@ def test_paged_prefill_checks_every_argument(change, match):
         ([0, 2, 3], [5, 1], [[0, 1], [-1, 0]], "a block id is outside the cache"),  # the decode row's
     ],
 )
+@pytest.mark.parametrize("activations", ["float32", "int16"])
 def test_an_index_outside_q_or_the_cache_comes_back_from_paged_prefill_as_an_error(
-    cu_seqlens_q, context_lens, table, match
+    cu_seqlens_q, context_lens, table, match, activations
 ):
     args = {
         **prefill_args([2, 1], context_lens),
         "cu_seqlens_q": torch.tensor(cu_seqlens_q, dtype=torch.int32),
         "block_tables": torch.tensor(table, dtype=torch.int32),
+        "activations": activations,
     }
-    with pytest.raises(KernelArgumentError, match=f"lp_paged_prefill: .*{match}"):
+    with pytest.raises(KernelArgumentError, match=f"lp_paged_prefill(_int16)?: .*{match}"):
         cpu.paged_prefill(**args)
 
 

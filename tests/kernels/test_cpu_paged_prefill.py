@@ -28,7 +28,10 @@ CASES = [  # (q_lens, cached prefix lens, num_kv_heads, gqa ratio, head_dim); co
 ]
 
 
-def run_case(q_lens, prefix_lens, num_kv_heads, gqa, head_dim, kv_dtype, make_paged_kv, assert_close, seed):
+def prefill_and_reference(
+    q_lens, prefix_lens, num_kv_heads, gqa, head_dim, kv_dtype, make_paged_kv, seed, activations="float32"
+):
+    """The kernel's output for one case, and the float64 reference's."""
     gen = torch.Generator().manual_seed(seed)
     context_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
     k_cache, v_cache, tables, k_ref, v_ref = (
@@ -38,8 +41,14 @@ def run_case(q_lens, prefix_lens, num_kv_heads, gqa, head_dim, kv_dtype, make_pa
     cu_seqlens_q = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     lens = torch.tensor(context_lens, dtype=torch.int32)
     scale = head_dim**-0.5
-    out = cpu.paged_prefill(q, k_cache, v_cache, tables, cu_seqlens_q, lens, scale)
-    assert_close(out, reference.paged_prefill(q.double(), k_ref, v_ref, tables, cu_seqlens_q, lens, scale))
+    out = cpu.paged_prefill(q, k_cache, v_cache, tables, cu_seqlens_q, lens, scale, activations)
+    return out, reference.paged_prefill(q.double(), k_ref, v_ref, tables, cu_seqlens_q, lens, scale)
+
+
+def run_case(q_lens, prefix_lens, num_kv_heads, gqa, head_dim, kv_dtype, make_paged_kv, assert_close, seed):
+    assert_close(
+        *prefill_and_reference(q_lens, prefix_lens, num_kv_heads, gqa, head_dim, kv_dtype, make_paged_kv, seed)
+    )
 
 
 @pytest.mark.parametrize("kv_dtype", cpu.KV_DTYPES)
