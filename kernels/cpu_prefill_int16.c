@@ -70,6 +70,11 @@ static inline __attribute__((always_inline)) VNNI_BF16 __m512i bf16_pairs(__m512
     return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
+/* Where key `key`'s row of this KV head starts in a cache (rows of a block `stride` values apart). */
+static inline long key_row(const int32_t *table, long key, long stride, long kv_offset) {
+    return (long)table[key / 16] * 16 * stride + key % 16 * stride + kv_offset;
+}
+
 /* One step's keys, rounded: kq [STEP_KEYS][D] int16 and kscale, and V as bfloat16 pairs of keys, vp [STEP_KEYS / 2][D]
  * (pair j2, column d: key 2 j2's value low, 2 j2 + 1's high). Keys n .. STEP_KEYS - 1 are zeros. */
 static inline __attribute__((always_inline)) VNNI_BF16 void round_step(const int KV, const void *k_cache,
@@ -83,7 +88,7 @@ static inline __attribute__((always_inline)) VNNI_BF16 void round_step(const int
             kscale[j] = 0.0f;
             continue;
         }
-        const long row = (long)table[(k0 + j) / 16] * 16 * stride + (k0 + j) % 16 * stride + kv_offset;
+        const long row = key_row(table, k0 + j, stride, kv_offset);
         __m512 amax = _mm512_setzero_ps();
         for (long d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_kv16(KV, k_cache, row + d)));
         const float top = _mm512_reduce_max_ps(amax);
@@ -95,7 +100,7 @@ static inline __attribute__((always_inline)) VNNI_BF16 void round_step(const int
         kscale[j] = top / K_LIMIT;
     }
     for (long j = 0; j < STEP_KEYS; j += 2) { /* keys j and j + 1 lie in one block */
-        const long row = j < n ? (long)table[(k0 + j) / 16] * 16 * stride + (k0 + j) % 16 * stride + kv_offset : 0;
+        const long row = j < n ? key_row(table, k0 + j, stride, kv_offset) : 0;
         for (long d = 0; d < D; d += 16) {
             const __m512 a = j < n ? load_kv16(KV, v_cache, row + d) : _mm512_setzero_ps();
             const __m512 b = j + 1 < n ? load_kv16(KV, v_cache, row + stride + d) : _mm512_setzero_ps();

@@ -24,12 +24,8 @@ INT16_TOLERANCE = 5e-3
 
 
 def check(out: torch.Tensor, ref: torch.Tensor, head_dim: int, assert_close) -> None:
-    if not cpu.int16_prefill_runs(head_dim):
-        assert_close(out, ref)
-        return
-    assert torch.isfinite(out).all(), "output has NaN/inf: an element was not written, or poison was read"
-    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
-    assert err < INT16_TOLERANCE, f"relative error {err:.2e} >= {INT16_TOLERANCE:.0e}"
+    """Within INT16_TOLERANCE where the int16 kernel runs, else within the float32 kernel's own tolerance."""
+    assert_close(out, ref, INT16_TOLERANCE if cpu.int16_prefill_runs(head_dim) else None)
 
 
 @pytest.mark.parametrize("kv_dtype", cpu.KV_DTYPES)
