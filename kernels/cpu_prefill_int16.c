@@ -12,13 +12,14 @@
  *   - Softmax in fp32, as the float32 kernel has it; each row's sum of weights is of the fp32 weights.
  *   - Weighted sum of V: the weights and V rounded to bfloat16 (8 bits, relative to each value itself, so that the
  *     many small weights of a long context keep their share), products and sums in fp32.
- * Tiles are of TILE_POSITIONS positions (all G query heads of a KV head), STEP_KEYS keys a step: each step's K
- * rows are rounded to int16 and its V rows to bfloat16 pairs once for all of the tile's rows.
+ * Each call first rounds every sequence's context, K rows to int16 and V rows to bfloat16 pairs (round_context);
+ * then tiles of TILE_POSITIONS positions (all G query heads of a KV head) walk it STEP_KEYS keys a step.
  *
  * Measured on this project's 2-core AMD EPYC (Zen 4), the default model's heads (9 query, 3 KV of 64), float16 KV:
- * a 512-token chunk after 3,584 cached tokens took 13.8-16 ms against the float32 kernel's 26-27 ms; in the engine a
- * 4,000-token prompt's attention took 1.94-1.98 s against 3.57 s, with tiles of 64 positions (32: 2.20 s, 128:
- * 2.09-2.17 s; a step's rounding is shared by fewer rows, or a tile's scores and sums leave L1).
+ * a 512-token chunk after 3,584 cached tokens took 13.8-16 ms against the float32 kernel's 26-27 ms (14.9 against
+ * 16.2 ms once its context was rounded once a call rather than once a tile); in the engine a 4,000-token prompt's
+ * attention took 1.94-1.98 s against 3.57 s, with tiles of 64 positions (32: 2.20 s, 128: 2.09-2.17 s; a step's
+ * rounding was shared by fewer rows, or a tile's scores and sums leave L1).
  */
 #include <math.h>
 #include <stdint.h>
@@ -209,25 +210,76 @@ static inline __attribute__((always_inline)) VNNI_BF16 void step_value_columns(c
         }
 }
 
+/* Every sequence's context rounded once a call, as round_step has it: rows first_key[b] + kvh * padded(ctx) + key of
+ * kq [][D], kscale [] and, by pairs of keys, vp [][D]; each sequence's keys padded to whole steps. Each tile reads
+ * them: rounding a step for each tile instead took 13% of a 512-token chunk after 3,584 cached tokens. */
+typedef struct {
+    long *first_key;
+    int16_t *kq;
+    float *kscale;
+    int32_t *vp;
+} RoundedContext;
+
+static long padded_context(const int32_t *cu_seqlens_q, const int32_t *context_lens, long b) {
+    if (cu_seqlens_q[b + 1] == cu_seqlens_q[b]) return 0; /* no rows: nothing reads its keys */
+    return (context_lens[b] + STEP_KEYS - 1) / STEP_KEYS * STEP_KEYS;
+}
+
+static void free_rounded(RoundedContext *rc) {
+    free(rc->first_key), free(rc->kq), free(rc->kscale), free(rc->vp);
+}
+
+static inline __attribute__((always_inline)) VNNI_BF16 int round_context(
+    const int KV, const void *k_cache, const void *v_cache, const int32_t *block_tables, const int32_t *cu_seqlens_q,
+    const int32_t *context_lens, long num_q, long B, long KVH, long D, long max_blocks, long num_blocks,
+    RoundedContext *rc) {
+    *rc = (RoundedContext){malloc((B + 1) * sizeof(long)), NULL, NULL, NULL};
+    if (!rc->first_key) return LP_OUT_OF_MEMORY;
+    rc->first_key[0] = 0;
+    for (long b = 0; b < B; b++) {
+        if (!chunk_fits(cu_seqlens_q, context_lens, b, num_q)) return LP_BAD_INDEX;
+        const long padded = padded_context(cu_seqlens_q, context_lens, b);
+        if (padded && !context_fits(block_tables + b * max_blocks, context_lens[b], max_blocks, num_blocks))
+            return LP_BAD_INDEX;
+        rc->first_key[b + 1] = rc->first_key[b] + KVH * padded;
+    }
+    const long keys = rc->first_key[B];
+    rc->kq = aligned_alloc(64, (keys * D * sizeof(int16_t) + 63) / 64 * 64 + 64);
+    rc->kscale = malloc(keys * sizeof(float) + 64);
+    rc->vp = aligned_alloc(64, (keys / 2 * D * sizeof(int32_t) + 63) / 64 * 64 + 64);
+    if (!rc->kq || !rc->kscale || !rc->vp) return LP_OUT_OF_MEMORY;
+#pragma omp parallel for schedule(static)
+    for (long step = 0; step < keys / STEP_KEYS; step++) {
+        const long key = step * STEP_KEYS;
+        long b = 0, hi = B; /* the sequence whose keys hold `key`: the last b with first_key[b] <= key */
+        while (hi - b > 1) {
+            const long mid = (b + hi) / 2;
+            if (rc->first_key[mid] <= key) b = mid;
+            else hi = mid;
+        }
+        const long padded = padded_context(cu_seqlens_q, context_lens, b), at = key - rc->first_key[b];
+        const long kvh = at / padded, k0 = at % padded, left = context_lens[b] - k0;
+        const long n = left < STEP_KEYS ? left : STEP_KEYS;
+        round_step(KV, k_cache, v_cache, block_tables + b * max_blocks, k0, n, KVH * D, kvh * D, D, rc->kq + key * D,
+                   rc->kscale + key, rc->vp + key / 2 * D);
+    }
+    return LP_OK;
+}
+
 static __thread char *scratch = NULL; /* per OpenMP thread */
 static __thread long scratch_bytes = 0;
 
 static inline __attribute__((always_inline)) VNNI_BF16 int prefill_task16(
-    const int KV, long b, long kvh, long tile, const float *q, const void *k_cache, const void *v_cache,
-    const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens, long num_q, long H,
-    long KVH, long D, long max_blocks, long num_blocks, float scale, float *out) {
-    if (!chunk_fits(cu_seqlens_q, context_lens, b, num_q)) return LP_BAD_INDEX;
+    long b, long kvh, long tile, const float *q, const RoundedContext *rc, const int32_t *cu_seqlens_q,
+    const int32_t *context_lens, long H, long KVH, long D, float scale, float *out) {
     const long q_start = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q_start, ctx = context_lens[b];
     const long i0 = tile * TILE_POSITIONS;
     if (i0 >= q_len) return LP_OK;
-    const int32_t *table = block_tables + b * max_blocks;
-    if (!context_fits(table, ctx, max_blocks, num_blocks)) return LP_BAD_INDEX;
     const long G = H / KVH, positions = q_len - i0 < TILE_POSITIONS ? q_len - i0 : TILE_POSITIONS, R = G * positions;
     const long rows = (R + 15) / 16 * 16, most = (G * TILE_POSITIONS + 15) / 16 * 16;
     /* qt [D / 2][most] pairs, s [STEP_KEYS][most], pp [STEP_KEYS / 2][most], acc [most][D], qscale, m, l, alpha, pos
-     * [most], kq [STEP_KEYS][D] int16, kscale [STEP_KEYS], vp [STEP_KEYS / 2][D] pairs: 4-byte units */
-    const long units = most * (D / 2 + STEP_KEYS + STEP_KEYS / 2 + D + 5) + STEP_KEYS * D / 2 + STEP_KEYS +
-                       STEP_KEYS / 2 * D;
+     * [most]: 4-byte units */
+    const long units = most * (D / 2 + STEP_KEYS + STEP_KEYS / 2 + D + 5);
     if (scratch_bytes < units * 4) {
         free(scratch);
         scratch = aligned_alloc(64, (units * 4 + 63) / 64 * 64);
@@ -237,10 +289,9 @@ static inline __attribute__((always_inline)) VNNI_BF16 int prefill_task16(
     int32_t *qt = (int32_t *)scratch, *pp = qt + D / 2 * most + STEP_KEYS * most;
     float *s = (float *)(qt + D / 2 * most), *acc = (float *)(pp + STEP_KEYS / 2 * most), *qscale = acc + most * D;
     float *m = qscale + most, *l = m + most, *alpha = l + most;
-    int32_t *pos = (int32_t *)(alpha + most), *vp = pos + most + STEP_KEYS * D / 2 + STEP_KEYS;
-    int16_t *kq = (int16_t *)(pos + most);
-    float *kscale = (float *)(pos + most + STEP_KEYS * D / 2);
+    int32_t *pos = (int32_t *)(alpha + most);
     const long first_pos = ctx - q_len + i0, end = first_pos + positions;
+    const long first_key = rc->first_key[b] + kvh * padded_context(cu_seqlens_q, context_lens, b);
     const float *q_tile = q + ((q_start + i0) * H + kvh * G) * D, scale_log2 = scale * 1.44269504088896341f;
     const long most_q = 2147483647L / (D * (long)K_LIMIT); /* D products of q_limit x K_LIMIT fit int32 */
     const float q_limit = (float)(most_q < Q_LIMIT ? most_q : Q_LIMIT);
@@ -259,13 +310,12 @@ static inline __attribute__((always_inline)) VNNI_BF16 int prefill_task16(
         qscale[r] = top / q_limit;
     }
     memset(acc, 0, R * D * sizeof(float));
-    const long stride = KVH * D;
     for (long k0 = 0; k0 < end; k0 += STEP_KEYS) {
-        const long n = end - k0 < STEP_KEYS ? end - k0 : STEP_KEYS;
-        round_step(KV, k_cache, v_cache, table, k0, n, stride, kvh * D, D, kq, kscale, vp);
-        step_scores(qt, qscale, rows, kq, kscale, n, D, s);
+        const long n = end - k0 < STEP_KEYS ? end - k0 : STEP_KEYS, key = first_key + k0;
+        step_scores(qt, qscale, rows, rc->kq + key * D, rc->kscale + key, n, D, s);
         step_softmax(s, rows, pos, k0, m, l, alpha, pp);
         const long pairs = (n + 1) / 2;
+        const int32_t *vp = rc->vp + key / 2 * D;
         long r = 0;
         for (; r + VALUE_ROWS <= R; r += VALUE_ROWS)
             step_value_columns(VALUE_ROWS, pp, rows, r, vp, pairs, D, alpha, acc);
@@ -283,26 +333,32 @@ static VNNI_BF16 int prefill_int16(const float *q, const void *k_cache, const vo
                                    const int32_t *block_tables, const int32_t *cu_seqlens_q,
                                    const int32_t *context_lens, long num_q, long B, long H, long KVH, long D,
                                    long max_blocks, long num_blocks, float scale, float *out) {
+    RoundedContext rc;
+    int status;
+    if (kv_dtype == LP_KV_BF16)
+        status = round_context(LP_KV_BF16, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, num_q, B, KVH,
+                               D, max_blocks, num_blocks, &rc);
+    else if (kv_dtype == LP_KV_F16)
+        status = round_context(LP_KV_F16, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, num_q, B, KVH,
+                               D, max_blocks, num_blocks, &rc);
+    else
+        status = round_context(LP_KV_F32, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, num_q, B, KVH,
+                               D, max_blocks, num_blocks, &rc);
+    if (status != LP_OK) {
+        free_rounded(&rc);
+        return status;
+    }
     const long tiles = most_tiles(cu_seqlens_q, context_lens, B, num_q, TILE_POSITIONS);
-    int status = LP_OK;
 #pragma omp parallel for schedule(dynamic)
     for (long task = 0; task < tiles * B * KVH; task++) {
         const long tile = tiles - 1 - task / (B * KVH), b = task / KVH % B, kvh = task % KVH;
-        int st;
-        if (kv_dtype == LP_KV_BF16)
-            st = prefill_task16(LP_KV_BF16, b, kvh, tile, q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                context_lens, num_q, H, KVH, D, max_blocks, num_blocks, scale, out);
-        else if (kv_dtype == LP_KV_F16)
-            st = prefill_task16(LP_KV_F16, b, kvh, tile, q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                context_lens, num_q, H, KVH, D, max_blocks, num_blocks, scale, out);
-        else
-            st = prefill_task16(LP_KV_F32, b, kvh, tile, q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                context_lens, num_q, H, KVH, D, max_blocks, num_blocks, scale, out);
+        const int st = prefill_task16(b, kvh, tile, q, &rc, cu_seqlens_q, context_lens, H, KVH, D, scale, out);
         if (st != LP_OK) {
 #pragma omp atomic write
             status = st;
         }
     }
+    free_rounded(&rc);
     return status;
 }
 #endif

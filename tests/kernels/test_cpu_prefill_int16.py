@@ -78,3 +78,10 @@ def test_int16_scores_stay_inside_int32_at_their_largest(head_dim, make_paged_kv
     cu, lens = torch.tensor([0, 16], dtype=torch.int32), torch.tensor([48], dtype=torch.int32)
     out = cpu.paged_prefill(q, k_cache, v_cache, tables, cu, lens, 1.0, "int16")
     check(out, reference.paged_prefill(q.double(), k_ref, v_ref, tables, cu, lens, 1.0), head_dim, assert_close)
+
+
+def test_int16_prefill_skips_a_sequence_without_rows(make_paged_kv, assert_close):
+    """A sequence of no rows in the batch (its context cached, nothing to compute) is neither rounded nor read, and
+    the others' rows are as they would be alone."""
+    out, ref = prefill_and_reference([9, 0, 40], [20, 35, 70], 3, 3, 64, torch.float16, make_paged_kv, 5, "int16")
+    check(out, ref, 64, assert_close)
