@@ -5,6 +5,7 @@ The kernel library is also of the ABI version kernels/cpu.py binds, or rebuilt (
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -31,10 +32,19 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
+def quick_path():
+    """This CPU's kernel path, built at -O0: these tests check what the cache does with a build, not the kernels'
+    speed, and -O0 builds the AVX-512 path in ~4 s against ~16 s (each test here builds twice)."""
+    from localpaged.kernels import cpu
+
+    path = cpu.chosen_path()
+    return dataclasses.replace(path, flags=(*path.flags, "-O0"))
+
+
 def built_library(cache: Path) -> Path:
     from localpaged.kernels import cpu
 
-    folder = cpu._library_folder(COMPILER, cpu.chosen_path())
+    folder = cpu._library_folder(COMPILER, quick_path())
     assert folder.parent == cache / "kernels"
     return folder / cpu.LIBRARY
 
@@ -122,7 +132,7 @@ def test_a_kernel_library_of_another_abi_version_is_rebuilt(cache: Path, tmp_pat
     library = built_library(cache)
     replace_with_a_recorded_build(library, source, tmp_path)
     with pytest.warns(UserWarning, match=reason):
-        lib = cpu._load(COMPILER, cpu.chosen_path())
+        lib = cpu._load(COMPILER, quick_path())
     assert lib.lp_abi_version() == cpu.ABI_VERSION and cpu._hash_reason(library.parent) is None
     gate_up, out = (ctypes.c_float * 16)(*range(16)), (ctypes.c_float * 8)()
     assert lib.lp_silu_mul(gate_up, 1, 8, out) == cpu.OK and out[1] > 0  # the rebuilt library, its kernels declared
@@ -136,7 +146,7 @@ def test_a_fresh_build_of_another_abi_version_is_refused(cache: Path, monkeypatc
     monkeypatch.setattr(cpu, "ABI_VERSION", cpu.ABI_VERSION + 1)
     stale = f"reports ABI version {cpu.ABI_VERSION - 1}, kernels/cpu.py binds"
     with pytest.warns(UserWarning, match=stale), pytest.raises(KernelError, match="cpu.py binds.*reinstall it"):
-        cpu._load(COMPILER, cpu.chosen_path())
+        cpu._load(COMPILER, quick_path())
 
 
 @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="chown needs root")

@@ -15,6 +15,7 @@ import pytest
 from localpaged import locations
 from localpaged.chat.store import ChatStore
 from localpaged.errors import ConfigError
+from tests.test_cache_folders import quick_path  # the kernels built at -O0: this test is about modes
 
 REPO = Path(__file__).resolve().parent.parent
 VARS = ("LOCALPAGED_HOME", "LOCALPAGED_CACHE", "LOCALPAGED_KV_CACHE")
@@ -287,7 +288,7 @@ def test_the_compiled_kernel_library_is_private_and_loads(env: dict[str, Path]) 
     folder = locations.kernels_cache_dir() / "cpu_kernels-test"
     folder.mkdir()
     try:
-        cpu._build(compiler, cpu.chosen_path(), folder)
+        cpu._build(compiler, quick_path(), folder)
     except (
         OSError,
         subprocess.CalledProcessError,
