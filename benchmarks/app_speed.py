@@ -98,6 +98,7 @@ def run_script(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     many = llm.chat([conversation(q) for q in QUESTIONS], params(args.tokens))
     wall = time.perf_counter() - start
+    llm.close()  # the disk tier's last writes, before own_kv_folder removes its folder
     return {
         "tok_s": out.metrics.decode_tokens_per_s,
         "eight_tok_s": sum(o.metrics.generated_tokens for o in many) / wall,

@@ -646,6 +646,7 @@ def run(args: argparse.Namespace, bin_dir: Path | None) -> None:
     block_size, ours_bpt = llm.config.block_size, llm.block_bytes / llm.config.block_size
     prompt_len = len(llm.encode_chat(conversations(1)[0]))
     results["sessions"] = [sessions_point(llm, bin_dir, gguf, threads, n) for n in points]
+    llm.close()  # the disk tier's last writes, before own_kv_folder removes its folder
     del llm
     if bin_dir is not None:
         bb = batched_bench(bin_dir, gguf, threads, prompt_len, 128, points)

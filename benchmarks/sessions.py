@@ -71,9 +71,11 @@ def main() -> None:
     shared = LLM(device=args.device)
     with_sharing = live_blocks(shared, system)
     bytes_per_block = shared.block_bytes
+    shared.close()  # the disk tier's last writes, before own_kv_folder removes its folder
     del shared
     unshared = LLM(device=args.device, enable_prefix_caching=False)
     without = live_blocks(unshared, system)
+    unshared.close()
     mib = 2**20
     print(
         f"8 live sessions, blocks held with prefix sharing:    {with_sharing:5d} ({with_sharing * bytes_per_block / mib:.1f} MiB)"

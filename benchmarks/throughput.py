@@ -130,16 +130,19 @@ def main() -> None:
     results[name], peak = run_ours(ours32, prompts, args.tokens)
     weight_mib[name] = weight_bytes(ours32) / 2**20
     block_bytes, max_len, bs = ours32.block_bytes, ours32.config.max_model_len, ours32.config.block_size
+    ours32.close()  # the disk tier's last writes, before own_kv_folder removes its folder
     del ours32
     if blocks:
         ours_float = LLM(args.model, device=args.device, dtype="float32", weights="float")
         results["localpaged fp32, float weights"], _ = run_ours(ours_float, prompts, args.tokens)
         weight_mib["localpaged fp32, float weights"] = weight_bytes(ours_float) / 2**20
+        ours_float.close()
         del ours_float
     ours_auto = LLM(args.model, device=args.device)
     auto_dtype = str(next(ours_auto.runner.model.parameters()).dtype).removeprefix("torch.")
     if auto_dtype != "float32":
         results[f"localpaged default ({auto_dtype})"], _ = run_ours(ours_auto, prompts, args.tokens)
+    ours_auto.close()
     del ours_auto
 
     from transformers import AutoModelForCausalLM
