@@ -315,7 +315,7 @@ class KVDiskTier:
 
     def close(self) -> None:
         """Finish the pending writes, bring the folder within its limit as it now is, stop the writer and readers."""
-        self._writer.submit(self._evict, True)
+        self._writer.submit(self._rescan_and_evict)
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True)
 
@@ -350,7 +350,8 @@ class KVDiskTier:
                     self.bytes_written += size
         with self._lock:
             over = self.index.total_bytes > self.capacity_bytes
-        self._evict(rescan=over or time.monotonic() - self._last_scan >= RESCAN_S)
+        if over or time.monotonic() - self._last_scan >= RESCAN_S:
+            self._rescan_and_evict()
         with self._lock:
             self.write_seconds += time.perf_counter() - started
 
@@ -368,15 +369,11 @@ class KVDiskTier:
             raise
         return len(header) + payload.nbytes
 
-    def _evict(self, rescan: bool) -> None:
-        """Once the tier is over its size limit, delete the least recently used files down to EVICT_TO of it.
-
-        With ``rescan`` the folder is scanned first: other processes sharing it add and evict files
-        too (their new blocks become hits here), and the limit is on what is on disk, not on what this
-        process wrote.
+    def _rescan_and_evict(self) -> None:
+        """Scan the folder, then, if the tier is over its size limit, delete the least recently used files down to
+        EVICT_TO of it. The scan comes first: other processes sharing the folder add and evict files too (their
+        new blocks become hits here), and the limit is on what is on disk, not on what this process wrote.
         """
-        if not rescan:
-            return
         files = self._scan(remove_stale_temps=False)
         self._last_scan = time.monotonic()
         with self._lock:

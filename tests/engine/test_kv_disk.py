@@ -135,6 +135,22 @@ def test_the_size_limit_evicts_the_least_recently_used(tmp_path):
     assert all(tier.contains(block(i)[0]) for i in range(5, 8))
 
 
+def test_the_writer_rescans_the_folder_only_when_over_its_limit_or_after_a_while(tmp_path, monkeypatch):
+    """A scan of a full tier's files took 23-40 ms, once paid after every prompt's batch."""
+    tier = KVDiskTier(tmp_path, LAYOUT, 1 << 30)
+    scans = []
+    scan = tier._scan
+    monkeypatch.setattr(tier, "_scan", lambda remove_stale_temps: scans.append(1) or scan(remove_stale_temps))
+    for i in range(3):
+        tier.save([block(i)])
+        tier.flush()
+    assert not scans  # under the limit, and RESCAN_S has not passed
+    monkeypatch.setattr("localpaged.engine.kv_disk.RESCAN_S", 0.0)
+    tier.save([block(3)])
+    tier.flush()
+    assert len(scans) == 1 and tier.stats()["disk_blocks"] == 4
+
+
 def test_the_writer_never_rewrites_what_is_stored_or_pending(tmp_path):
     tier = written(tmp_path, range(3))
     hashes = [block(i)[0] for i in range(5)]
