@@ -167,7 +167,7 @@ class ChatStore:
                 self.db.enable_wal()
                 return
             except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                if not _is_lock_error(exc) or time.monotonic() >= deadline:
                     raise
                 time.sleep(0.01)
 
@@ -559,6 +559,12 @@ def _not_writable(path: Path) -> bool:
     return path.is_file() and not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK))
 
 
+def _is_lock_error(exc: sqlite3.Error) -> bool:
+    """Whether SQLite refused because another connection holds the database."""
+    code = getattr(exc, "sqlite_errorname", "") or ""
+    return code.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in str(exc)
+
+
 def _explain(exc: sqlite3.Error, where: str, timeout: float) -> str:
     code = getattr(exc, "sqlite_errorname", "") or ""
     text = str(exc)
@@ -573,7 +579,7 @@ def _explain(exc: sqlite3.Error, where: str, timeout: float) -> str:
             f"The chat database {where} is read-only ({text}). "
             "Make the file and its folder writable, or pass --db with another path."
         )
-    if code.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text:
+    if _is_lock_error(exc):
         return (
             f"The chat database {where} is locked by another program (waited {timeout:g} s). "
             "Close other localpaged windows using it and try again, or pass --db with another path."
