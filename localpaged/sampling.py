@@ -24,6 +24,12 @@ MAX_TOKEN_ID = (1 << 31) - 1
 # all but one-hot there, and a tiny one such as 1e-110 overflowed logits / temperature to inf, so the
 # request failed with "probabilities are not finite" instead of decoding.
 GREEDY_TEMPERATURE = 1e-5
+# What a request may carry, so that no request's stop checks cost the step loop more than its own tokens do
+# (every request's are checked on the engine core after each of its tokens). Generous against OpenAI's 4
+# stop strings; a longer list of "stop words" belongs in a grammar or logit_bias.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # in one stop string
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass
@@ -95,8 +101,15 @@ def _stop_strings(stop: object) -> list[str]:
     """One stop string or a list/tuple of them, as a list without empty strings (an empty one would stop at once)."""
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise ConfigError(f"stop={stop!r}: use a string or a list of strings, e.g. stop=['\\n\\n']")
+    if not isinstance(stop, (list, tuple)):
+        raise ConfigError(f"stop={_brief(stop)}: use a string or a list of strings, e.g. stop=['\\n\\n']")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ConfigError(f"stop has {len(stop)} strings: use at most {MAX_STOP_STRINGS}")
+    if not all(isinstance(s, str) for s in stop):
+        raise ConfigError(f"stop={_brief(stop)}: use a string or a list of strings, e.g. stop=['\\n\\n']")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        longest = max(len(s) for s in stop)
+        raise ConfigError(f"a stop string has {longest} characters: use at most {MAX_STOP_CHARS} in each")
     for s in stop:
         if reason := not_unicode(s):
             raise ConfigError(f"stop={stop!r}: {reason}")
@@ -105,8 +118,18 @@ def _stop_strings(stop: object) -> list[str]:
 
 def _token_ids(ids: object) -> list[int]:
     """A list/tuple of token ids as a list of ints; the vocabulary bound is checked by the engine that knows it."""
+    if isinstance(ids, (list, tuple)) and len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ConfigError(f"stop_token_ids has {len(ids)} ids: use at most {MAX_STOP_TOKEN_IDS}")
     if not isinstance(ids, (list, tuple)) or any(
         isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t <= MAX_TOKEN_ID for t in ids
     ):
-        raise ConfigError(f"stop_token_ids={ids!r}: use a list of token ids (whole numbers from 0 to {MAX_TOKEN_ID})")
+        raise ConfigError(
+            f"stop_token_ids={_brief(ids)}: use a list of token ids (whole numbers from 0 to {MAX_TOKEN_ID})"
+        )
     return [int(t) for t in ids]
+
+
+def _brief(value: object) -> str:
+    """``repr(value)``, cut short: a message quotes what was sent, never megabytes of it."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."

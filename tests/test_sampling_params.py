@@ -151,3 +151,20 @@ def test_importing_sampling_params_does_not_import_torch():
         cwd=Path(__file__).parents[1],
     )
     assert result.returncode == 0, "importing localpaged.sampling pulled in torch " + result.stderr
+
+
+def test_every_list_a_request_carries_is_bounded():
+    """A request's stop checks run on the engine core after each of its tokens: their size is bounded up front."""
+    from localpaged.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+    SamplingParams(stop=["x"] * MAX_STOP_STRINGS, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
+    SamplingParams(stop="y" * MAX_STOP_CHARS)
+    with pytest.raises(ConfigError, match=f"^stop has 300000 strings: use at most {MAX_STOP_STRINGS}$"):
+        SamplingParams(stop=["a"] * 300_000)
+    with pytest.raises(ConfigError, match=f"has {MAX_STOP_CHARS + 1} characters: use at most {MAX_STOP_CHARS}"):
+        SamplingParams(stop=["ok", "z" * (MAX_STOP_CHARS + 1)])
+    with pytest.raises(ConfigError, match=f"^stop_token_ids has 1000 ids: use at most {MAX_STOP_TOKEN_IDS}$"):
+        SamplingParams(stop_token_ids=list(range(1000)))
+    with pytest.raises(ConfigError) as caught:
+        SamplingParams(stop=[1] * 10)
+    assert len(str(caught.value)) < 200  # the message quotes what was sent, cut short
