@@ -643,7 +643,7 @@ def run(args: argparse.Namespace, bin_dir: Path | None) -> None:
 
     print("sessions (aggregate output tok/s):", flush=True)
     llm = LLM(str(gguf), max_model_len=CTX_PER_SESSION)
-    block_size, ours_bpt = llm.config.block_size, llm.block_bytes / llm.config.block_size
+    block_size, ours_bpt = llm.resolved.block_size, llm.block_bytes / llm.resolved.block_size
     prompt_len = len(llm.encode_chat(conversations(1)[0]))
     results["sessions"] = [sessions_point(llm, bin_dir, gguf, threads, n) for n in points]
     llm.close()  # the disk tier's last writes, before own_kv_folder removes its folder

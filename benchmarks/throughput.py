@@ -125,11 +125,11 @@ def main() -> None:
         f"{args.sessions} sessions, system prompt {len(prompts[0]) - 10} tokens or so, prompts {min(map(len, prompts))}-"
         f"{max(map(len, prompts))} tokens, {args.tokens} new tokens each, greedy, device {args.device}, torch threads {torch.get_num_threads()}"
     )
-    blocks = ours32.config.weights == "auto"  # a GGUF's own blocks, float32 compute (the CPU default)
+    blocks = ours32.resolved.weights == "auto"  # a GGUF's own blocks, float32 compute (the CPU default)
     name = "localpaged fp32, GGUF blocks (default)" if blocks else "localpaged fp32"
     results[name], peak = run_ours(ours32, prompts, args.tokens)
     weight_mib[name] = weight_bytes(ours32) / 2**20
-    block_bytes, max_len, bs = ours32.block_bytes, ours32.config.max_model_len, ours32.config.block_size
+    block_bytes, max_len, bs = ours32.block_bytes, ours32.resolved.max_model_len, ours32.resolved.block_size
     ours32.close()  # the disk tier's last writes, before own_kv_folder removes its folder
     del ours32
     if blocks:

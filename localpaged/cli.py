@@ -375,7 +375,7 @@ def cmd_run(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     sys.stdout.flush()  # before the note on stderr, so a terminal shows them in order
     if session.warning:
         print(f"warning: {session.warning}", file=sys.stderr)
-    context, reply = session.engine.config.max_model_len, session.last_reply
+    context, reply = session.engine.info.max_model_len, session.last_reply
     if reply is not None and (note := limit_note(reply, context)):
         if filled_context(reply, context):
             print(f"note: the reply {note}; start a new session to go on", file=sys.stderr)
@@ -421,7 +421,7 @@ def cmd_serve(args: argparse.Namespace, engines: list[EngineClient]) -> None:
         app = build_app(engine, api_key=api_key)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        print(f"serving {engine.model_name} at {url}/v1 (OpenAI API; Ctrl-C stops)", file=sys.stderr, flush=True)
+        print(f"serving {engine.info.model_name} at {url}/v1 (OpenAI API; Ctrl-C stops)", file=sys.stderr, flush=True)
         if api_key is None and not _is_loopback(args.host):
             print(
                 f"warning: listening on {args.host} without an API key: anyone who can reach port {port} can use "

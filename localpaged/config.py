@@ -1,15 +1,23 @@
-"""EngineConfig: every knob of the engine in one dataclass, checked when it is made."""
+"""EngineConfig: every knob of the engine as the user gave it; ResolvedConfig: what the engine settled on.
+
+``EngineConfig`` is frozen and never rewritten: "auto" stays "auto" and "2GiB" stays "2GiB". Each
+field's type and range is declared once, in ``FIELDS``, and ``check_field`` is the one check that
+code, the settings file and the command line all go through. What "auto" and None became on this
+machine (device, dtypes, context, token budget, kernel path) is a separate ``ResolvedConfig``, made by
+``engine.setup`` and reported by ``LLM.resolved``, the engines' ``info`` and ``localpaged config show``.
+"""
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from localpaged.errors import ConfigError
 
 BLOCK_SIZE = 16
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+FLOAT_TYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
@@ -24,22 +32,87 @@ def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-@dataclass
+@dataclass(frozen=True)
+class Field:
+    """One setting's type and range: what ``check_field`` holds a value to."""
+
+    types: tuple[type, ...]
+    want: str  # the type in words, for the message
+    optional: bool = False  # None is allowed
+    choices: tuple[str, ...] = ()  # the allowed texts (besides a "cuda:N" device)
+    minimum: int | None = None  # for whole numbers
+    size: bool = False  # bytes or a size text such as "2GiB"
+    hint: str = ""  # what the choices mean, added to a message about a bad choice
+
+
+FIELDS: dict[str, Field] = {
+    "model": Field((str, os.PathLike), "a path (str)", optional=True),
+    "device": Field((str,), "text, e.g. 'cpu'", choices=("auto", "cpu", "cuda")),
+    "dtype": Field((str,), "a type name such as 'float32'", choices=FLOAT_TYPES),
+    "weights": Field(
+        (str,), "text, 'auto' or 'float'", choices=("auto", "float"), hint="'auto' keeps a GGUF's own blocks"
+    ),
+    "kv_cache_memory": Field((int, str), "bytes or a size such as '2GiB'", optional=True, size=True),
+    "kv_cache_dtype": Field(
+        (str,),
+        "a type name such as 'bfloat16'",
+        choices=FLOAT_TYPES,
+        hint="float32 is the exact path; 16 bits halve the KV cache's memory, attention still computes in float32",
+    ),
+    "activations": Field(
+        (str,),
+        "a type name: 'auto', 'float32', 'int16' or 'int8'",
+        choices=("auto", "float32", "int16", "int8"),
+        hint="float32 is the exact path; int16 and int8 round each input row, faster where the CPU has AVX-512 VNNI",
+    ),
+    "max_num_seqs": Field((int,), "a whole number", minimum=1),
+    "max_num_batched_tokens": Field((int,), "a whole number", optional=True, minimum=1),
+    "max_model_len": Field((int,), "a whole number", optional=True, minimum=2),
+    "enable_prefix_caching": Field((bool,), "true or false"),
+    "attention": Field((str,), "text, 'triton' or 'torch'", optional=True, choices=("triton", "torch")),
+    "enforce_eager": Field((bool,), "true or false"),
+    "num_threads": Field((int,), "a whole number", optional=True, minimum=1),
+    "block_size": Field((int,), "a whole number"),
+    "kv_disk": Field((bool,), "true or false"),
+    "kv_disk_bytes": Field((int, str), "bytes or a size such as '2GiB'", size=True),
+}
+
+
+def check_field(name: str, value: object) -> None:
+    """ConfigError naming ``name``, ``value`` and what to write instead, unless ``value`` is one ``name`` takes.
+
+    Types come first: settings come from TOML, flags and callers, and a '4' for 4 would otherwise
+    fail later as a TypeError far from the mistake (or, for a bool, pass as 1).
+    """
+    spec = FIELDS.get(name)
+    if spec is None:
+        raise ConfigError(f"{name!r} is not an engine setting; the settings are: {', '.join(FIELDS)}")
+    if value is None and spec.optional:
+        return
+    if (isinstance(value, bool) and bool not in spec.types) or not isinstance(value, spec.types):
+        raise ConfigError(f"{name}={value!r} ({type(value).__name__}) must be {spec.want}")
+    if spec.size and parse_bytes(value, name) <= 0:  # type: ignore[arg-type]
+        raise ConfigError(f"{name}={value!r}: must be positive")
+    if spec.choices and value not in spec.choices and not (name == "device" and str(value).startswith("cuda:")):
+        allowed = ", ".join(repr(c) for c in spec.choices)
+        raise ConfigError(f"{name}={value!r}: use {allowed}" + (f" ({spec.hint})" if spec.hint else ""))
+    if spec.minimum is not None and isinstance(value, int) and value < spec.minimum:
+        raise ConfigError(f"{name}={value}: must be at least {spec.minimum}")
+    if name == "block_size" and value != BLOCK_SIZE:
+        raise ConfigError(f"block_size is fixed at {BLOCK_SIZE}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
+    """The engine's settings as given. None and "auto" leave a choice to the engine (``ResolvedConfig``)."""
+
     model: str | None = None  # None: the default model package; else a HF folder or a .gguf file
     device: str = "auto"  # "auto" (cuda if present), "cpu", "cuda"
-    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
-    weights: str = (
-        "auto"  # GGUF on the CPU in float32: "auto" keeps the file's blocks (native kernels); "float" dequantises
-    )
+    dtype: str = "auto"  # the model's compute type: "auto", "float32", "bfloat16", "float16"
+    weights: str = "auto"  # a GGUF on the CPU in float32: "auto" keeps the file's blocks (native kernels); "float"
     kv_cache_memory: int | str | None = None  # bytes for the block pool; None sizes it from free memory
-    kv_cache_dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16": the KV pool's values (auto: float16
-    # where the native CPU kernels run a float32 model, else the model's dtype; float32 is the exact path)
-    activations: str = "auto"  # GGUF blocks on the CPU kernels: each matmul's input rows as "float32" (the exact
-    # path), rounded to "int16" per run of 32 (faster on AVX-512 VNNI; greedy output as the exact path's, see the
-    # README) or to "int8" as llama.cpp does (faster still; parts from the exact path early); with either, the
-    # chunked prefill's attention rounds too (int16 q, K; bfloat16 weights, V). auto: int16 where the CPU has
-    # AVX-512 VNNI, else float32
+    kv_cache_dtype: str = "auto"  # the KV pool's values; float32 is the exact path (see setup.resolve_kv_dtype)
+    activations: str = "auto"  # a GGUF's matmul inputs: "float32" (exact), "int16", "int8" (setup.resolve_activations)
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # token budget per step; None picks one for the device
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
@@ -52,72 +125,26 @@ class EngineConfig:
     kv_disk_bytes: int | str = 2 * 2**30  # the disk tier's size limit; least recently used blocks go first
 
     def __post_init__(self) -> None:
-        self._check_types()
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"device={self.device!r}: use 'auto', 'cpu' or 'cuda'")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype={self.dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r}: use 'auto', 'float32' (the exact path), 'bfloat16' "
-                "or 'float16' (16 bits halve the KV cache's memory; attention still computes in float32)"
-            )
-        if self.activations not in ("auto", "float32", "int16", "int8"):
-            raise ConfigError(
-                f"activations={self.activations!r}: use 'auto', 'float32' (the exact path), 'int16' or 'int8' "
-                "(faster on a GGUF's blocks where the CPU has AVX-512 VNNI; each input row rounded to 16 or 8 bits)"
-            )
-        if self.weights not in ("auto", "float"):
-            raise ConfigError(
-                f"weights={self.weights!r}: use 'auto' (a GGUF's own blocks where the CPU kernels run) or 'float'"
-            )
-        if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-            if self.kv_cache_memory <= 0:
-                raise ConfigError("kv_cache_memory must be positive")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be at least 1")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be at least 1")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(f"max_model_len={self.max_model_len}: must be at least 2")
-        self.attention = self.attention or os.environ.get("LOCALPAGED_ATTENTION") or None
-        if self.attention not in (None, "triton", "torch"):
-            raise ConfigError(f"attention={self.attention!r}: use 'triton' or 'torch' (or LOCALPAGED_ATTENTION)")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ConfigError(f"num_threads={self.num_threads}: must be at least 1 (or None for torch's choice)")
-        self.kv_disk_bytes = parse_bytes(self.kv_disk_bytes, "kv_disk_bytes")
-        if self.kv_disk_bytes <= 0:
-            raise ConfigError(
-                f"kv_disk_bytes={self.kv_disk_bytes}: must be positive (turn the tier off with kv_disk=False)"
-            )
-        if self.block_size != BLOCK_SIZE:
-            raise ConfigError(f"block_size is fixed at {BLOCK_SIZE}")
+        for f in fields(self):
+            check_field(f.name, getattr(self, f.name))
 
-    def _check_types(self) -> None:
-        """Each field's type, first: settings come from TOML, flags and callers, and a '4' for 4 would
-        otherwise fail later as a TypeError far from the mistake (or, for a bool, pass as 1)."""
-        kinds: dict[str, tuple[tuple[type, ...], bool, str]] = {
-            "model": ((str, os.PathLike), True, "a path (str)"),
-            "device": ((str,), False, "text, e.g. 'cpu'"),
-            "dtype": ((str,), False, "text, e.g. 'float32'"),
-            "weights": ((str,), False, "text, 'auto' or 'float'"),
-            "kv_cache_dtype": ((str,), False, "text, e.g. 'bfloat16'"),
-            "activations": ((str,), False, "text, 'auto', 'float32', 'int16' or 'int8'"),
-            "max_num_seqs": ((int,), False, "a whole number"),
-            "max_num_batched_tokens": ((int,), True, "a whole number"),
-            "max_model_len": ((int,), True, "a whole number"),
-            "enable_prefix_caching": ((bool,), False, "true or false"),
-            "attention": ((str,), True, "text, 'triton' or 'torch'"),
-            "enforce_eager": ((bool,), False, "true or false"),
-            "num_threads": ((int,), True, "a whole number"),
-            "block_size": ((int,), False, "a whole number"),
-            "kv_disk": ((bool,), False, "true or false"),
-        }
-        for name, (types, optional, want) in kinds.items():
-            value = getattr(self, name)
-            if value is None and optional:
-                continue
-            wrong_bool = isinstance(value, bool) and bool not in types
-            if wrong_bool or not isinstance(value, types):
-                raise ConfigError(f"{name}={value!r} ({type(value).__name__}) must be {want}")
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """What the engine settled on for an ``EngineConfig`` on this machine: every "auto" and None decided."""
+
+    device: str  # "cpu", "cuda:0"
+    dtype: str  # the model's compute type
+    kv_cache_dtype: str
+    weights: str  # "auto" (a GGUF's own blocks on the native kernels) or "float"
+    activations: str  # "float32", "int16" or "int8"
+    attention: str  # the attention path: "torch" (native kernels where they build) or "triton"
+    cpu_kernels: str | None  # the native kernels' instruction-set path, None where they do not run
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int
+    kv_cache_bytes: int  # the pool's size
+    num_blocks: int
+    enable_prefix_caching: bool
+    kv_disk: bool  # the disk tier is open

@@ -31,7 +31,7 @@ the built-in default, and :meth:`Settings.entries` says which, for ``localpaged 
 The file is checked in full when it is read: a value of the wrong type or out of range, an unknown
 key or table, or a file that is not TOML is one ConfigError naming the file, the key, and the line
 where it can tell; sampling values go through SamplingParams' own checks, engine values through
-EngineConfig's, so a message reads the same whether the value came from a flag, the file or code.
+EngineConfig's (``config.check_field``), so a message reads the same whether the value came from a flag, the file or code.
 The user's parsed document is only read, never changed: the settings are frozen copies.
 """
 
@@ -289,20 +289,9 @@ def _check_value(table: str, key: str, value: Any, where: Any) -> Any:
 
 
 def _engine_value(key: str, value: Any) -> int | str | bool:
-    from localpaged.config import EngineConfig  # torch-free; its checks make the messages
+    from localpaged.config import check_field  # torch-free: the one check EngineConfig's fields go through
 
-    if key in ("kv_cache_memory", "kv_disk_bytes"):
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f'{key}={value!r}: use bytes or a size string such as "2GiB"')
-    elif key in ("kv_cache_dtype", "activations"):
-        if not isinstance(value, str):
-            raise ConfigError(f'{key}={value!r}: use a type name such as "float32"')
-    elif key == "kv_disk":
-        if not isinstance(value, bool):
-            raise ConfigError(f"kv_disk={value!r}: must be true or false")
-    elif isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}={value!r}: must be a whole number, not {type(value).__name__}")
-    EngineConfig(**{key: value})
+    check_field(key, value)
     return value
 
 

@@ -8,7 +8,7 @@ some later test that happens to pass the new argument.
 - The synchronous LLM's members that the engine core calls: the chat tests' FakeLLM, which AsyncLLM
   wraps in their place.
 
-RemoteEngine's instance attributes (model_name, config, capabilities) need a server; tests/chat/test_remote.py
+RemoteEngine's instance attribute (info) needs a server; tests/chat/test_remote.py
 checks ``isinstance(engine, EngineClient)`` on a connected one.
 """
 
@@ -20,13 +20,15 @@ import pytest
 
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.engine.llm import LLM
-from localpaged.engine.protocol import EngineCapabilities, EngineClient
+from localpaged.engine.protocol import EngineCapabilities, EngineClient, EngineInfo, EngineStats
 from localpaged.engine.remote import RemoteEngine
 from tests.chat.fake_llm import FakeLLM
 from tests.tui.fake_engine import FakeEngine
 
 # What the engine core (localpaged/engine/core.py) and AsyncLLM call on the LLM they drive.
 CORE_CALLS = ("add_request", "step", "abort", "has_unfinished_requests", "encode_chat", "stats", "kv_map")
+# What AsyncLLM reads of the LLM it wraps on a thread.
+LLM_ATTRIBUTES = ("config", "info", "tokenizer")
 
 
 def methods(interface: type) -> dict[str, object]:
@@ -50,7 +52,7 @@ def test_the_protocol_declares_what_front_ends_use() -> None:
         "prefetch",
         "shutdown",
     }
-    assert set(EngineClient.__annotations__) == {"model_name", "config", "capabilities"}
+    assert set(EngineClient.__annotations__) == {"info"}
 
 
 @pytest.mark.parametrize("engine", [AsyncLLM, RemoteEngine, FakeEngine], ids=lambda c: c.__name__)
@@ -78,7 +80,8 @@ def test_instances_have_the_protocols_attributes() -> None:
     try:
         for instance in (engine, FakeEngine()):
             assert isinstance(instance, EngineClient)
-            assert isinstance(instance.capabilities, EngineCapabilities)
-            assert isinstance(instance.model_name, str) and instance.config.max_model_len > 0
+            assert isinstance(instance.info, EngineInfo) and isinstance(instance.info.capabilities, EngineCapabilities)
+            assert isinstance(instance.info.model_name, str) and instance.info.max_model_len > 0
+            assert isinstance(instance.stats(), EngineStats)
     finally:
         engine.shutdown()

@@ -80,7 +80,7 @@ def llm(tiny_model_path):
 
 def assert_clean(llm: LLM) -> None:
     assert llm.requests == {} and not llm.has_unfinished_requests()
-    assert llm.stats()["blocks_used"] == 0
+    assert llm.stats().blocks_used == 0
     llm.pool.check_integrity()
 
 
@@ -150,7 +150,7 @@ def test_the_async_front_end_with_random_prompts(front_end: AsyncLLM, prompt, pa
     else:
         assert out.finished and out.finish_reason in ("stop", "length")
     stats = front_end.stats()
-    assert stats["blocks_used"] == 0 and stats["running"] == stats["waiting"] == 0
+    assert stats.blocks_used == 0 and stats.running == stats.waiting == 0
     assert front_end._streams == {}  # no stream left registered by a request that could not be sent
 
 

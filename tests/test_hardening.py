@@ -349,11 +349,11 @@ def test_mistyped_engine_settings_are_config_errors(settings: dict, field: str) 
 
 
 def test_good_engine_settings_still_pass() -> None:
-    from localpaged.config import EngineConfig
+    from localpaged.config import EngineConfig, parse_bytes
 
     config = EngineConfig(kv_cache_memory="1.5GiB", max_num_seqs=4, num_threads=2, model=Path("m"))
-    assert config.kv_cache_memory == 1536 * 2**20
-    assert EngineConfig(kv_cache_memory=" 512 MiB ").kv_cache_memory == 512 * 2**20
+    assert config.kv_cache_memory == "1.5GiB" and parse_bytes(config.kv_cache_memory) == 1536 * 2**20  # kept as given
+    assert parse_bytes(EngineConfig(kv_cache_memory=" 512 MiB ").kv_cache_memory) == 512 * 2**20
 
 
 # ----- E: a rejected turn leaves nothing behind ---------------------------------------------

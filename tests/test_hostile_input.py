@@ -31,7 +31,7 @@ def front_end(tiny_model_path: Path):
 
 
 def assert_idle(llm: LLM) -> None:
-    assert llm.requests == {} and llm.stats()["blocks_used"] == 0
+    assert llm.requests == {} and llm.stats().blocks_used == 0
     llm.pool.check_integrity()
 
 

@@ -23,6 +23,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from localpaged.config_file import Settings, save_theme
+from localpaged.engine.protocol import EngineClient
 from localpaged.errors import ConfigError, LocalpagedError
 
 log = logging.getLogger(__name__)
@@ -30,13 +31,13 @@ log = logging.getLogger(__name__)
 TERMINAL_CHECK_S = 1.0  # how often the app makes sure it still has a terminal: one system call
 
 Progress = Callable[[str, "float | None"], None]
-EngineFactory = Callable[[Progress], Any]
+EngineFactory = Callable[[Progress], EngineClient]
 
 
 def default_engine_factory(model: str | None, **engine_config: Any) -> EngineFactory:
     """Build the real AsyncLLM (imported late: torch and the model load only in the worker)."""
 
-    def make(progress: Progress) -> Any:
+    def make(progress: Progress) -> EngineClient:
         from localpaged.engine.async_llm import AsyncLLM
 
         return AsyncLLM(model, progress=progress, **engine_config)
@@ -47,7 +48,7 @@ def default_engine_factory(model: str | None, **engine_config: Any) -> EngineFac
 def remote_engine_factory(url: str, api_key: str | None = None, model: str | None = None) -> EngineFactory:
     """Connect to an OpenAI-compatible server (and, after a failure, reconnect the same way)."""
 
-    def make(progress: Progress) -> Any:
+    def make(progress: Progress) -> EngineClient:
         from localpaged.engine.remote import RemoteEngine
 
         progress(f"Connecting to {url}", None)
@@ -96,7 +97,7 @@ class LocalpagedApp(App[None]):
         self.session_id = session_id
         self.db = db
         self.clock = clock
-        self.engine: Any = None
+        self.engine: EngineClient | None = None
         self.engine_lost = False  # the engine died and no new one has taken over yet
 
     def on_mount(self) -> None:
@@ -188,7 +189,7 @@ class LocalpagedApp(App[None]):
             self.restart(loading, dead)
 
     @work(thread=True, exclusive=True, group="startup")
-    def restart(self, loading: LoadingScreen, dead: Any) -> None:
+    def restart(self, loading: LoadingScreen, dead: EngineClient) -> None:
         """Shut the dead engine down, build a new one as at startup, or explain why not."""
         if dead is not None:
             try:
@@ -203,7 +204,7 @@ class LocalpagedApp(App[None]):
             return
         self.call_from_thread(self._restarted, engine, loading)
 
-    def _restarted(self, engine: Any, loading: LoadingScreen) -> None:
+    def _restarted(self, engine: EngineClient, loading: LoadingScreen) -> None:
         """Hand the new engine to the chat screen (and through it to every open chat), then show it."""
         self.engine, self.engine_lost = engine, False
         for screen in self.screen_stack:

@@ -87,9 +87,8 @@ class LiveChat:
         return [m for m in self.session.history if m.role != "system"]
 
     def engine_messages(self) -> list[dict]:
-        """The stored chat as the model reads it: the system prompt and every message with content."""
-        system = [{"role": "system", "content": self.session.system}] if self.session.system else []
-        return system + [{"role": m.role, "content": m.content} for m in self.visible_history() if m.content]
+        """The stored chat as the model reads it: the very messages the session's next prompt starts from."""
+        return self.session.engine_messages()
 
     def send(self, text: str) -> None:
         """Store `text` as the user's message and stream the reply."""
@@ -129,8 +128,8 @@ class LiveChat:
         the session has built that prompt, the last count of the stored chat.
         """
         engine = self.session.engine
-        max_len = engine.config.max_model_len  # None: a remote server that does not say
-        counted = self.context_tokens if engine.capabilities.tokenize else None  # None: nothing counts here
+        max_len = engine.info.max_model_len  # None: a remote server that does not say
+        counted = self.context_tokens if engine.info.capabilities.tokenize else None  # None: nothing counts here
         if self.generating:
             now = time.monotonic()
             ttft = None if self._first is None else self._first - self._started

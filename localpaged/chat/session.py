@@ -22,7 +22,7 @@ A reply that stopped at a token limit can be continued (``continue_reply``): the
 grows from the reply's own stored token ids, so the engine's prefix cache serves the whole prompt.
 
 A local engine gets token ids (the chat template's, as the prefix cache keys them); a remote one
-(``engine.capabilities.token_prompts`` False) gets the messages, counted through the server's
+(``engine.info.capabilities.token_prompts`` False) gets the messages, counted through the server's
 /tokenize where it has one, else sent as they are for the server to judge. There, continue sends the
 reply so far as a final assistant message, on servers that can go on from one.
 
@@ -40,7 +40,8 @@ from contextlib import aclosing, closing, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from localpaged.chat.store import FINISH_REASONS, ChatStore, MessageRecord, SessionRecord
+from localpaged.chat.store import ChatStore, MessageRecord, SessionRecord
+from localpaged.engine.output import FINISH_REASONS
 from localpaged.errors import ConfigError, RequestError
 from localpaged.sampling import MAX_TOKENS_LIMIT, SamplingParams
 
@@ -112,7 +113,7 @@ class Session:
         """Start a stored, empty session; without a title, the first user message names it."""
         _check_text("system", system, optional=True)
         _check_text("title", title, optional=True)
-        record = store.create_session(title=title, system=system, prompt_name=prompt_name, model=engine.model_name)
+        record = store.create_session(title=title, system=system, prompt_name=prompt_name, model=engine.info.model_name)
         return cls(engine, store, record, truncate=truncate, sampling=sampling, max_tokens=max_tokens)
 
     @classmethod
@@ -197,9 +198,9 @@ class Session:
         reply = history[-1]
         if reply.status != "complete" or reply.finish_reason != "length":
             return None
-        if filled_context(reply, self.engine.config.max_model_len):
+        if filled_context(reply, self.engine.info.max_model_len):
             return None  # the context is full
-        capabilities = self.engine.capabilities
+        capabilities = self.engine.info.capabilities
         if not capabilities.continue_reply:
             return None  # a remote server that cannot go on from a partial reply
         if capabilities.token_prompts and self.store.token_ids(reply.id) is None:
@@ -248,7 +249,7 @@ class Session:
             title=f"{self.title} (fork)" if self.title else None,
             system=self.system,
             prompt_name=self.prompt_name,
-            model=self.engine.model_name,
+            model=self.engine.info.model_name,
             parent_id=self.id,
         )
         return self._sibling(record)
@@ -283,9 +284,13 @@ class Session:
 
     # ----- housekeeping ----------------------------------------------------------------
 
+    def engine_messages(self) -> list[dict]:
+        """The stored chat as the model reads it (``chat_messages``): what the next turn's prompt starts from."""
+        return chat_messages(self.system, self.history)
+
     def context_tokens(self) -> int:
         """How many tokens the next turn's prompt uses before the new message: template over the history."""
-        messages = self._messages(_replayable(self.history))
+        messages = self.engine_messages()
         return len(self.engine.encode_chat(messages)) if messages else 0
 
     @property
@@ -352,10 +357,6 @@ class Session:
         if self.generating:
             raise RequestError(f"session {self.id} is already generating a reply; wait for it or stop() it first")
 
-    def _messages(self, turns: list[dict]) -> list[dict]:
-        system = [{"role": "system", "content": self.system}] if self.system else []
-        return system + turns
-
     def _fit(
         self, turns: list[dict], params: SamplingParams | None, continuing: MessageRecord | None = None
     ) -> tuple[_Prompt, SamplingParams]:
@@ -368,13 +369,13 @@ class Session:
         being continued follows the turns. A prompt whose size cannot be known here (a remote server
         without /tokenize) is sent as it is, for the server to judge.
         """
-        limit = self.engine.config.max_model_len
+        limit = self.engine.info.max_model_len
         sampling, default_max = self.reply_sampling()
         max_tokens = params.max_tokens if params is not None else default_max
         room = max_tokens if max_tokens is not None else 1
         dropped = 0
         while True:
-            prompt = self._prompt(self._messages(turns), continuing)
+            prompt = self._prompt(_with_system(self.system, turns), continuing)
             if prompt.size is None or limit is None:
                 break
             over = prompt.size + room - limit
@@ -423,10 +424,10 @@ class Session:
         the messages, a continued reply as the final assistant message, counted by the server if it can.
         """
         engine = self.engine
-        if engine.capabilities.token_prompts:
+        if engine.info.capabilities.token_prompts:
             ids = engine.encode_chat(messages) + ((self.store.token_ids(continuing.id) or []) if continuing else [])
             return _Prompt(ids, len(ids))
-        size = len(engine.encode_chat(messages)) if engine.capabilities.tokenize else None
+        size = len(engine.encode_chat(messages)) if engine.info.capabilities.tokenize else None
         if continuing is not None:
             messages = messages + [{"role": "assistant", "content": continuing.content}]
             size = None if size is None else size + (continuing.completion_tokens or 0)
@@ -460,8 +461,8 @@ class Session:
         An exception (the engine died, a bad request) is stored as ``error`` with its message; leaving
         early (stop, break, close) keeps what was said as ``partial``.
         """
-        keep_ids = self.engine.capabilities.token_prompts
-        recorder = _ReplyRecorder(self.store, self.id, self.engine.model_name, continuing, keep_ids=keep_ids)
+        keep_ids = self.engine.info.capabilities.token_prompts
+        recorder = _ReplyRecorder(self.store, self.id, self.engine.info.model_name, continuing, keep_ids=keep_ids)
         self.generating = True
         self._request_id = f"{self.id}-{recorder.message.id}" + (f"-c{recorder.base_tokens}" if continuing else "")
         self._turn_prompt_tokens = None if prompt.size is None else prompt.size - recorder.base_tokens
@@ -637,8 +638,22 @@ def _checked_settings(settings: dict, *, strict: bool) -> dict:
     return kept
 
 
+def chat_messages(system: str | None, history: list[MessageRecord]) -> list[dict]:
+    """What the model reads of a stored chat: the system prompt, then ``_replayable(history)``.
+
+    The one answer to that question: Session's prompts, and the app's context count, KV-map highlight
+    and disk prefetch, all come from here, so they count and warm the very prompt that is sent.
+    """
+    return _with_system(system, _replayable(history))
+
+
+def _with_system(system: str | None, turns: list[dict]) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + turns
+
+
 def _replayable(history: list[MessageRecord]) -> list[dict]:
-    """The messages a prompt replays: user messages, and assistant text that was stored complete or partial."""
+    """The messages a prompt replays: user messages, and assistant text that was stored complete or partial
+    (a reply that ended in an error is shown to the user but never sent to the model)."""
     return [
         {"role": m.role, "content": m.content}
         for m in history

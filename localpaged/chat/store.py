@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sqlite_utils import Database
 
 from localpaged.chat.migrations import migrate, pending
+from localpaged.engine.output import FINISH_REASONS, FinishReason
 from localpaged.errors import StoreError, UnknownSessionError
 from localpaged.locations import chat_db_path, create_private_file, make_private
 from localpaged.unicode_text import not_unicode
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
 ROLES = ("system", "user", "assistant")
 STATUSES = ("complete", "partial", "error")
-FINISH_REASONS = ("stop", "length", "abort", "error")  # RequestOutput.finish_reason; "length": a token limit
 METRICS = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "tokens_per_s", "model")
 # Around each matched word in SearchHit.snippet; plain characters, so that neither
 # Rich markup (square brackets) nor Markdown in the message itself is disturbed.
@@ -63,7 +63,7 @@ class MessageRecord:
     content: str
     status: str
     error: str | None
-    finish_reason: str | None  # why the reply ended (FINISH_REASONS); None for user messages and older replies
+    finish_reason: FinishReason | None  # why the reply ended; None for user messages and older replies
     prompt_tokens: int | None
     cached_tokens: int | None
     completion_tokens: int | None

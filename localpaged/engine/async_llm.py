@@ -7,8 +7,9 @@ localpaged.engine.core for why. Either way the front end does the same: it sends
 calls, and a dispatcher turns each message from the core into the outputs of the streams it names
 (an asyncio.Queue fed through ``loop.call_soon_threadsafe``, or a queue.Queue for scripts).
 
-The tokenizer is loaded here too, so ``encode_chat`` (every turn, every status refresh) never
-waits for an engine step.
+The tokenizer is loaded here too (a copy of its own), so ``encode_chat`` (every turn, every status
+refresh) never waits for an engine step, and every prompt is encoded and checked against the context
+here: the core is sent token ids only, so no prompt costs its step loop more than its own tokens do.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import copy
 import dataclasses
 import itertools
 import os
@@ -23,7 +25,6 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -32,11 +33,16 @@ from localpaged.config import EngineConfig
 from localpaged.engine import messages as m
 from localpaged.engine.core_client import CoreProcess, CoreThread
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
-from localpaged.engine.protocol import LOCAL, Prompt
-from localpaged.engine.tokenizer import check_messages
+from localpaged.engine.protocol import EngineInfo, EngineStats, Prompt
+from localpaged.engine.tokenizer import (
+    check_messages,
+    check_prompt_length,
+    encode_chat,
+    encode_prompt,
+    max_prompt_chars,
+)
 from localpaged.errors import EngineDeadError, LocalpagedError, RequestError
 from localpaged.sampling import SamplingParams
-from localpaged.unicode_text import not_unicode
 
 if TYPE_CHECKING:
     from typing import Self
@@ -112,8 +118,6 @@ class _Consumer:
 class AsyncLLM:
     """Serves many concurrent streams from one engine core; an EngineClient."""
 
-    capabilities = LOCAL  # token-id prompts, its own tokenizer, continue, the KV pool in view
-
     def __init__(
         self,
         model: str | None = None,
@@ -140,22 +144,24 @@ class AsyncLLM:
         if engine_process is None:
             engine_process = os.environ.get("LOCALPAGED_ENGINE_PROCESS", "1") != "0"
         if llm is None and engine_process:
-            config = EngineConfig(model=model, **engine_config)  # checked here, before a process starts
-            self._start_process(dataclasses.asdict(config), progress)
+            self.config = EngineConfig(model=model, **engine_config)  # checked here, before a process starts
+            self._start_process(dataclasses.asdict(self.config), progress)
         else:
             if llm is None:
                 from localpaged.engine.llm import LLM
 
                 llm = LLM(model, progress=progress, **engine_config)
-            self.config, self.model_name, self.tokenizer = llm.config, llm.model_name, llm.tokenizer
-            # The core thread detokenizes with this same tokenizer, so encoding runs there too, between
-            # steps: a fast tokenizer used from two threads at once fails with "Already borrowed".
-            self._encode_chat = partial(self._call, "encode_chat")
+            self.config, self.info = llm.config, llm.info
+            # A copy: the core thread detokenizes with the LLM's own, and a fast tokenizer used from two
+            # threads at once fails with "Already borrowed".
+            self.tokenizer = copy.deepcopy(llm.tokenizer)
             self._core: CoreProcess | CoreThread = CoreThread(llm, self._dispatch, self._on_core_exit)
+        self._tokenizer_lock = threading.Lock()  # the UI thread, a status refresh and streams may encode at once
+        self._max_prompt_chars = max_prompt_chars(self.tokenizer, self.info.max_model_len)
         atexit.register(self.shutdown)
 
     def _start_process(self, config: dict, progress: Callable | None) -> None:
-        from localpaged.engine.tokenizer import encode_chat, load_front_end_tokenizer, load_tokenizer, probe_ids
+        from localpaged.engine.tokenizer import load_front_end_tokenizer, load_tokenizer, probe_ids
 
         # The tokenizer loads here while the core loads the weights.
         loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="localpaged-tokenizer")
@@ -173,15 +179,7 @@ class AsyncLLM:
                 raise
         finally:
             loader.shutdown(wait=False)
-        self.config = EngineConfig(**core.ready.config)
-        self.model_name = core.ready.model_name
-        tokenizer_lock = threading.Lock()  # the UI thread and a status refresh may encode at once
-
-        def encode(messages: list[dict]) -> list[int]:
-            with tokenizer_lock:
-                return encode_chat(self.tokenizer, messages)
-
-        self._encode_chat = encode
+        self.info = EngineInfo.local(core.ready.model_name, core.ready.resolved)
         self._core = core
         core.serve(self._dispatch, self._on_core_exit)
 
@@ -190,20 +188,32 @@ class AsyncLLM:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn.
 
-        Checked here first (RequestError naming the message), whether the template runs here or in the core.
+        Checked first (RequestError naming the message); encoded here, never in the core.
         """
-        return self._encode_chat(check_messages(messages))
+        messages = check_messages(messages)
+        with self._tokenizer_lock:
+            return encode_chat(self.tokenizer, messages)
 
-    def stats(self) -> dict:
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        """``prompt`` as token ids, encoded and checked against the context here, before the core sees it.
+
+        Text that could not fit the context is refused by its length, before any time goes into encoding it.
+        """
+        with self._tokenizer_lock:
+            ids = encode_prompt(self.tokenizer, prompt, self._max_prompt_chars)
+        check_prompt_length(len(ids), self.info.max_model_len)
+        return ids
+
+    def stats(self) -> EngineStats:
         """The engine's figures (blocks, prefix hit rate, queues, tok/s) as of the end of its last step."""
-        return self._call("stats")
+        return msgspec.convert(self._call("stats"), EngineStats)
 
     def kv_map(self, token_ids: list[int] | None = None) -> KVMap:
         return msgspec.convert(self._call("kv_map", token_ids), KVMap)
 
     def prefetch(self, prompt: Prompt) -> int:
         """Have the engine read ``prompt``'s prefix blocks from its disk tier now; the number of tokens read."""
-        return self._call("prefetch", prompt)
+        return self._call("prefetch", self._prompt_ids(prompt))
 
     # ----- streaming -------------------------------------------------------------------
 
@@ -225,7 +235,8 @@ class AsyncLLM:
                 return False
             return True
 
-        consumer = self._open(prompt, params, request_id, deliver)
+        ids = await asyncio.to_thread(self._prompt_ids, prompt)  # off the event loop: other streams go on
+        consumer = self._open(ids, params, request_id, deliver)
         try:
             while not consumer.finished:
                 yield consumer.take(await items.get())
@@ -242,7 +253,7 @@ class AsyncLLM:
             items.put(item)
             return True
 
-        consumer = self._open(prompt, params, request_id, deliver)
+        consumer = self._open(self._prompt_ids(prompt), params, request_id, deliver)
         try:
             while not consumer.finished:
                 yield consumer.take(items.get())
@@ -289,7 +300,7 @@ class AsyncLLM:
     # ----- towards the core ------------------------------------------------------------
 
     def _open(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, deliver: Deliver
+        self, prompt: list[int], params: SamplingParams | None, request_id: str | None, deliver: Deliver
     ) -> _Consumer:
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
         stream = _Stream(request_id, deliver)
@@ -330,7 +341,7 @@ class AsyncLLM:
         try:
             payload = m.encode(message)
         except (TypeError, ValueError, OverflowError) as exc:  # what msgspec cannot carry to the core
-            raise RequestError(_unsendable(message, exc)) from None
+            raise RequestError(_unsendable(exc)) from None
         try:
             self._core.send(payload)
         except OSError:
@@ -398,17 +409,11 @@ class AsyncLLM:
             future.set_exception(_copy(closed))
 
 
-def _unsendable(message: m.Add | m.Abort | m.Call, exc: Exception) -> str:
-    """Why a request cannot go to the core, in the words of the check the core would have made."""
-    if isinstance(message, m.Add):
-        prompt = message.prompt
-        if isinstance(prompt, str) and (reason := not_unicode(prompt)):
-            return f"the prompt cannot be encoded: {reason}"
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            check_messages(prompt)  # raises RequestError naming the message
+def _unsendable(exc: Exception) -> str:
+    """Why a request cannot go to the core: its prompt is token ids by now, so something it carries."""
     return (
-        f"the request cannot be sent to the engine ({type(exc).__name__}: {exc}); a prompt is text, token ids "
-        "(whole numbers below the vocabulary size) or chat messages, and its text must be Unicode"
+        f"the request cannot be sent to the engine ({type(exc).__name__}: {exc}); token ids are whole numbers "
+        "below the vocabulary size, and sampling values are plain numbers, text and lists of them"
     )
 
 

@@ -39,9 +39,9 @@ from localpaged.engine.tokenizer import probe_ids
 
 log = logging.getLogger(__name__)
 
-# Every request-independent call the front end may make, and nothing else (encode_chat: on a core
-# thread, whose tokenizer the front end shares; prefetch: reads a prompt's blocks from the disk tier).
-CALLS = ("stats", "kv_map", "encode_chat", "prefetch")
+# Every request-independent call the front end may make, and nothing else (prefetch: reads a prompt's
+# blocks from the disk tier). Encoding is the front end's: the core is sent token ids.
+CALLS = ("stats", "kv_map", "prefetch")
 # How often the core checks, during a long step, that its front end still exists.
 PARENT_CHECK_S = 0.5
 
@@ -191,8 +191,7 @@ def serve(fd: int) -> int:
             m.encode(m.StartFailed("LocalpagedError", f"the engine could not start: {type(exc).__name__}: {exc}"))
         )
         return 1
-    config = {name: getattr(llm.config, name) for name in llm.config.__dataclass_fields__}
-    channel.send(m.encode(m.Ready(llm.model_name, str(llm.model_folder), config, probe_ids(llm.tokenizer))))
+    channel.send(m.encode(m.Ready(llm.model_name, str(llm.model_folder), llm.resolved, probe_ids(llm.tokenizer))))
     try:
         EngineCore(llm, channel.send).run(channel.receive)
     except (BrokenPipeError, ConnectionResetError):

@@ -25,18 +25,16 @@ from localpaged.config import EngineConfig
 from localpaged.engine.block_pool import BlockPool
 from localpaged.engine.kv_cache_manager import KVCacheManager
 from localpaged.engine.output import IncrementalDetokenizer, KVMap, RequestMetrics, RequestOutput
+from localpaged.engine.protocol import EngineInfo, EngineStats
 from localpaged.engine.runner import ModelRunner
 from localpaged.engine.sampler import make_generator
 from localpaged.engine.scheduler import Scheduler
 from localpaged.engine.sequence import Sequence
 from localpaged.engine.setup import EngineParts, build_engine_parts
-from localpaged.engine.tokenizer import encode_chat
+from localpaged.engine.tokenizer import Prompt, check_prompt_length, encode_chat, encode_prompt, max_prompt_chars
 from localpaged.errors import RequestError
 from localpaged.models.loader import ModelFiles
 from localpaged.sampling import SamplingParams
-from localpaged.unicode_text import not_unicode
-
-Prompt = str | list[int] | list[dict]
 
 log = logging.getLogger(__name__)
 
@@ -53,29 +51,32 @@ class LLM:
     ) -> None:
         """Load ``model`` (None: the default). ``model_files``: that model already resolved, as the core
         process does first so that its front end can load the tokenizer while the weights load."""
-        self.config = EngineConfig(model=model, **engine_config)
+        self.config = EngineConfig(model=model, **engine_config)  # as given, never rewritten
         parts: EngineParts = build_engine_parts(self.config, progress, model_files)
+        self.resolved = parts.resolved  # what the engine settled on
         self.model_name = parts.name
         self.model_folder = parts.folder
         self.tokenizer = parts.tokenizer
+        self._max_prompt_chars = max_prompt_chars(self.tokenizer, self.resolved.max_model_len)
         self.device = parts.device
         self.stop_token_ids = parts.stop_token_ids
         self.block_bytes = parts.block_bytes
-        self.pool = BlockPool(parts.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        resolved = self.resolved
+        self.pool = BlockPool(parts.num_blocks, resolved.block_size, resolved.enable_prefix_caching)
         use_graphs = self.device.type == "cuda" and parts.attention.name == "triton" and not self.config.enforce_eager
         self.runner = ModelRunner(
             parts.model,
             parts.attention,
             parts.num_blocks,
-            self.config.block_size,
+            resolved.block_size,
             self.device,
             parts.kv_dtype,
-            graph_batch_sizes=min(self.config.max_num_seqs, 512) if use_graphs else 0,
-            max_model_len=self.config.max_model_len,
+            graph_batch_sizes=min(resolved.max_num_seqs, 512) if use_graphs else 0,
+            max_model_len=resolved.max_model_len,
         )
         self.kv_disk = parts.kv_disk
         self.kv = KVCacheManager(self.pool, self.kv_disk, self.runner)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, resolved.max_num_seqs, resolved.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
 
@@ -86,20 +87,9 @@ class LLM:
         return encode_chat(self.tokenizer, messages)
 
     def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if reason := not_unicode(prompt):
-                raise RequestError(f"the prompt cannot be encoded: {reason}")
-            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
-        if not isinstance(prompt, (list, tuple)):  # bytes would iterate as ints and pass for token ids
-            raise RequestError(
-                f"a prompt must be text (str), token ids (a list of int) or chat messages (a list of dict), "
-                f"not {type(prompt).__name__}" + ("; decode it to str first" if isinstance(prompt, bytes) else "")
-            )
-        if prompt and isinstance(prompt[0], dict):
-            return self.encode_chat(prompt)  # type: ignore[arg-type]
-        ids = list(prompt)  # type: ignore[arg-type]
+        ids = encode_prompt(self.tokenizer, prompt, self._max_prompt_chars)
         vocab = self.runner.model.config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+        if any(t >= vocab for t in ids):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
@@ -112,14 +102,7 @@ class LLM:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use; pick another or wait until it finishes")
         ids = self._encode(prompt)
-        if not ids:
-            raise RequestError("the prompt is empty; send at least one token of text")
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise RequestError(
-                f"the prompt is {len(ids)} tokens but the context holds {limit} (max_model_len), with room for a reply; "
-                "shorten the prompt or start the engine with a larger max_model_len"
-            )
+        check_prompt_length(len(ids), self.resolved.max_model_len)
         vocab = self.runner.model.config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise RequestError(
@@ -233,7 +216,7 @@ class LLM:
             state.detokenizer.add(token)
             if state.detokenizer.stopped:
                 reason = "stop"
-            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.resolved.max_model_len:
                 reason = "length"
         if reason:
             self.scheduler.finish(seq, reason)
@@ -326,30 +309,33 @@ class LLM:
 
     # ---- introspection --------------------------------------------------------------------
 
-    def stats(self) -> dict:
+    @property
+    def info(self) -> EngineInfo:
+        """What this engine is: its model, context, device and what it settled on."""
+        return EngineInfo.local(self.model_name, self.resolved)
+
+    def stats(self) -> EngineStats:
         now = time.perf_counter()
         while self._recent and now - self._recent[0][0] > 3.0:
             self._recent.popleft()
         window = now - self._recent[0][0] if len(self._recent) > 1 else 0.0
         tokens = sum(n for _, n in list(self._recent)[1:])
-        return {
-            "blocks_total": self.pool.num_blocks,
-            "blocks_used": self.pool.num_used_blocks,
-            "blocks_cached": self.pool.num_cached_free(),
-            "blocks_shared": self.pool.num_shared(),
-            "block_bytes": self.block_bytes,
-            "prefix_hit_rate": self.kv.prefix_hit_rate,
-            # The rate's terms, as running totals (prompt tokens looked up / served from the cache):
-            # the server's /metrics exports counters, from which a monitor computes rates over any window.
-            "prefix_query_tokens": self.kv.prefix_queries,
-            "prefix_hit_tokens": self.kv.prefix_hits,
-            "disk_tokens": self.kv.disk_hits,  # of the hit tokens, those read from the disk tier
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            tokens_per_s=tokens / window if window > 0 else 0.0,
+            preemptions=self.scheduler.num_preemptions,
+            blocks_total=self.pool.num_blocks,
+            blocks_used=self.pool.num_used_blocks,
+            blocks_cached=self.pool.num_cached_free(),
+            blocks_shared=self.pool.num_shared(),
+            block_bytes=self.block_bytes,
+            prefix_hit_rate=self.kv.prefix_hit_rate,
+            prefix_query_tokens=self.kv.prefix_queries,
+            prefix_hit_tokens=self.kv.prefix_hits,
+            disk_tokens=self.kv.disk_hits,
             **(self.kv_disk.stats() if self.kv_disk is not None else {}),
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "preemptions": self.scheduler.num_preemptions,
-            "tokens_per_s": tokens / window if window > 0 else 0.0,
-        }
+        )
 
     def kv_map(self, token_ids: list[int] | None = None) -> KVMap:
         """Every block's state, and the blocks that hold ``token_ids``' cached prefix (for the KV map view)."""
@@ -363,4 +349,4 @@ class LLM:
                 states[b.block_id] = 3
         highlight = self.kv.cached_prefix_blocks(list(token_ids)) if token_ids else []
         saved = sum(b.ref_count - 1 for b in self.pool.blocks if b.ref_count > 1) * self.block_bytes
-        return KVMap(states, highlight, self.config.block_size, self.block_bytes, saved)
+        return KVMap(states, highlight, self.resolved.block_size, self.block_bytes, saved)

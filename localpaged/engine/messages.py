@@ -20,7 +20,8 @@ from typing import Any
 import msgspec
 
 from localpaged import errors
-from localpaged.engine.output import RequestMetrics
+from localpaged.config import ResolvedConfig
+from localpaged.engine.output import FinishReason, RequestMetrics
 
 # ----- front end -> core ------------------------------------------------------------------
 
@@ -33,7 +34,7 @@ class Start(msgspec.Struct, tag=True):
 
 class Add(msgspec.Struct, tag=True):
     request_id: str
-    prompt: Any  # text, token ids or chat messages; the core checks it as LLM.add_request does
+    prompt: list[int]  # encoded and checked against the context by the front end; the core checks the ids
     params: dict[str, Any] | None  # SamplingParams fields; rebuilt (and checked) in the core
 
 
@@ -42,7 +43,7 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class Call(msgspec.Struct, tag=True):
-    """Ask the engine for ``stats()``, ``kv_map(*args)``, ``encode_chat(*args)`` or ``prefetch(*args)``; answered between two steps."""
+    """Ask the engine for ``stats()``, ``kv_map(*args)`` or ``prefetch(*args)``; answered between two steps."""
 
     call_id: int
     method: str
@@ -72,11 +73,11 @@ class Resolved(msgspec.Struct, tag=True):
 
 
 class Ready(msgspec.Struct, tag=True):
-    """The engine is built: what the front end shows and needs (the resolved config)."""
+    """The engine is built: what the front end shows and needs (what the engine settled on)."""
 
     model_name: str
     model_folder: str
-    config: dict[str, Any]
+    resolved: ResolvedConfig
     probe_ids: list[int] | None  # the tokenizer's ids of tokenizer.PROBE, to check the front end's copy
 
 
@@ -92,7 +93,7 @@ class Output(msgspec.Struct):
     new_token_ids: list[int]
     delta: str
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     metrics: RequestMetrics
     prompt_token_ids: list[int] | None = None  # sent with the request's first output only
     error: str | None = None

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+# Why a request ended: its stop token or string, a token limit (max_tokens or the context), an abort, an error.
+FinishReason = Literal["stop", "length", "abort", "error"]
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 
 @dataclass
@@ -14,10 +19,6 @@ class RequestMetrics:
     decode_tokens_per_s: float | None  # after the first token
     disk_tokens: int = 0  # of the cached tokens, those read from the disk tier
 
-    @property
-    def tokens(self) -> int:
-        return self.generated_tokens
-
 
 @dataclass
 class RequestOutput:
@@ -27,7 +28,7 @@ class RequestOutput:
     text: str  # generated so far, stop string excluded
     delta: str  # text new since this request's previous output
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort", or "error" (then ``error`` says why)
+    finish_reason: FinishReason | None  # None until it finishes; "error": ``error`` says why
     metrics: RequestMetrics
     error: str | None = None  # why this request alone failed; every other request goes on
 

@@ -6,7 +6,7 @@ end is written once against it. The synchronous LLM is not one: it steps on its 
 tests/test_engine_protocol.py checks at run time that every implementation has every member here
 with the same signature.
 
-Engines differ in what they can do, and front ends ask ``capabilities`` rather than the engine's
+Engines differ in what they can do, and front ends ask ``info.capabilities`` rather than the engine's
 type: a remote server takes messages rather than token ids, may have no tokenizer to count with,
 may not continue a cut-off reply, and never shows its KV pool.
 """
@@ -15,13 +15,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import msgspec
+
+from localpaged.config import ResolvedConfig
+from localpaged.engine.tokenizer import Prompt
 
 if TYPE_CHECKING:
     from localpaged.engine.output import KVMap, RequestOutput
     from localpaged.sampling import SamplingParams
 
-Prompt = str | list[int] | list[dict]
+__all__ = ["LOCAL", "EngineCapabilities", "EngineClient", "EngineInfo", "EngineStats", "Prompt"]
 
 
 @dataclass(frozen=True)
@@ -38,11 +43,52 @@ class EngineCapabilities:
 LOCAL = EngineCapabilities(token_prompts=True, tokenize=True, continue_reply=True, kv_pool=True)
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine is, fixed for its lifetime: what the front ends show and plan with."""
+
+    model_name: str
+    max_model_len: int | None  # the context in tokens; None: a remote server that does not say
+    device: str  # where the model runs, in words for the status line ("cpu", "cuda:0", "remote engine URL")
+    block_size: int | None  # the KV pool's tokens a block; None where the pool is not in view
+    capabilities: EngineCapabilities
+    resolved: ResolvedConfig | None = None  # a local engine's settled configuration (``localpaged config show``)
+
+    @classmethod
+    def local(cls, model_name: str, resolved: ResolvedConfig) -> EngineInfo:
+        """A local engine's info: everything from what it settled on."""
+        return cls(model_name, resolved.max_model_len, resolved.device, resolved.block_size, LOCAL, resolved)
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine's figures as of the end of its last step. The pool's and the disk tier's are None where an
+    engine cannot see them (a remote server's pool; a local engine without a tier)."""
+
+    running: int  # requests in the running batch
+    waiting: int  # requests queued for admission
+    tokens_per_s: float  # generated tokens a second, all requests, over the last few seconds
+    preemptions: int | None = None  # requests preempted so far (their blocks given back, recomputed later)
+    blocks_total: int | None = None
+    blocks_used: int | None = None  # held by requests in flight
+    blocks_cached: int | None = None  # free, still holding a cached prefix
+    blocks_shared: int | None = None  # held by more than one request
+    block_bytes: int | None = None  # one block's K and V of every layer
+    prefix_hit_rate: float | None = None  # of the prompt tokens looked up, the share served from the cache
+    prefix_query_tokens: int | None = None  # running totals of the rate's terms, for rates over any window
+    prefix_hit_tokens: int | None = None
+    disk_tokens: int | None = None  # of the hit tokens, those read from the disk tier
+    disk_blocks: int | None = None  # the disk tier's block files
+    disk_bytes: int | None = None
+    disk_blocks_written: int | None = None
+    disk_bytes_written: int | None = None
+    disk_write_s: float | None = None  # time the tier's writer spent writing
+    disk_blocks_dropped: int | None = None  # blocks not written (the tier was full of newer ones, or a write failed)
+    disk_files_rejected: int | None = None  # block files that failed their checks when read
+
+
 @runtime_checkable
 class EngineClient(Protocol):
-    model_name: str
-    config: Any  # max_model_len (None: a remote server did not say) and device are known
-    capabilities: EngineCapabilities
+    info: EngineInfo
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation under the model's chat template, ending with the assistant's turn."""
@@ -64,7 +110,7 @@ class EngineClient(Protocol):
         """Stop a request in flight; RequestError if there is none with that id."""
         ...
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """Blocks total/used/cached/shared, prefix hits (rate, token totals), queues, preemptions, tok/s."""
         ...
 

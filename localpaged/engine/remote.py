@@ -2,7 +2,7 @@
 
 It speaks through the official ``openai`` client (streaming, retries, error types), so chats, the
 store, search, export, fork and regenerate work the same against a GPU box running vLLM as against
-the local engine. What a remote server cannot do is said in ``capabilities``:
+the local engine. What a remote server cannot do is said in ``info.capabilities``:
 
 - Prompts are messages (chat completions); a string or token ids go to /v1/completions.
 - Counting a conversation's tokens (``encode_chat``) goes through the server's /tokenize where it
@@ -29,14 +29,13 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import openai
 
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
-from localpaged.engine.protocol import EngineCapabilities, Prompt
+from localpaged.engine.protocol import EngineCapabilities, EngineInfo, EngineStats, Prompt
 from localpaged.engine.tokenizer import check_messages
 from localpaged.errors import ConfigError, LocalpagedError, RemoteEngineError, RequestError
 from localpaged.sampling import MAX_TOKENS_LIMIT, SamplingParams
@@ -53,15 +52,6 @@ CONTINUE_FIELDS = {
 }
 ECHOES_PREFIX = {"llamacpp"}
 _END, _ABORTED = object(), object()  # what the async reader hands the consumer besides chunks
-
-
-@dataclass
-class RemoteConfig:
-    """The part of an EngineConfig that a remote engine knows."""
-
-    url: str
-    max_model_len: int | None  # None: the server does not say; it judges each request itself
-    device: str  # where the model runs, for the status line
 
 
 def base_url(url: str) -> str:
@@ -96,11 +86,11 @@ class RemoteEngine:
         self._replies: dict[str, _Reply] = {}
         self._closed = False
         card = self._model_card(model)
-        self.model_name: str = card.id
         self.server: str = getattr(card, "owned_by", None) or "unknown"  # "vllm", "llamacpp", "localpaged", ...
-        self.config = RemoteConfig(self.url, self._context_length(card), f"remote engine {self.url}")
+        self._model: str = card.id
         self._tokenize = self._find_tokenizer()
-        self.capabilities = self._capabilities()
+        context, device = self._context_length(card), f"remote engine {self.url}"
+        self.info = EngineInfo(card.id, context, device, None, self._capabilities())
 
     # ----- what the front ends read ----------------------------------------------------
 
@@ -110,18 +100,18 @@ class RemoteEngine:
             raise RequestError(f"{self.url} has no /tokenize, so its token counts are unknown here")
         return self._tokenize(check_messages(messages))
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """What is known here: the replies in flight and their tok/s; the server's pool is not visible."""
         with self._lock:
             rates = [reply.rate() for reply in self._replies.values()]
-        return {"running": len(rates), "waiting": 0, "tokens_per_s": sum(r for r in rates if r is not None)}
+        return EngineStats(running=len(rates), waiting=0, tokens_per_s=sum(r for r in rates if r is not None))
 
     def prefetch(self, prompt: Prompt) -> int:
         """Nothing to load here: the server keeps its own KV cache (and any tier below it)."""
         return 0
 
     def kv_map(self, token_ids: list[int] | None = None) -> KVMap:
-        """An empty map: the KV pool is on the server, not visible from here (capabilities.kv_pool is False)."""
+        """An empty map: the KV pool is on the server, not visible from here (info.capabilities.kv_pool is False)."""
         return KVMap(states=[], highlight=[], block_size=0, block_bytes=0, bytes_saved=0)
 
     # ----- streaming -------------------------------------------------------------------
@@ -244,7 +234,7 @@ class RemoteEngine:
         """How this server counts a conversation: /tokenize with messages (ours, vLLM), or rendered first
         by /apply-template (llama.cpp, whose /tokenize ignores messages and answers no tokens); else None."""
         probe = [{"role": "user", "content": "Hello"}]
-        if _token_list(self._optional("post", "/tokenize", {"model": self.model_name, "messages": probe})):
+        if _token_list(self._optional("post", "/tokenize", {"model": self._model, "messages": probe})):
             return self._tokenize_messages
         rendered = self._optional("post", "/apply-template", {"messages": probe})
         if isinstance(rendered, dict) and isinstance(rendered.get("prompt"), str):
@@ -252,7 +242,7 @@ class RemoteEngine:
         return None
 
     def _tokenize_messages(self, messages: list[dict]) -> list[int]:
-        return _token_list(self._post("/tokenize", {"model": self.model_name, "messages": messages})) or []
+        return _token_list(self._post("/tokenize", {"model": self._model, "messages": messages})) or []
 
     def _tokenize_rendered(self, messages: list[dict]) -> list[int]:
         prompt = self._post("/apply-template", {"messages": messages})["prompt"]
@@ -319,14 +309,14 @@ class RemoteEngine:
     def _request(self, prompt: Prompt, params: SamplingParams) -> tuple[bool, dict, str | None]:
         """(chat?, the create() arguments, the prefix the server will echo) for ``prompt`` and ``params``."""
         body: dict[str, Any] = {
-            "model": self.model_name,
+            "model": self._model,
             "stream": True,
             "stream_options": {"include_usage": True},
             "temperature": params.temperature,
             "top_p": params.top_p,
         }
         # No limit as large as the context: OpenAI's "until the model stops or the context is full".
-        if params.max_tokens < (self.config.max_model_len or MAX_TOKENS_LIMIT):
+        if params.max_tokens < (self.info.max_model_len or MAX_TOKENS_LIMIT):
             body["max_tokens"] = params.max_tokens
         if params.seed is not None:
             body["seed"] = params.seed
@@ -344,8 +334,8 @@ class RemoteEngine:
         if chat:
             messages = check_messages(prompt)
             if messages[-1]["role"] == "assistant":  # a reply to continue
-                if not self.capabilities.continue_reply:
-                    raise RequestError(f"{self.url} cannot continue a reply: {self.capabilities.note}")
+                if not self.info.capabilities.continue_reply:
+                    raise RequestError(f"{self.url} cannot continue a reply: {self.info.capabilities.note}")
                 extra.update(CONTINUE_FIELDS[self.server])
                 echo = messages[-1]["content"] if self.server in ECHOES_PREFIX else None
             body["messages"] = messages

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from localpaged.engine.output import FinishReason
+
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
@@ -32,7 +34,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_disk_tokens: int = 0  # of which read from the disk tier
     num_preemptions: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from localpaged.config import EngineConfig
+from localpaged.config import EngineConfig, ResolvedConfig, check_field, parse_bytes
 from localpaged.engine.kv_disk import BlockLayout, KVDiskTier, layout_fingerprint
 from localpaged.engine.runner import ModelRunner
 from localpaged.engine.tokenizer import load_tokenizer
@@ -46,6 +46,7 @@ class EngineParts:
     block_bytes: int
     stop_token_ids: set[int]
     kv_disk: KVDiskTier | None
+    resolved: ResolvedConfig
 
 
 def resolve_device(name: str) -> torch.device:
@@ -156,7 +157,8 @@ def default_kv_memory(device: torch.device) -> int:
 
 
 def open_kv_disk(
-    config: EngineConfig,
+    resolved: ResolvedConfig,
+    disk_bytes: int,
     files: ModelFiles,
     hf_config,
     head_dim: int,
@@ -171,8 +173,8 @@ def open_kv_disk(
     instruction-set path, the attention backend, GGUF blocks or dequantised weights, the torch version,
     the GPU): when unsure, a separate folder costs one cold prefill, a shared one would cost wrong answers.
     """
-    shape = (2, hf_config.num_hidden_layers, config.block_size, hf_config.num_key_value_heads, head_dim)
-    inv_freq, rope_scale = rope_frequencies(hf_config, head_dim, config.max_model_len)
+    shape = (2, hf_config.num_hidden_layers, resolved.block_size, hf_config.num_key_value_heads, head_dim)
+    inv_freq, rope_scale = rope_frequencies(hf_config, head_dim, resolved.max_model_len)
     rope = inv_freq.numpy().tobytes() + (repr(rope_scale).encode() if rope_scale != 1.0 else b"")
     native = cpu.runs(device, dtype)
     fields = {
@@ -184,8 +186,8 @@ def open_kv_disk(
         "device": device.type,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "attention": attention.name,
-        "weights": config.weights,
-        "activations": config.activations,
+        "weights": resolved.weights,
+        "activations": resolved.activations,
         "native_cpu_kernels": native,
         # The instruction-set path (avx512, avx2, portable) and a kernel edit may change how sums round:
         # another path or another source is another tier.
@@ -194,19 +196,32 @@ def open_kv_disk(
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
     }
-    nbytes = ModelRunner.bytes_per_block(hf_config, head_dim, config.block_size, kv_dtype)
+    nbytes = ModelRunner.bytes_per_block(hf_config, head_dim, resolved.block_size, kv_dtype)
     layout = BlockLayout(layout_fingerprint(fields), shape, fields["kv_dtype"], nbytes)
-    return KVDiskTier(kv_cache_dir(), layout, int(config.kv_disk_bytes))
+    return KVDiskTier(kv_cache_dir(), layout, disk_bytes)
+
+
+def resolve_attention_name(name: str | None) -> str | None:
+    """The attention path asked for: the setting, else $LOCALPAGED_ATTENTION (read here only), else None."""
+    if name is not None:
+        return name
+    from_env = os.environ.get("LOCALPAGED_ATTENTION") or None
+    try:
+        check_field("attention", from_env)
+    except ConfigError as exc:
+        raise ConfigError(f"LOCALPAGED_ATTENTION: {exc}") from None
+    return from_env
 
 
 def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | None = None) -> EngineParts:
-    """Everything the engine needs; ``files`` is the model already resolved (else resolved from config.model)."""
+    """Everything the engine needs; ``files`` is the model already resolved (else resolved from config.model).
+
+    ``config`` is only read: what its "auto" and None became is the parts' ``resolved`` record.
+    """
     progress = progress or (lambda message, fraction: None)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device)
-    config.device, config.dtype = str(device), str(dtype).removeprefix("torch.")  # what "auto" became
-    config.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")
     if config.num_threads and device.type == "cpu":
         torch.set_num_threads(config.num_threads)
     files = files or resolve_model(config.model, progress)
@@ -215,42 +230,57 @@ def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | 
     tokenizer = load_tokenizer(files.folder)
 
     model_limit = min(hf_config.max_position_embeddings, getattr(hf_config, "sliding_window", None) or 1 << 30)
-    if config.max_model_len is None:
-        config.max_model_len = min(model_limit, MAX_DEFAULT_CONTEXT)
-    elif config.max_model_len > model_limit:
-        raise ConfigError(f"max_model_len={config.max_model_len} exceeds what {files.name} supports ({model_limit})")
-    if config.max_num_batched_tokens is None:
-        config.max_num_batched_tokens = 8192 if device.type == "cuda" else 512
+    max_model_len = config.max_model_len or min(model_limit, MAX_DEFAULT_CONTEXT)
+    if max_model_len > model_limit:
+        raise ConfigError(f"max_model_len={max_model_len} exceeds what {files.name} supports ({model_limit})")
+    max_num_batched_tokens = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 512)
 
     blocks = use_block_weights(config, files, device, dtype)
-    config.activations = resolve_activations(config.activations, blocks)
-    attention = select_attention(config.attention, device, dtype, head_dim_of(hf_config), config.activations)
+    activations = resolve_activations(config.activations, blocks)
+    attention_name = resolve_attention_name(config.attention)
+    attention = select_attention(attention_name, device, dtype, head_dim_of(hf_config), activations)
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, attention, config.max_model_len)
+        model = LlamaForCausalLM(hf_config, attention, max_model_len)
     model = model.to_empty(device=device).to(dtype)
     model.rotary_emb.init_tables()
     if files.gguf is None:
-        config.weights = "float"
         model.load_hf_state_dict(load_state_dict(files.folder))
     else:
         weights = GGUFWeights(GGUFFile(files.gguf), model.hf_weight_names(), hf_config)
         if blocks:
-            model.load_hf_state_dict(swap_in_blocks(model, weights, config.activations))
+            model.load_hf_state_dict(swap_in_blocks(model, weights, activations))
         else:  # float weights, or the GPU: dequantised from the file into the model's dtype on its device
-            config.weights = "float"
             model.load_hf_state_dict({n: dequantized(weights.read(n)) for n in weights.names})
     model.eval()
 
     block_bytes = ModelRunner.bytes_per_block(hf_config, model.head_dim, config.block_size, kv_dtype)
-    kv_bytes = config.kv_cache_memory or default_kv_memory(device)
-    num_blocks = int(kv_bytes) // block_bytes
-    needed = -(-config.max_model_len // config.block_size)
+    kv_bytes = parse_bytes(config.kv_cache_memory) if config.kv_cache_memory is not None else default_kv_memory(device)
+    num_blocks = kv_bytes // block_bytes
+    needed = -(-max_model_len // config.block_size)
     if num_blocks < needed:
         raise ConfigError(
             f"the KV pool ({kv_bytes / 2**20:.0f} MiB = {num_blocks} blocks of {block_bytes / 2**10:.0f} KiB) cannot hold one "
-            f"sequence of max_model_len={config.max_model_len} ({needed} blocks); raise kv_cache_memory to at least "
+            f"sequence of max_model_len={max_model_len} ({needed} blocks); raise kv_cache_memory to at least "
             f"{needed * block_bytes / 2**20:.0f} MiB or lower max_model_len"
         )
+    native = cpu.runs(device, dtype)
+    resolved = ResolvedConfig(
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        weights="auto" if blocks else "float",
+        activations=activations,
+        attention=attention.name,
+        cpu_kernels=cpu.chosen_path().name if native else None,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        block_size=config.block_size,
+        kv_cache_bytes=num_blocks * block_bytes,
+        num_blocks=num_blocks,
+        enable_prefix_caching=config.enable_prefix_caching,
+        kv_disk=config.kv_disk and config.enable_prefix_caching,
+    )
     return EngineParts(
         files.name,
         files.folder,
@@ -262,7 +292,18 @@ def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | 
         num_blocks,
         block_bytes,
         stop_token_ids(tokenizer, hf_config),
-        open_kv_disk(config, files, hf_config, model.head_dim, attention, device, dtype, kv_dtype)
-        if config.kv_disk and config.enable_prefix_caching
+        open_kv_disk(
+            resolved,
+            parse_bytes(config.kv_disk_bytes, "kv_disk_bytes"),
+            files,
+            hf_config,
+            model.head_dim,
+            attention,
+            device,
+            dtype,
+            kv_dtype,
+        )
+        if resolved.kv_disk
         else None,
+        resolved,
     )

@@ -15,6 +15,8 @@ from typing import Any
 from localpaged.errors import RequestError
 from localpaged.unicode_text import not_unicode
 
+Prompt = str | list[int] | list[dict]
+
 # Covers the template's roles, a multi-byte character, a turn boundary and the generation prompt.
 PROBE = [
     {"role": "system", "content": "Be brief."},
@@ -38,6 +40,56 @@ def load_front_end_tokenizer(folder: str | Path) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    """The most characters a prompt that fits ``max_model_len`` tokens can have: no token is longer than the
+    vocabulary's longest string (byte-level vocabularies spell each byte as one character, and a character
+    is at least a byte), so a longer prompt is refused by its length, before any time is spent encoding it."""
+    return max_model_len * max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, max_chars: int | None = None) -> list[int]:
+    """A prompt as the token ids the engine runs: text without special tokens added, chat messages under the
+    template, token ids as given (the engine checks them against its vocabulary). A RequestError names what
+    is wrong; text longer than ``max_chars`` (``max_prompt_chars``) is refused before it is encoded."""
+    if isinstance(prompt, str):
+        if reason := not_unicode(prompt):
+            raise RequestError(f"the prompt cannot be encoded: {reason}")
+        _check_chars(len(prompt), max_chars)
+        return list(tokenizer.encode(prompt, add_special_tokens=False)) if prompt else []
+    if not isinstance(prompt, (list, tuple)):  # bytes would iterate as ints and pass for token ids
+        raise RequestError(
+            f"a prompt must be text (str), token ids (a list of int) or chat messages (a list of dict), "
+            f"not {type(prompt).__name__}" + ("; decode it to str first" if isinstance(prompt, bytes) else "")
+        )
+    if prompt and isinstance(prompt[0], dict):
+        messages = check_messages(prompt)
+        _check_chars(sum(len(m["content"]) for m in messages), max_chars)
+        return encode_chat(tokenizer, messages)
+    ids = list(prompt)
+    if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+        raise RequestError("prompt token ids must be integers in [0, the vocabulary size)")
+    return ids  # type: ignore[return-value]
+
+
+def _check_chars(chars: int, max_chars: int | None) -> None:
+    if max_chars is not None and chars > max_chars:
+        raise RequestError(
+            f"the prompt has {chars} characters, more than the context could hold in tokens of this model "
+            f"(at most {max_chars}); shorten the prompt"
+        )
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    """RequestError unless a prompt of ``num_tokens`` leaves room for a reply in the context."""
+    if num_tokens == 0:
+        raise RequestError("the prompt is empty; send at least one token of text")
+    if num_tokens >= max_model_len:
+        raise RequestError(
+            f"the prompt is {num_tokens} tokens but the context holds {max_model_len} (max_model_len), with room for "
+            "a reply; shorten the prompt or start the engine with a larger max_model_len"
+        )
 
 
 def encode_chat(tokenizer: Any, messages: list[dict]) -> list[int]:

@@ -17,11 +17,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from localpaged.engine.protocol import EngineStats
+
 PREFIX = "localpaged_"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
-# stats() key -> (metric name without the prefix, help); gauges are levels, counters running totals.
+# EngineStats field -> (metric name without the prefix, help); gauges are levels, counters running totals.
 GAUGES = {
     "running": ("requests_running", "Requests in the running batch."),
     "waiting": ("requests_waiting", "Requests queued for admission."),
@@ -45,7 +47,7 @@ COUNTERS = {
 class EngineCollector(Collector):
     """The engine's figures, read from ``stats()`` at scrape time; a figure the engine lacks is left out."""
 
-    def __init__(self, stats: Callable[[], dict]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
@@ -59,17 +61,17 @@ class EngineCollector(Collector):
         if stats is None:
             return
         for key, (name, help_text) in GAUGES.items():
-            if key in stats:
-                yield GaugeMetricFamily(PREFIX + name, help_text, value=stats[key])
+            if (value := getattr(stats, key)) is not None:
+                yield GaugeMetricFamily(PREFIX + name, help_text, value=value)
         for key, (name, help_text) in COUNTERS.items():
-            if key in stats:
-                yield CounterMetricFamily(PREFIX + name, help_text, value=stats[key])
+            if (value := getattr(stats, key)) is not None:
+                yield CounterMetricFamily(PREFIX + name, help_text, value=value)
 
 
 class ServerMetrics:
     """The registry behind one app's ``/metrics``, and what the request handlers record into it."""
 
-    def __init__(self, stats: Callable[[], dict]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(stats))
         self.ttft = Histogram(

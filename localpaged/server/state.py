@@ -29,8 +29,8 @@ class ServerState:
 
     def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
-        self.model_name: str = engine.model_name
-        self.max_model_len: int = engine.config.max_model_len
+        self.model_name: str = engine.info.model_name
+        self.max_model_len: int = engine.info.max_model_len
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.stats)
         self.runs: dict[str, Run] = {}

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
-from localpaged.engine.protocol import Prompt
+from localpaged.engine.protocol import LOCAL, EngineInfo, EngineStats, Prompt
+from localpaged.engine.tokenizer import encode_chat
 from localpaged.errors import RequestError
 from localpaged.sampling import SamplingParams
 
@@ -31,10 +32,16 @@ class FakeConfig:
 
 
 class FakeTokenizer:
-    """One token per character: ids are code points."""
+    """One token per character: ids are code points; a chat template of ``<role>content`` lines."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) for c in text]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode("".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>")
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"a": ord("a")}  # every token is one character long
 
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids)
@@ -63,8 +70,6 @@ def default_reply(prompt_ids: list[int]) -> str:
 class FakeLLM:
     """Serves requests like LLM does, with text from `reply(prompt_ids)`, one character per step."""
 
-    model_name = "fake-llm"
-
     def __init__(
         self,
         reply: Callable[[list[int]], str] = default_reply,
@@ -73,6 +78,7 @@ class FakeLLM:
         step_delay: float = 0.0,
     ) -> None:
         self.config = FakeConfig(max_model_len=max_model_len)
+        self.info = EngineInfo("fake-llm", max_model_len, "cpu", BLOCK_SIZE, LOCAL)
         self.tokenizer = FakeTokenizer()
         self.reply = reply
         self.step_delay = step_delay
@@ -81,8 +87,7 @@ class FakeLLM:
         self._requests: dict[str, _Request] = {}
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
-        return self.tokenizer.encode(text)
+        return encode_chat(self.tokenizer, messages)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         if not prompt:
@@ -156,18 +161,18 @@ class FakeLLM:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         used = sum(req.blocks for req in self._requests.values())
-        return {
-            "blocks_total": self.config.num_blocks,
-            "blocks_used": used,
-            "blocks_cached": 0,
-            "blocks_shared": 0,
-            "prefix_hit_rate": 0.0,
-            "running": len(self._requests),
-            "waiting": 0,
-            "tokens_per_s": 0.0,
-        }
+        return EngineStats(
+            running=len(self._requests),
+            waiting=0,
+            tokens_per_s=0.0,
+            blocks_total=self.config.num_blocks,
+            blocks_used=used,
+            blocks_cached=0,
+            blocks_shared=0,
+            prefix_hit_rate=0.0,
+        )
 
     def kv_map(self, token_ids: list[int] | None = None) -> KVMap:
         states = [0] * self.config.num_blocks

@@ -74,9 +74,9 @@ def test_abort_frees_blocks_and_ends_the_stream(fake: FakeLLM) -> None:
     async def main():
         stream = engine.stream("long one", GREEDY, request_id="r1")
         first = await stream.__anext__()
-        assert engine.stats()["blocks_used"] > 0
+        assert engine.stats().blocks_used > 0
         await engine.abort("r1")
-        assert engine.stats()["blocks_used"] == 0
+        assert engine.stats().blocks_used == 0
         rest = [out async for out in stream]
         return first, rest
 
@@ -106,8 +106,8 @@ def test_a_consumer_that_leaves_aborts_its_request(fake: FakeLLM) -> None:
 
     try:
         asyncio.run(main())
-        wait_until(lambda: engine.stats()["running"] == 0)
-        assert engine.stats()["blocks_used"] == 0
+        wait_until(lambda: engine.stats().running == 0)
+        assert engine.stats().blocks_used == 0
     finally:
         engine.shutdown()
 
@@ -119,7 +119,7 @@ def test_a_cancelled_consumer_aborts_its_request(fake: FakeLLM) -> None:
 
     async def main():
         task = asyncio.create_task(collect(engine, "cancel me"))
-        while engine.stats()["running"] == 0:
+        while engine.stats().running == 0:
             await asyncio.sleep(0.005)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -127,8 +127,8 @@ def test_a_cancelled_consumer_aborts_its_request(fake: FakeLLM) -> None:
 
     try:
         asyncio.run(main())
-        wait_until(lambda: engine.stats()["running"] == 0)
-        assert engine.stats()["blocks_used"] == 0
+        wait_until(lambda: engine.stats().running == 0)
+        assert engine.stats().blocks_used == 0
     finally:
         engine.shutdown()
 
@@ -148,7 +148,7 @@ def test_a_duplicate_request_id_fails_only_the_newcomer(fake: FakeLLM) -> None:
 
     async def main():
         first = asyncio.create_task(collect(engine, "first", request_id="same"))
-        while engine.stats()["running"] == 0:
+        while engine.stats().running == 0:
             await asyncio.sleep(0.005)
         with pytest.raises(RequestError, match="already"):
             await collect(engine, "second", request_id="same")
@@ -167,7 +167,7 @@ def test_a_failing_step_fails_every_stream_in_flight_and_the_engine_goes_on(fake
 
     async def main():
         tasks = [asyncio.create_task(collect(engine, f"p{i}")) for i in range(3)]
-        while engine.stats()["running"] < 3:
+        while engine.stats().running < 3:
             await asyncio.sleep(0.001)
         fake.fail_next_step = RuntimeError("GPU on fire")
         return await asyncio.gather(*tasks, return_exceptions=True)
@@ -177,7 +177,7 @@ def test_a_failing_step_fails_every_stream_in_flight_and_the_engine_goes_on(fake
         for result in results:
             assert isinstance(result, LocalpagedError)
             assert "engine failed" in str(result) and "GPU on fire" in str(result)
-        assert engine.stats()["blocks_used"] == 0
+        assert engine.stats().blocks_used == 0
         assert engine.generate_text("after the failure", GREEDY).finish_reason == "stop"
     finally:
         engine.shutdown()
@@ -230,8 +230,8 @@ def test_closing_a_sync_stream_aborts_it(fake: FakeLLM) -> None:
         stream = engine.iter_stream("close me", GREEDY)
         next(stream)
         stream.close()
-        wait_until(lambda: engine.stats()["running"] == 0)
-        assert engine.stats()["blocks_used"] == 0
+        wait_until(lambda: engine.stats().running == 0)
+        assert engine.stats().blocks_used == 0
     finally:
         engine.shutdown()
 
@@ -239,10 +239,10 @@ def test_closing_a_sync_stream_aborts_it(fake: FakeLLM) -> None:
 def test_pass_throughs(engine: AsyncLLM, fake: FakeLLM) -> None:
     messages = [{"role": "user", "content": "hi"}]
     assert engine.encode_chat(messages) == fake.encode_chat(messages)
-    assert engine.tokenizer is fake.tokenizer
+    assert isinstance(engine.tokenizer, type(fake.tokenizer)) and engine.tokenizer is not fake.tokenizer  # a copy
     assert engine.config is fake.config
-    assert engine.model_name == fake.model_name
-    assert engine.stats()["blocks_total"] == fake.config.num_blocks
+    assert engine.info is fake.info
+    assert engine.stats().blocks_total == fake.config.num_blocks
     assert engine.kv_map() == fake.kv_map()
 
 
@@ -269,3 +269,48 @@ def test_ctrl_c_in_a_script_does_not_hang() -> None:
             child.kill()
             child.wait()
     assert "KeyboardInterrupt" in child.stderr.read()
+
+
+def test_prompts_are_encoded_and_checked_in_the_front_end(engine: AsyncLLM, fake: FakeLLM) -> None:
+    """The core is sent token ids only: no prompt's text costs its step loop anything, and one that cannot fit the
+    context is refused here (by its length in characters first, before any time goes into encoding it)."""
+    sent: list[object] = []
+    add_request = fake.add_request
+
+    def recording(prompt, params=None, request_id=None):
+        sent.append(prompt)
+        return add_request(prompt, params, request_id)
+
+    fake.add_request = recording  # type: ignore[method-assign]
+    messages = [{"role": "user", "content": "hi"}]
+    engine.generate_text("hello", GREEDY)
+    engine.generate_text(messages, GREEDY)
+    assert sent == [fake.tokenizer.encode("hello"), fake.encode_chat(messages)]
+    with pytest.raises(RequestError, match=r"has 8000000 characters, more than the context could hold .* 8192"):
+        next(engine.iter_stream("x" * 8_000_000))
+    with pytest.raises(RequestError, match="more than the context could hold"):
+        next(engine.iter_stream([{"role": "user", "content": "y" * 9000}]))
+    with pytest.raises(RequestError, match="the prompt is 9000 tokens but the context holds 8192"):
+        next(engine.iter_stream([7] * 9000))
+    with pytest.raises(RequestError, match="the prompt is empty"):
+        next(engine.iter_stream(""))
+    assert len(sent) == 2 and engine.stats().running == 0  # nothing refused reached the core
+
+
+def test_a_refused_prompt_is_refused_to_its_own_stream(engine: AsyncLLM) -> None:
+    async def both() -> tuple[BaseException | None, bool]:
+        async def refused() -> None:
+            async for _ in engine.stream("z" * 100_000):
+                pass
+
+        async def fine() -> bool:
+            async for out in engine.stream("fine", GREEDY):
+                last = out
+            return last.finished
+
+        results = await asyncio.gather(refused(), fine(), return_exceptions=True)
+        return results[0], results[1]
+
+    error, finished = asyncio.run(both())
+    assert isinstance(error, RequestError) and "more than the context could hold" in str(error)
+    assert finished is True

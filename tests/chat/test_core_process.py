@@ -78,7 +78,7 @@ def test_killing_the_core_ends_every_stream_and_keeps_the_partial_replies(tiny_m
             for session in sessions:
                 session.engine = fresh
                 assert session.send("Are you back?", SamplingParams(max_tokens=8, temperature=0)).status == "complete"
-            assert fresh.stats()["blocks_used"] == 0
+            assert fresh.stats().blocks_used == 0
 
 
 def test_a_blocking_stream_ends_too(tiny_model_path: Path) -> None:

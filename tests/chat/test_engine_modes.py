@@ -67,7 +67,7 @@ def test_many_streams_at_once_match_the_synchronous_engine(engine: AsyncLLM, exp
 
     results = asyncio.run(main())
     assert [outputs[-1].text for outputs in results] == list(expected.values())
-    assert engine.stats()["blocks_used"] == 0
+    assert engine.stats().blocks_used == 0
 
 
 def test_abort_frees_blocks_and_ends_the_stream(engine: AsyncLLM) -> None:
@@ -75,14 +75,14 @@ def test_abort_frees_blocks_and_ends_the_stream(engine: AsyncLLM) -> None:
         streams = [engine.stream(f"request {i} " * 5, LONG, request_id=f"abort-{i}") for i in range(3)]
         for stream in streams:
             await stream.__anext__()
-        assert engine.stats()["blocks_used"] > 0
+        assert engine.stats().blocks_used > 0
         for i in range(3):
             await engine.abort(f"abort-{i}")
         for stream in streams:
             assert [out.finish_reason async for out in stream][-1] == "abort"
 
     asyncio.run(main())
-    assert engine.stats()["blocks_used"] == 0
+    assert engine.stats().blocks_used == 0
     with pytest.raises(RequestError, match="no request"):
         asyncio.run(engine.abort("abort-0"))
 
@@ -91,8 +91,8 @@ def test_a_consumer_that_leaves_aborts_its_request(engine: AsyncLLM) -> None:
     stream = engine.iter_stream("walk away from me", LONG)
     next(stream)
     stream.close()
-    wait_until(lambda: engine.stats()["running"] == 0)
-    assert engine.stats()["blocks_used"] == 0
+    wait_until(lambda: engine.stats().running == 0)
+    assert engine.stats().blocks_used == 0
 
 
 def test_a_bad_request_fails_only_its_own_consumer(engine: AsyncLLM, expected: dict) -> None:
@@ -122,15 +122,15 @@ def test_a_duplicate_request_id_fails_only_the_newcomer(engine: AsyncLLM) -> Non
 
 
 def test_what_the_front_ends_read(engine: AsyncLLM, tiny_model_path: Path) -> None:
-    assert engine.model_name == tiny_model_path.name
-    assert engine.config.max_model_len == 1024 and engine.config.device == "cpu"
+    assert engine.info.model_name == tiny_model_path.name
+    assert engine.info.max_model_len == 1024 and engine.info.device == "cpu"
     messages = [{"role": "user", "content": "hi"}]
     ids = engine.encode_chat(messages)
     assert ids and engine.tokenizer.decode(ids).count("hi") == 1
     stats = engine.stats()
-    assert stats["blocks_total"] > 0 and stats["running"] == 0
+    assert stats.blocks_total > 0 and stats.running == 0
     kv = engine.kv_map(ids)
-    assert len(kv.states) == stats["blocks_total"] and kv.block_size == 16
+    assert len(kv.states) == stats.blocks_total and kv.block_size == 16
 
 
 def test_sessions_store_replies_and_reuse_cached_blocks(engine: AsyncLLM, tmp_path: Path) -> None:
@@ -165,7 +165,7 @@ def test_stop_keeps_the_partial_reply(engine: AsyncLLM, tmp_path: Path) -> None:
         text = asyncio.run(main())
         reply = session.history[-1]
         assert reply.status == "partial" and reply.content == text
-    assert engine.stats()["blocks_used"] == 0
+    assert engine.stats().blocks_used == 0
 
 
 def test_the_front_end_of_a_core_process_needs_no_torch(tiny_model_path: Path) -> None:

@@ -91,8 +91,8 @@ def free_port() -> int:
 
 def test_connects_and_says_what_it_can(remote: RemoteEngine) -> None:
     assert isinstance(remote, EngineClient)
-    assert remote.model_name and remote.config.max_model_len
-    caps = remote.capabilities
+    assert remote.info.model_name and remote.info.max_model_len
+    caps = remote.info.capabilities
     assert not caps.token_prompts and not caps.kv_pool  # messages go out; the pool stays on the server
     assert caps.tokenize and caps.continue_reply  # both servers count (/tokenize) and continue
     assert remote.kv_map().states == []
@@ -101,8 +101,8 @@ def test_connects_and_says_what_it_can(remote: RemoteEngine) -> None:
 def test_our_server_reports_its_context_and_counts_as_the_engine_does(ours: str, local_engine: AsyncLLM) -> None:
     remote = RemoteEngine(ours, api_key=KEY)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
-    assert remote.config.max_model_len == local_engine.config.max_model_len == 1024
-    assert remote.model_name == local_engine.model_name and remote.server == "localpaged"
+    assert remote.info.max_model_len == local_engine.info.max_model_len == 1024
+    assert remote.info.model_name == local_engine.info.model_name and remote.server == "localpaged"
     assert remote.encode_chat(messages) == local_engine.encode_chat(messages)
 
 
@@ -118,7 +118,7 @@ def test_a_wrong_key_says_so(ours: str) -> None:
 
 
 def test_a_model_it_does_not_serve_is_named(ours: str, local_engine: AsyncLLM) -> None:
-    with pytest.raises(Exception, match=f"does not serve the model 'nope'; it serves '{local_engine.model_name}'"):
+    with pytest.raises(Exception, match=f"does not serve the model 'nope'; it serves '{local_engine.info.model_name}'"):
         RemoteEngine(ours, api_key=KEY, model="nope")
 
 
@@ -139,7 +139,7 @@ def test_session_streams_persists_and_reloads(remote: RemoteEngine, store: ChatS
     assert text
     user, reply = session.history
     assert (user.role, user.content) == ("user", "What is a paged KV cache?")
-    assert (reply.content, reply.status, reply.model) == (text, "complete", remote.model_name)
+    assert (reply.content, reply.status, reply.model) == (text, "complete", remote.info.model_name)
     assert reply.finish_reason in ("stop", "length") and reply.completion_tokens and reply.prompt_tokens
     assert reply.prompt_tokens == len(
         remote.encode_chat(session._messages([{"role": "user", "content": user.content}]))
@@ -186,7 +186,7 @@ def test_closing_the_stream_frees_the_servers_blocks(ours: str, local_engine: As
         next(deltas)
         deltas.close()  # a blocking consumer walking away closes the HTTP stream: the server aborts
         next(deltas)
-    wait_until(lambda: local_engine.stats()["blocks_used"] == 0, timeout=10)
+    wait_until(lambda: local_engine.stats().blocks_used == 0, timeout=10)
     assert session.history[-1].status == "partial"
 
 
@@ -208,7 +208,8 @@ def test_continue_is_off_where_the_server_cannot(ours: str, store: ChatStore) ->
     session = Session.new(remote, store)
     session.send("Count.", SamplingParams(max_tokens=4, temperature=0))
     assert session.continuable() is not None
-    remote.capabilities = dataclasses.replace(remote.capabilities, continue_reply=False, note="not this one")
+    capabilities = dataclasses.replace(remote.info.capabilities, continue_reply=False, note="not this one")
+    remote.info = dataclasses.replace(remote.info, capabilities=capabilities)
     assert session.continuable() is None
     with pytest.raises(RequestError, match="only a last reply that stopped at a token limit"):
         session.continue_reply()
@@ -276,8 +277,8 @@ def test_a_stream_cut_off_keeps_the_partial_and_says_why(store: ChatStore) -> No
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         remote = RemoteEngine(f"http://127.0.0.1:{server.server_port}")
-        assert not remote.capabilities.tokenize and not remote.capabilities.continue_reply
-        assert "no /tokenize" in remote.capabilities.note and "'half'" in remote.capabilities.note
+        assert not remote.info.capabilities.tokenize and not remote.info.capabilities.continue_reply
+        assert "no /tokenize" in remote.info.capabilities.note and "'half'" in remote.info.capabilities.note
         session = Session.new(remote, store)
         with pytest.raises(RemoteEngineError, match="closed the stream before the reply finished"):
             session.send("hi")

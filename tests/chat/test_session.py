@@ -56,7 +56,7 @@ def test_send_stores_both_messages_with_metrics(engine: AsyncLLM, store: ChatSto
     assert reply.prompt_tokens == len(
         fake.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a block?"}])
     )
-    assert reply.cached_tokens == 0 and reply.model == fake.model_name and reply.ttft_s is not None
+    assert reply.cached_tokens == 0 and reply.model == fake.info.model_name and reply.ttft_s is not None
     assert session.last_metrics is not None and session.last_metrics.generated_tokens == len(reply.content)
     assert session.title == "What is a block?" == store.get_session(session.id).title
     assert not session.generating
@@ -125,7 +125,7 @@ def test_stop_keeps_the_partial_reply(engine: AsyncLLM, store: ChatStore, fake: 
     text = asyncio.run(main())
     reply = session.history[-1]
     assert reply.status == "partial" and reply.content == text and len(text) >= 10
-    assert engine.stats()["blocks_used"] == 0
+    assert engine.stats().blocks_used == 0
     assert not session.generating
 
 
@@ -153,9 +153,12 @@ def test_an_engine_failure_is_stored_as_an_error(engine: AsyncLLM, store: ChatSt
     assert reply.status == "error" and "device lost" in reply.error
     assert not session.generating
     # The failed reply is not replayed: the next turn's prompt holds both user messages only.
+    assert session.engine_messages() == [{"role": "user", "content": "fail please"}]
     fake.reply = lambda ids: "ok"
-    session.send("again", GREEDY)
+    reply = session.send("again", GREEDY)
     assert [m.role for m in session.history] == ["user", "assistant", "user", "assistant"]
+    turns = [{"role": "user", "content": "fail please"}, {"role": "user", "content": "again"}]
+    assert reply.prompt_tokens == len(fake.encode_chat(turns))
 
 
 def test_regenerate_replaces_the_last_reply(engine: AsyncLLM, store: ChatStore, fake: FakeLLM) -> None:
@@ -323,7 +326,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def test_turn_two_reuses_the_cached_blocks_of_turn_one(tiny_llm, store: ChatStore) -> None:
     llm = tiny_llm()
-    block = llm.config.block_size
+    block = llm.resolved.block_size
     with AsyncLLM(llm=llm) as engine:
         session = Session.new(engine, store, system="You are a tiny test model. " * 4)
         params = SamplingParams(max_tokens=24, temperature=0.0)
@@ -369,7 +372,7 @@ def test_eight_sessions_at_once_match_one_at_a_time(tiny_llm, tmp_path: Path) ->
             return await asyncio.gather(*(ask(s, q) for s, q in zip(sessions, questions)))
 
         together = asyncio.run(main())
-        assert engine.stats()["blocks_used"] == 0
+        assert engine.stats().blocks_used == 0
         assert [s.history[-1].content for s in sessions] == together
     assert together == alone
 
@@ -419,7 +422,7 @@ def test_a_conversation_with_the_default_model(default_llm, store: ChatStore) ->
         second = session.send("And of Italy?", params)
         assert second.status == "complete" and "Rome" in second.content
         assert second.cached_tokens >= turn_one_prompt // 16 * 16
-        assert engine.stats()["blocks_used"] == 0
+        assert engine.stats().blocks_used == 0
 
 
 # ----- how long a reply may run --------------------------------------------------------------

@@ -69,7 +69,7 @@ def test_native_decode_steps_give_the_module_paths_logits_bit_for_bit(native_lla
     assert len(ours) == len(theirs)
     for step, (a, b) in enumerate(zip(ours, theirs)):
         assert torch.equal(a, b), f"step {step}: logits differ by up to {(a - b).abs().max():.3g}"
-    assert llm.stats()["blocks_used"] == 0
+    assert llm.stats().blocks_used == 0
 
 
 def test_native_decode_applies_only_where_the_modules_would_call_its_kernels(native_llama, tmp_path, gguf_tokenizer):
@@ -107,4 +107,4 @@ def test_a_wrong_input_is_refused_by_name_and_the_step_still_runs(native_llama):
     with pytest.raises(KernelArgumentError, match="lp_llama_decode: .*a block id is outside the cache"):
         cpu.llama_decode(weights, x, cos, sin, torch.tensor([-1]), table + weights.num_blocks, lens)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
-    assert len(out.token_ids) == 4 and llm.stats()["blocks_used"] == 0
+    assert len(out.token_ids) == 4 and llm.stats().blocks_used == 0

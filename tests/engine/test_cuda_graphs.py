@@ -19,8 +19,8 @@ def test_padded_decode_buffers_give_the_same_tokens(tiny_llm):
     want = [o.token_ids for o in eager.generate(prompts, params)]
     padded = tiny_llm()
     r = padded.runner
-    r.graphs = DecodeGraphs(r.model, r.attention, 8, padded.config.max_model_len // 16, 16, r.device, capture=False)
+    r.graphs = DecodeGraphs(r.model, r.attention, 8, padded.resolved.max_model_len // 16, 16, r.device, capture=False)
     got = [o.token_ids for o in padded.generate(prompts, params)]
     got += [o.token_ids for o in padded.generate(prompts[:3], params)]
     assert got == want + want[:3]
-    assert padded.stats()["blocks_used"] == 0
+    assert padded.stats().blocks_used == 0

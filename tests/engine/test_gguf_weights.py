@@ -88,7 +88,7 @@ def test_float_weights_of_a_gguf_match_transformers_too(mixed_llama, mixed_llama
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llm = exact_llm(mixed_llama, weights="float")
-    assert llm.config.weights == "float"
+    assert llm.resolved.weights == "float"
     _check_parity(llm, mixed_llama_hf, "mixed llama, float weights")
 
 
@@ -133,7 +133,7 @@ def test_default_model_on_the_cpu_runs_on_its_blocks(default_llm):
     if cpu.library() is None or default_llm.device.type != "cpu":
         pytest.skip("the native CPU kernels are not built here")
     model = default_llm.runner.model
-    assert default_llm.config.weights == "auto"
+    assert default_llm.resolved.weights == "auto"
     assert isinstance(model.embed_tokens, BlockEmbedding)
     assert all(
         isinstance(m, BlockLinear)

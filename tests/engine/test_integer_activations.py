@@ -50,7 +50,7 @@ def test_integer_activations_pack_every_block_for_their_kernel_and_stay_near_the
         kv_cache_memory="64MiB",
         max_model_len=1024,
     )
-    assert llm.config.activations == activations and exact.config.activations == "float32"
+    assert llm.resolved.activations == activations and exact.resolved.activations == "float32"
     assert llm.runner.attention.prefill_products == "int16" and exact.runner.attention.prefill_products == "float32"
     llm.runner.attention.prefill_products = prefill_products
     blocks = [m for m in llm.runner.model.modules() if isinstance(m, BlockLinear)]
@@ -69,8 +69,8 @@ def test_auto_is_int16_where_vnni_runs_and_integer_activations_are_refused_where
     def make(model, **config):
         return LLM(str(model), dtype="float32", kv_cache_memory="64MiB", max_model_len=512, **config)
 
-    assert make(native_llama).config.activations == ("int16" if cpu.vnni_is_fast() else "float32")
-    assert make(tiny_model_path).config.activations == "float32"  # float weights: nothing to round for
+    assert make(native_llama).resolved.activations == ("int16" if cpu.vnni_is_fast() else "float32")
+    assert make(tiny_model_path).resolved.activations == "float32"  # float weights: nothing to round for
     for activations in ("int16", "int8"):
         for model, config in ((native_llama, {"weights": "float"}), (tiny_model_path, {})):
             with pytest.raises(ConfigError, match=f"activations='{activations}' applies to a GGUF's blocks"):
@@ -78,7 +78,7 @@ def test_auto_is_int16_where_vnni_runs_and_integer_activations_are_refused_where
     with pytest.raises(ConfigError, match="activations='int4': use 'auto', 'float32'"):
         LLM(str(native_llama), activations="int4")
     monkeypatch.setattr(cpu, "vnni_is_fast", lambda: False)  # a CPU without AVX-512 VNNI
-    assert make(native_llama).config.activations == "float32"
+    assert make(native_llama).resolved.activations == "float32"
     for activations in ("int16", "int8"):
         with pytest.raises(ConfigError, match=f"activations='{activations}' needs a CPU with AVX-512 VNNI"):
             make(native_llama, activations=activations)

@@ -32,11 +32,11 @@ def assert_clean(llm) -> None:
     """Nothing left behind: no request known, no block held, the pool consistent, new requests served."""
     assert llm.requests == {}
     assert not llm.has_unfinished_requests()
-    assert llm.stats()["blocks_used"] == 0
+    assert llm.stats().blocks_used == 0
     llm.pool.check_integrity()
     out = llm.generate(["hello"], GREEDY)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 8
-    assert llm.stats()["blocks_used"] == 0
+    assert llm.stats().blocks_used == 0
 
 
 def sabotage(llm, monkeypatch, prompt: str, method: str, after: int) -> None:

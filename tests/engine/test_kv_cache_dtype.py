@@ -43,7 +43,7 @@ def test_16_bit_kv_halves_the_pool_and_parts_from_float32_kv_only_at_near_ties(
     least_share, widest_gap = LIMITS[kv_cache_dtype]
     exact_llm = tiny_llm(max_num_batched_tokens=64, kv_cache_dtype="float32")  # chunked: prefill reads the cache too
     llm = tiny_llm(max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype)
-    assert llm.config.kv_cache_dtype == kv_cache_dtype
+    assert llm.resolved.kv_cache_dtype == kv_cache_dtype
     assert llm.runner.kv_cache.dtype == getattr(torch, kv_cache_dtype)
     assert llm.block_bytes * 2 == exact_llm.block_bytes
     assert llm.kv_disk.layout.dtype == kv_cache_dtype and llm.kv_disk.layout.nbytes == llm.block_bytes
@@ -60,7 +60,7 @@ def test_16_bit_kv_halves_the_pool_and_parts_from_float32_kv_only_at_near_ties(
             assert tokens == b[: parted + 1], f"prompt {i}: the float32-KV path is not Hugging Face's"
             assert gaps[parted] < widest_gap, f"prompt {i} parts at token {parted}, top-2 gap {gaps[parted]:.3g}"
     assert agreement(ours, exact) >= least_share
-    assert llm.stats()["blocks_used"] == 0
+    assert llm.stats().blocks_used == 0
 
 
 def test_16_bit_kv_takes_the_native_kernels(tiny_llm, monkeypatch):
@@ -87,7 +87,7 @@ def test_auto_is_float16_on_the_avx_cpu_kernels_else_the_models_dtype(tiny_llm):
     fast_float16 = cpu.library() is not None and cpu.chosen_path().fast_float16_kv
     want = torch.float16 if fast_float16 and DEVICE == "cpu" else torch.float32
     llm = tiny_llm()
-    assert llm.runner.kv_cache.dtype == want and llm.config.kv_cache_dtype == str(want).removeprefix("torch.")
+    assert llm.runner.kv_cache.dtype == want and llm.resolved.kv_cache_dtype == str(want).removeprefix("torch.")
     assert tiny_llm(dtype="bfloat16").runner.kv_cache.dtype == torch.bfloat16  # no native kernels: the model's
 
 
@@ -110,5 +110,5 @@ def test_the_defaults_repeat_the_exact_path_on_the_default_model(default_llm):
     prompts = _prompts(llm.tokenizer)
     exact = [o.token_ids for o in default_llm.generate(prompts, GREEDY)]
     ours = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    assert llm.config.activations == ("int16" if cpu.vnni_is_fast() else "float32")
+    assert llm.resolved.activations == ("int16" if cpu.vnni_is_fast() else "float32")
     assert agreement(ours, exact) >= 0.99

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from localpaged import SamplingParams
-from localpaged.config import EngineConfig
+from localpaged.config import EngineConfig, ResolvedConfig
 from localpaged.errors import ConfigError
 from localpaged.models import weights_digest
 
@@ -31,7 +31,7 @@ def test_the_size_limit_holds_after_many_chats(tiny_llm):
         llm.generate([prompt(i + k, 60) for k in range(4)], GREEDY)
     llm.close()
     assert sum(f.stat().st_size for f in disk_files(llm)) <= 12 * block_file
-    assert llm.stats()["disk_blocks"] == len(disk_files(llm)) > 0
+    assert llm.stats().disk_blocks == len(disk_files(llm)) > 0
     llm.pool.check_integrity()
     assert llm.pool.num_used_blocks == 0
 
@@ -45,7 +45,7 @@ def test_blocks_evicted_from_memory_come_back_from_disk_with_the_same_output(tin
     again = llm.generate([prompt(0, 400)], GREEDY)[0]
     assert again.token_ids == first.token_ids
     assert again.metrics.disk_tokens > 0 and again.metrics.disk_tokens <= again.metrics.cached_tokens
-    assert llm.stats()["disk_tokens"] == again.metrics.disk_tokens
+    assert llm.stats().disk_tokens == again.metrics.disk_tokens
     llm.pool.check_integrity()
     assert llm.pool.num_used_blocks == 0
 
@@ -57,7 +57,7 @@ def test_prefetch_loads_a_prompt_before_it_is_sent(tiny_llm):
     restarted = tiny_llm()
     assert restarted.prefetch(prompt(1, 100)) == 96  # every full block
     assert restarted.prefetch(prompt(1, 100)) == 0  # already in memory
-    assert restarted.pool.num_used_blocks == 0 and restarted.stats()["blocks_cached"] == 6
+    assert restarted.pool.num_used_blocks == 0 and restarted.stats().blocks_cached == 6
     warm = restarted.generate([prompt(1, 100)], GREEDY)[0]
     assert warm.token_ids == cold.token_ids
     assert warm.metrics.cached_tokens == warm.metrics.disk_tokens == 96
@@ -114,8 +114,26 @@ def test_each_cpu_kernel_path_has_its_own_disk_tier(tiny_model_path, monkeypatch
             monkeypatch.setenv(cpu_isa.ENV, name)
             cpu.chosen_path.cache_clear()
             cpu.library.cache_clear()
+            resolved = ResolvedConfig(
+                device="cpu",
+                dtype="float32",
+                kv_cache_dtype="float16",
+                weights="auto",
+                activations="float32",
+                attention="torch",
+                cpu_kernels=name,
+                max_model_len=1024,
+                max_num_batched_tokens=512,
+                max_num_seqs=64,
+                block_size=16,
+                kv_cache_bytes=0,
+                num_blocks=0,
+                enable_prefix_caching=True,
+                kv_disk=True,
+            )
             tier = open_kv_disk(
-                EngineConfig(),
+                resolved,
+                2**30,
                 files,
                 hf_config,
                 head_dim,

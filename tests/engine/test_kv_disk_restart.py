@@ -85,7 +85,7 @@ def test_restarted_engines_read_the_tier_and_answer_as_a_cold_engine(kv_disk, ti
     assert disk[QUESTIONS[0]] >= disk["system"] > 0  # the shared prompt's full blocks came from disk
     # The stored chat's first turn came from disk too (its system prompt was read, and counted, before).
     assert disk["turn 2"] >= disk["turn 1 prompt"] - disk["system"] > 0
-    assert stats["disk_tokens"] == sum(disk[name] for name in (*QUESTIONS, "turn 2"))
+    assert stats.disk_tokens == sum(disk[name] for name in (*QUESTIONS, "turn 2"))
 
     # A block file of another model, to be found where one of ours should be.
     tiny = tiny_llm()

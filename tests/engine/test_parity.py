@@ -64,7 +64,7 @@ def _staggered(llm, prompts) -> list[list[int]]:
 def test_tiny_llama_matches_hf(tiny_llm, tiny_model_path):
     llm = tiny_llm(max_num_batched_tokens=64, kv_cache_dtype="float32")  # the exact path; long prompts are chunked
     _check_modes(llm, load_hf(tiny_model_path), _prompts(llm.tokenizer), "tiny llama")
-    assert llm.stats()["blocks_used"] == 0
+    assert llm.stats().blocks_used == 0
 
 
 def test_tiny_qwen2_matches_hf(tiny_qwen2_path):

@@ -21,7 +21,7 @@ def llm(tiny_model_path):
 def still_works(llm) -> None:
     out = llm.generate(["hello"], GREEDY)[0]
     assert len(out.token_ids) == 8
-    assert llm.stats()["blocks_used"] == 0
+    assert llm.stats().blocks_used == 0
 
 
 @pytest.mark.parametrize(
@@ -61,9 +61,9 @@ def test_duplicate_request_id(llm):
 def test_abort_frees_blocks_at_once(llm):
     rid = llm.add_request(list(range(100, 180)), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     llm.step()
-    assert llm.stats()["blocks_used"] > 0
+    assert llm.stats().blocks_used > 0
     llm.abort(rid)
-    assert llm.stats()["blocks_used"] == 0
+    assert llm.stats().blocks_used == 0
     llm.pool.check_integrity()
     with pytest.raises(RequestError, match="no running request"):
         llm.abort(rid)
@@ -140,7 +140,7 @@ def test_prefix_cache_serves_shared_system_prompt(llm):
     llm.generate([a], GREEDY)
     out = llm.generate([b], GREEDY)[0]
     assert out.metrics.cached_tokens == shared // 16 * 16 > 0
-    assert llm.stats()["prefix_hit_rate"] > 0
+    assert llm.stats().prefix_hit_rate > 0
 
 
 def test_half_precision_engine_runs(tiny_model_path):
@@ -151,7 +151,7 @@ def test_half_precision_engine_runs(tiny_model_path):
     llm.generate(prompts[:1], GREEDY)
     outs = llm.generate(prompts, GREEDY)
     assert all(len(o.token_ids) == 8 for o in outs) and outs[1].metrics.cached_tokens > 0
-    assert llm.stats()["blocks_used"] == 0
+    assert llm.stats().blocks_used == 0
 
 
 @pytest.mark.parametrize(

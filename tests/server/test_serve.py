@@ -95,14 +95,16 @@ def metric_samples(base_url: str) -> dict[str, float]:
 
 def test_models_lists_the_engines_model(client: openai.OpenAI, engine: AsyncLLM) -> None:
     (card,) = client.models.list().data
-    assert card.id == engine.model_name
+    assert card.id == engine.info.model_name
 
 
 def test_chat_matches_llm_chat(client: openai.OpenAI, engine: AsyncLLM, llm) -> None:
     from localpaged import SamplingParams
 
     expected = llm.chat(MESSAGES, SamplingParams(max_tokens=24, temperature=0))[0]
-    reply = client.chat.completions.create(model=engine.model_name, messages=MESSAGES, max_tokens=24, temperature=0)
+    reply = client.chat.completions.create(
+        model=engine.info.model_name, messages=MESSAGES, max_tokens=24, temperature=0
+    )
     assert reply.object == "chat.completion"
     assert reply.choices[0].message.role == "assistant"
     assert reply.choices[0].message.content == expected.text
@@ -118,7 +120,7 @@ def test_streamed_chat_matches_llm_chat(client: openai.OpenAI, engine: AsyncLLM,
     expected = llm.chat(MESSAGES, SamplingParams(max_tokens=24, temperature=0))[0]
     chunks = list(
         client.chat.completions.create(
-            model=engine.model_name,
+            model=engine.info.model_name,
             messages=MESSAGES,
             max_completion_tokens=24,
             temperature=0,
@@ -137,18 +139,18 @@ def test_text_completion_matches_llm_generate(client: openai.OpenAI, engine: Asy
 
     prompt = "The three laws of paging are"
     expected = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0]
-    reply = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=16, temperature=0)
+    reply = client.completions.create(model=engine.info.model_name, prompt=prompt, max_tokens=16, temperature=0)
     assert reply.choices[0].text == expected.text
     streamed = client.completions.create(
-        prompt=prompt, model=engine.model_name, max_tokens=16, temperature=0, stream=True
+        prompt=prompt, model=engine.info.model_name, max_tokens=16, temperature=0, stream=True
     )
     assert "".join(c.choices[0].text for c in streamed) == expected.text
 
 
 def test_without_max_tokens_the_reply_may_fill_the_context(client: openai.OpenAI, engine: AsyncLLM) -> None:
-    limit = engine.config.max_model_len
+    limit = engine.info.max_model_len
     prompt = (engine.tokenizer.encode("paging " * limit, add_special_tokens=False))[: limit - 20]
-    reply = client.completions.create(model=engine.model_name, prompt=prompt, extra_body={"ignore_eos": True})
+    reply = client.completions.create(model=engine.info.model_name, prompt=prompt, extra_body={"ignore_eos": True})
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.prompt_tokens == limit - 20 and reply.usage.total_tokens == limit
 
@@ -160,22 +162,22 @@ def test_a_shared_system_prompt_is_served_from_the_prefix_cache(client: openai.O
     ]
     first, second = (engine.encode_chat(c) for c in conversations)
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
-    full_blocks = shared // engine.config.block_size * engine.config.block_size
+    full_blocks = shared // engine.info.block_size * engine.info.block_size
     assert full_blocks >= 64  # the test means something only if the shared part spans several blocks
     replies = [
-        client.chat.completions.create(model=engine.model_name, messages=c, max_tokens=4, temperature=0)
+        client.chat.completions.create(model=engine.info.model_name, messages=c, max_tokens=4, temperature=0)
         for c in conversations
     ]
     assert replies[1].usage.prompt_tokens_details.cached_tokens >= full_blocks
 
 
 def test_a_client_that_closes_its_stream_frees_its_blocks(client: openai.OpenAI, engine: AsyncLLM) -> None:
-    stream = client.chat.completions.create(model=engine.model_name, messages=MESSAGES, stream=True, **ENDLESS)
+    stream = client.chat.completions.create(model=engine.info.model_name, messages=MESSAGES, stream=True, **ENDLESS)
     for _, _chunk in zip(range(4), stream):
         pass
-    assert engine.stats()["blocks_used"] > 0
+    assert engine.stats().blocks_used > 0
     stream.close()
-    wait_until(lambda: engine.stats()["blocks_used"] == 0 and engine.stats()["running"] == 0)
+    wait_until(lambda: engine.stats().blocks_used == 0 and engine.stats().running == 0)
 
 
 # ----- refusals -------------------------------------------------------------------------------------
@@ -184,7 +186,7 @@ def test_a_client_that_closes_its_stream_frees_its_blocks(client: openai.OpenAI,
 def test_the_api_key_is_required_except_for_health(base_url: str, engine: AsyncLLM) -> None:
     wrong = openai.OpenAI(base_url=f"{base_url}/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as caught:
-        wrong.chat.completions.create(model=engine.model_name, messages=MESSAGES, max_tokens=2)
+        wrong.chat.completions.create(model=engine.info.model_name, messages=MESSAGES, max_tokens=2)
     assert caught.value.status_code == 401
     assert caught.value.body["code"] == "invalid_api_key"
     for key in (None, "sk-wrong"):
@@ -207,7 +209,7 @@ def test_continue_final_message_goes_on_from_the_reply(client: openai.OpenAI, en
     prompt = engine.encode_chat(MESSAGES) + engine.tokenizer.encode(partial, add_special_tokens=False)
     expected = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0]
     reply = client.chat.completions.create(
-        model=engine.model_name,
+        model=engine.info.model_name,
         messages=[*MESSAGES, {"role": "assistant", "content": partial}],
         max_tokens=8,
         temperature=0,
@@ -281,7 +283,7 @@ def test_a_bad_request_leaves_other_streams_alone(client: openai.OpenAI, base_ur
 
     expected = llm.chat(MESSAGES, SamplingParams(max_tokens=24, temperature=0))[0].text
     stream = client.chat.completions.create(
-        model=engine.model_name, messages=MESSAGES, max_tokens=24, temperature=0, stream=True
+        model=engine.info.model_name, messages=MESSAGES, max_tokens=24, temperature=0, stream=True
     )
     text = [next(iter(stream)).choices[0].delta.content or ""]
     assert call(base_url, "/v1/chat/completions", {**GOOD, "messages": TOO_LONG})[0] == 400
@@ -296,7 +298,7 @@ def test_a_bad_request_leaves_other_streams_alone(client: openai.OpenAI, base_ur
 def test_metrics_parse_and_move(client: openai.OpenAI, base_url: str, engine: AsyncLLM) -> None:
     before = metric_samples(base_url)
     assert before["localpaged_engine_up"] == 1 and before["localpaged_kv_blocks_total"] > 0
-    client.chat.completions.create(model=engine.model_name, messages=MESSAGES, max_tokens=5, temperature=0)
+    client.chat.completions.create(model=engine.info.model_name, messages=MESSAGES, max_tokens=5, temperature=0)
     after = metric_samples(base_url)
     assert after["localpaged_generation_tokens_total"] >= before.get("localpaged_generation_tokens_total", 0) + 1
     assert (
@@ -315,7 +317,7 @@ def test_tokenize_and_detokenize_round_trip(base_url: str, engine: AsyncLLM) -> 
     text = "Hello, paged world! naïve café"
     status, tokenized = call(base_url, "/tokenize", {"prompt": text})
     assert status == 200 and tokenized["count"] == len(tokenized["tokens"]) > 0
-    assert tokenized["max_model_len"] == engine.config.max_model_len
+    assert tokenized["max_model_len"] == engine.info.max_model_len
     assert call(base_url, "/detokenize", {"tokens": tokenized["tokens"]}) == (200, {"prompt": text})
     status, chat = call(base_url, "/tokenize", {"messages": MESSAGES})
     assert status == 200 and chat["tokens"] == engine.encode_chat(MESSAGES)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
-from localpaged.engine.protocol import LOCAL, EngineCapabilities, Prompt
+from localpaged.engine.protocol import LOCAL, EngineInfo, EngineStats, Prompt
 from localpaged.errors import EngineDeadError, RequestError
 
 if TYPE_CHECKING:
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 BLOCK_SIZE = 16
 WORD_IDS = 0x110000  # a reply's "tokens" are its words, numbered from here (beyond every character)
+FAKE_INFO = EngineInfo("fake-135M", 4096, "cpu", BLOCK_SIZE, LOCAL)
 _WORDS: list[str] = []
 _WORD_IDS: dict[str, int] = {}
 
@@ -34,13 +35,6 @@ def word_id(word: str) -> int:
         _WORD_IDS[word] = WORD_IDS + len(_WORDS)
         _WORDS.append(word)
     return _WORD_IDS[word]
-
-
-@dataclass
-class FakeConfig:
-    max_model_len: int = 4096
-    device: str = "cpu"
-    block_size: int = BLOCK_SIZE
 
 
 @dataclass
@@ -58,9 +52,7 @@ class FakeEngine:
     delay: float = 0.01
     hold_at: int | None = None
     blocks_total: int = 96
-    model_name: str = "fake-135M"
-    config: FakeConfig = field(default_factory=FakeConfig)
-    capabilities: EngineCapabilities = LOCAL
+    info: EngineInfo = FAKE_INFO
     prompts: list[list[int]] = field(default_factory=list)
     params: list[object] = field(default_factory=list)  # the SamplingParams of every stream, in order
     shut_down: bool = False
@@ -123,7 +115,7 @@ class FakeEngine:
         said = self.decode(prompt).rsplit("<|assistant|>", 1)[-1]  # a continue's prompt ends with the reply so far
         words = re.findall(r"\s*\S+", script.removeprefix(said))
         # A word is a token: the reply ends at max_tokens or a full context with "length", as the engine's does.
-        limit = min(getattr(params, "max_tokens", len(words)), self.config.max_model_len - len(prompt))
+        limit = min(getattr(params, "max_tokens", len(words)), self.info.max_model_len - len(prompt))
         length = len(words) > limit
         words = words[: max(limit, 0)]
         start, first, out, ids = time.monotonic(), None, "", []
@@ -192,18 +184,18 @@ class FakeEngine:
             raise RequestError(f"no request {request_id!r} is in flight")
         self._aborted.add(request_id)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         self._call()
-        return {
-            "blocks_total": self.blocks_total,
-            "blocks_used": 12 + 4 * len(self._running),
-            "blocks_cached": 6,
-            "blocks_shared": 3,
-            "prefix_hit_rate": 0.5,
-            "running": len(self._running),
-            "waiting": 0,
-            "tokens_per_s": 0.0 if not self._running else 42.0,
-        }
+        return EngineStats(
+            running=len(self._running),
+            waiting=0,
+            tokens_per_s=0.0 if not self._running else 42.0,
+            blocks_total=self.blocks_total,
+            blocks_used=12 + 4 * len(self._running),
+            blocks_cached=6,
+            blocks_shared=3,
+            prefix_hit_rate=0.5,
+        )
 
     def kv_map(self, token_ids: list[int] | None = None) -> KVMap:
         """A fixed picture: 3 shared, 9 used, 6 cached, the rest free; the chat's first blocks lit."""

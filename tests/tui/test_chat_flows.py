@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from localpaged.tui.app import LocalpagedApp
 from localpaged.tui.screens.confirm import ConfirmDialog
@@ -324,7 +326,9 @@ async def test_sending_while_the_chat_replies_keeps_the_text(make_app, engine):
 
 
 async def test_a_message_that_was_never_stored_goes_back_in_the_box(make_app, engine, store):
-    engine.config.max_model_len = 40  # less than the prompt itself: every turn is refused
+    engine.info = dataclasses.replace(
+        engine.info, max_model_len=40
+    )  # less than the prompt itself: every turn is refused
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await main_screen(pilot)

@@ -33,7 +33,7 @@ async def test_chat_on_the_tiny_engine(tiny_llm, tmp_path):
         await wait_for(pilot, lambda: "blocks" in str(panel.query_one("#kv-figures").content), timeout=10)
         figures = str(panel.query_one("#kv-figures").content)
         assert "this chat 0 blocks" not in figures  # the finished turn's prefix is cached and highlighted
-        assert engine.model_name in str(screen.query_one("#status").content)
+        assert engine.info.model_name in str(screen.query_one("#status").content)
         await pilot.press("ctrl+q")
     with pytest.raises(Exception, match="shut down"):
         async for _ in engine.stream("x"):

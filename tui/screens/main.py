@@ -23,6 +23,8 @@ from textual.widgets import Footer, Label
 
 from localpaged.chat.session import CHAT_SETTINGS, Session, settings_summary
 from localpaged.config_file import Settings
+from localpaged.engine.output import KVMap
+from localpaged.engine.protocol import EngineClient, EngineStats
 from localpaged.errors import EngineDeadError, LocalpagedError, RemoteEngineError
 
 REFRESH_S = 0.5  # status line and KV map
@@ -49,7 +51,13 @@ class MainScreen(ChatActions):
     ]
 
     def __init__(
-        self, engine: Any, store: Any, clock: Any, open_id: str | None = None, *, settings: Settings | None = None
+        self,
+        engine: EngineClient,
+        store: Any,
+        clock: Any,
+        open_id: str | None = None,
+        *,
+        settings: Settings | None = None,
     ) -> None:
         super().__init__()
         self.settings = settings if settings is not None else Settings()
@@ -104,7 +112,7 @@ class MainScreen(ChatActions):
             if self._continuable(chat):
                 return True
             # A reply cut off on an engine that cannot continue: shown, dimmed; the action says why.
-            return None if not self.engine.capabilities.continue_reply and self._cut_off(chat) else False
+            return None if not self.engine.info.capabilities.continue_reply and self._cut_off(chat) else False
         return True
 
     def _cut_off(self, chat: LiveChat) -> bool:
@@ -188,7 +196,7 @@ class MainScreen(ChatActions):
         else:
             self.live_bubble = None
             bubbles = [
-                MessageBubble(m.role, m.content, m.id, m.status, metrics_note(m, self.engine.config.max_model_len))
+                MessageBubble(m.role, m.content, m.id, m.status, metrics_note(m, self.engine.info.max_model_len))
                 for m in chat.visible_history()
             ]
         await self.messages.show(bubbles)
@@ -281,7 +289,7 @@ class MainScreen(ChatActions):
             return
         assert self.live_bubble is not None
         await self.live_bubble.finish(
-            reply.content, reply.status, reply.id, metrics_note(reply, self.engine.config.max_model_len)
+            reply.content, reply.status, reply.id, metrics_note(reply, self.engine.info.max_model_len)
         )
         self.live_bubble = None
         for bubble, record in zip(bubbles, history):
@@ -296,7 +304,7 @@ class MainScreen(ChatActions):
         if self.engine_lost or not panels:
             return  # no engine to ask, or the screen was taken down (quit) before this thread ran
         chat = self.current
-        capabilities = engine.capabilities
+        capabilities = engine.info.capabilities
         kv_visible = panels.first().display and capabilities.kv_pool  # a remote pool is not in view
         try:
             stats = engine.stats()
@@ -320,7 +328,7 @@ class MainScreen(ChatActions):
             return  # the engine was shut down meanwhile (quit): nothing left to show
         self.app.call_from_thread(self.show_figures, stats, kv_map)
 
-    def _encoded(self, engine: Any, messages: list[dict]) -> list[int]:
+    def _encoded(self, engine: EngineClient, messages: list[dict]) -> list[int]:
         """The chat's token ids, encoded again only when it changed: at rest a chat is the same every refresh,
         and a remote engine counts over HTTP."""
         key = (id(engine), repr(messages))
@@ -332,18 +340,18 @@ class MainScreen(ChatActions):
         """No more figures: the engine is about to shut down (quit)."""
         self._refresh.stop()
 
-    def show_figures(self, stats: dict, kv_map: Any) -> None:
+    def show_figures(self, stats: EngineStats, kv_map: KVMap | None) -> None:
         status = self.query(StatusLine)
         if not status:
             return  # read on a thread, these arrived after the screen was taken down (quit): nowhere to show them
         chat = self.current
         figures = chat.figures() if chat else None
-        pool = self.engine.capabilities.kv_pool
-        status.first().show(self.engine.model_name, self.engine.config.device, stats, figures, pool=pool)
+        pool = self.engine.info.capabilities.kv_pool
+        status.first().show(self.engine.info.model_name, self.engine.info.device, stats, figures, pool=pool)
         if kv_map is not None:
             self.query_one(KVMapPanel).show(kv_map, stats)
         elif not pool:
-            self.query_one(KVMapPanel).show_remote(self.engine.config.device)
+            self.query_one(KVMapPanel).show_remote(self.engine.info.device)
         if chat is not None and chat.generating and self.live_bubble is not None and figures:
             rate = "–" if figures.tokens_per_s is None else f"{figures.tokens_per_s:.1f}"
             self.live_bubble.set_note(f"generating… {rate} tok/s")
@@ -357,7 +365,7 @@ class MainScreen(ChatActions):
             return
         self.engine_lost = True
 
-    def use_engine(self, engine: Any) -> None:
+    def use_engine(self, engine: EngineClient) -> None:
         """Carry on with a new engine: every open chat (and every chat opened later) uses it."""
         self.engine = engine
         for chat in self.chats.values():
@@ -418,7 +426,7 @@ class MainScreen(ChatActions):
         chat = self.current
         reply = chat.session.continuable() if chat is not None and not chat.generating else None
         if chat is None or reply is None:
-            capabilities = self.engine.capabilities
+            capabilities = self.engine.info.capabilities
             if not capabilities.continue_reply:
                 self.notify(f"Continue is off on this engine: {capabilities.note}.", severity="warning", timeout=8)
             else:

@@ -9,6 +9,9 @@ from textual.containers import VerticalScroll
 from textual.content import Content
 from textual.widgets import Static
 
+from localpaged.engine.output import KVMap
+from localpaged.engine.protocol import EngineStats
+
 FREE, USED, SHARED, CACHED = 0, 1, 2, 3
 HIGHLIGHT = 4  # drawn over any state: the open chat's blocks
 CELL = "■"
@@ -52,7 +55,7 @@ class KVMapPanel(VerticalScroll):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._shown: tuple[Any, dict] | None = None  # the last show()'s arguments, for on_resize
+        self._shown: tuple[KVMap, EngineStats] | None = None  # the last show()'s arguments, for on_resize
 
     def compose(self) -> ComposeResult:
         yield Static(id="kv-grid")
@@ -68,7 +71,7 @@ class KVMapPanel(VerticalScroll):
         self.query_one("#kv-legend", Static).update("")
         self.query_one("#kv-figures", Static).update("")
 
-    def show(self, kv_map: Any, stats: dict) -> None:
+    def show(self, kv_map: KVMap, stats: EngineStats) -> None:
         """Redraw from an engine `KVMap` and `stats()`."""
         self._shown = (kv_map, stats)
         width = max(self.content_size.width, 8)
@@ -83,8 +86,8 @@ class KVMapPanel(VerticalScroll):
             legend.append(Content(f"(1 cell = {per_cell} blocks)"))
         self.query_one("#kv-legend", Static).update(Content("  ").join(legend))
         self.query_one("#kv-figures", Static).update(
-            f"blocks {stats.get('blocks_used', 0)} used / {stats.get('blocks_total', len(kv_map.states))} total"
-            f" · {stats.get('blocks_cached', 0)} cached · {stats.get('blocks_shared', 0)} shared\n"
+            f"blocks {stats.blocks_used or 0} used / {stats.blocks_total or len(kv_map.states)} total"
+            f" · {stats.blocks_cached or 0} cached · {stats.blocks_shared or 0} shared\n"
             f"this chat {len(kv_map.highlight)} blocks"
             f" ({len(kv_map.highlight) * kv_map.block_size} tokens)"
             f" · saved by sharing {human_bytes(kv_map.bytes_saved)}"

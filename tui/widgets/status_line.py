@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from textual.content import Content
 from textual.widgets import Static
 
+from localpaged.engine.protocol import EngineStats
+
 BAR_WIDTH = 12
 
 
@@ -42,14 +44,14 @@ def context(chat: ChatFigures) -> str:
 class StatusLine(Static):
     """Model, device, queue, throughput, context and KV pool use, redrawn on a timer."""
 
-    def show(self, model: str, device: str, stats: dict, chat: ChatFigures | None, *, pool: bool = True) -> None:
+    def show(self, model: str, device: str, stats: EngineStats, chat: ChatFigures | None, *, pool: bool = True) -> None:
         """First row: the engine and its block pool; second row: the open chat and the prefix cache.
 
         ``pool`` False (a remote engine): the pool and the prefix cache are on the server, out of view,
         and the line says so rather than showing zeros.
         """
-        total = max(int(stats.get("blocks_total", 0)), 1)
-        used = int(stats.get("blocks_used", 0))
+        total = max(stats.blocks_total or 0, 1)
+        used = stats.blocks_used or 0
         kv = (
             Content.from_markup(
                 "KV [$accent on $panel-lighten-1]$bar[/] $pct% of $total blocks",
@@ -63,8 +65,8 @@ class StatusLine(Static):
         engine = Content(" │ ").join(
             [
                 Content.from_markup("[b]$model[/b] on $device", model=model, device=device),
-                Content(f"running {stats.get('running', 0)} · waiting {stats.get('waiting', 0)}"),
-                Content(f"all chats {_num(stats.get('tokens_per_s'), '.1f', ' tok/s')}"),
+                Content(f"running {stats.running} · waiting {stats.waiting}"),
+                Content(f"all chats {_num(stats.tokens_per_s, '.1f', ' tok/s')}"),
                 kv,
             ]
         )
@@ -79,8 +81,8 @@ class StatusLine(Static):
         )
         cache = (
             Content(
-                f"prefix cache hits {100 * float(stats.get('prefix_hit_rate', 0.0)):.0f}%"
-                f" · {stats.get('blocks_shared', 0)} shared blocks"
+                f"prefix cache hits {100 * (stats.prefix_hit_rate or 0.0):.0f}%"
+                f" · {stats.blocks_shared or 0} shared blocks"
             )
             if pool
             else Content("prefix cache on the server")
