@@ -167,8 +167,8 @@ def read_regular_file(path: str | os.PathLike, limit: int) -> bytes:
 
 def create_private_file(path: str | os.PathLike) -> bool:
     """Create ``path`` empty with mode 0600 if it does not exist; True if this call created it."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:  # O_EXCL never follows a link, and never creates a file at the end of one
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
     except FileExistsError:
         return False
     os.close(fd)
@@ -177,10 +177,11 @@ def create_private_file(path: str | os.PathLike) -> bool:
 
 
 def make_private(path: str | os.PathLike, mode: int = FILE_MODE) -> None:
-    """Set ``path`` (one file or folder) to ``mode`` if it is the user's; best effort."""
+    """Set ``path`` (one file or folder) to ``mode`` if it is the user's; best effort. A symbolic link is left
+    alone: a mode set through it would land on a file that is not ours."""
     path = Path(path)
     try:
-        st = path.stat()
+        st = path.lstat()
     except OSError:
         return
     if _owned(st) and stat.S_IMODE(st.st_mode) != mode:
@@ -250,7 +251,7 @@ def _not_a_folder(path: Path, var: str | None, fix: str) -> str:
 def _tighten(folder: Path) -> None:
     """Take group and other bits off an existing folder of the user's; never $HOME or a folder above it."""
     try:
-        st = folder.stat()
+        st = folder.lstat()
     except OSError:
         return
     mode = stat.S_IMODE(st.st_mode)
@@ -273,7 +274,10 @@ def _owned(st: os.stat_result) -> bool:
 
 
 def _chmod(path: Path, mode: int) -> None:
+    """``path``'s mode, unless it is a symbolic link (a mode set through a link lands on what it points at)."""
     try:
+        if path.is_symlink():
+            return
         os.chmod(path, mode)
     except OSError:
         pass  # a file system without Unix modes (FAT, some network mounts): nothing more to do

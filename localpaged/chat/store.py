@@ -115,6 +115,12 @@ class ChatStore:
         # One connection, shared: the lock serialises statements so that one thread's
         # reads never land inside another thread's open write transaction.
         self._lock = threading.RLock()
+        if self.path is not None and self.path.is_symlink():
+            # Never through a link: its modes would be set, and its file written, on whatever it points at.
+            raise StoreError(
+                f"the chat database {self.path} is a symbolic link; localpaged opens only a regular file of its own "
+                "there: point --db (or LOCALPAGED_HOME) at the file itself, or move the link aside"
+            )
         # A database we may not write (its file or folder) is opened for reading only, so listing,
         # showing and searching still work; writing commands then fail with a read-only StoreError.
         self.read_only = self.path is not None and _not_writable(self.path)
