@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.bench-installed
 
-.PHONY: setup chat lint test snapshots screenshot bench bench-peers clean
+.PHONY: setup chat lint test docs snapshots screenshot bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,11 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+
+# docs/benchmarks.md and the README's results table, from benchmarks/results/*.json (tests/test_docs.py
+# fails while they differ from what this writes).
+docs: $(STAMP)
+	$(PY) tools/benchmarks_doc.py
 
 # Redraw tests/tui/__snapshots__ after a deliberate change to the app's look; review the SVGs before committing.
 snapshots: $(STAMP)
@@ -49,6 +54,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/peers.py
 	$(PY) benchmarks/serve_speed.py
 	$(PY) benchmarks/continue_speed.py
+	$(PY) tools/benchmarks_doc.py
 
 # llama.cpp's server and benches, built once into the cache folder (about 10 minutes on two
 # cores); benchmarks/peers.py compares against them. Not part of `make test`.

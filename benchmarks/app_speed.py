@@ -124,10 +124,9 @@ def run_stream(args: argparse.Namespace, process: bool, ui: bool) -> dict:
 
 def run_app(args: argparse.Namespace, process: bool) -> dict:
     """The app headless (Textual's test driver: it draws nothing to a terminal)."""
-    from localpaged.tui.app import LocalpagedApp
-
     from localpaged.chat.store import ChatStore
     from localpaged.engine.async_llm import AsyncLLM
+    from localpaged.tui.app import LocalpagedApp
 
     started = time.perf_counter()
 
@@ -142,10 +141,9 @@ def run_app(args: argparse.Namespace, process: bool) -> dict:
 
 def run_app_on_terminal(args: argparse.Namespace) -> dict:
     """The app with its real driver, on whatever terminal this process was started on (see ``measure``)."""
-    from localpaged.tui.app import LocalpagedApp
-
     from localpaged.chat.store import ChatStore
     from localpaged.engine.async_llm import AsyncLLM
+    from localpaged.tui.app import LocalpagedApp
 
     started = time.perf_counter()
     results: dict = {}

@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 
 import torch
-from localpaged.kernels import cpu, cpu_isa
 
 from localpaged import LLM, SamplingParams
+from localpaged.kernels import cpu, cpu_isa
 
 PROJECTIONS = {  # name: (rows out, columns in, q range, group)
     "gate_up 576->3072 Q4_1": (3072, 576, (0, 16)),

@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from localpaged.kernels import cpu_isa
-from localpaged.kernels.cpu_isa import KernelPath, choose_path
 
 from localpaged.cache_folders import cached_folder, set_aside
 from localpaged.errors import ConfigError, KernelArgumentError, KernelError
+from localpaged.kernels import cpu_isa
+from localpaged.kernels.cpu_isa import KernelPath, choose_path
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags

@@ -1,4 +1,4 @@
-"""The `localpaged` command: chat (the TUI), run, serve, sessions, search, prompts, bench; --version.
+"""The `localpaged` command: chat (the TUI), run, serve, sessions, search, config, prompts, models; --version.
 
 Commands that only read the chat store never import the engine (and so never torch):
 listing sessions should be instant. Our own errors (LocalpagedError) become one
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import signal
 import sys
 import threading
@@ -37,7 +36,6 @@ EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as shells report it
 EXIT_TERMINATED = 143  # 128 + SIGTERM
-BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "throughput.py"
 
 
 class Terminated(KeyboardInterrupt):
@@ -50,12 +48,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
-    parser = build_parser()
-    # Unknown arguments are the benchmark's own options; for any other command they are a mistake.
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.bench_args = extra
+    args = build_parser().parse_args(argv)
     engines: list[EngineClient] = []  # shut down on the way out, whatever happens
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
@@ -200,11 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
         "models", help="list the model files already on this machine (Ollama, LM Studio, llama.cpp, Hugging Face)"
     )
     models.set_defaults(func=cmd_models)
-
-    bench = commands.add_parser(
-        "bench", help="run the throughput benchmark (benchmarks/throughput.py); other options are passed on to it"
-    )
-    bench.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -574,16 +562,6 @@ def cmd_models(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
-
-
-def cmd_bench(args: argparse.Namespace, engines: list[EngineClient]) -> None:
-    if not BENCH_SCRIPT.is_file():
-        raise ConfigError(
-            f"the benchmark script {BENCH_SCRIPT} is not here; it ships with the source checkout, "
-            "run it from there: python benchmarks/throughput.py"
-        )
-    sys.argv = [str(BENCH_SCRIPT), *args.bench_args]
-    runpy.run_path(str(BENCH_SCRIPT), run_name="__main__")
 
 
 # ----- helpers ----------------------------------------------------------------------------

@@ -175,17 +175,6 @@ def test_prompts_list_and_show(capsys) -> None:
     assert "No prompt named 'no-such-prompt'" in capsys.readouterr().err
 
 
-def test_bench_runs_the_script_or_says_where_it_is(tmp_path: Path, monkeypatch, capsys) -> None:
-    script = tmp_path / "throughput.py"
-    script.write_text("import sys\nprint('bench args', sys.argv[1:])\n")
-    monkeypatch.setattr(cli, "BENCH_SCRIPT", script)
-    assert cli.main(["bench", "--quick"]) == 0
-    assert capsys.readouterr().out == "bench args ['--quick']\n"
-    monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "missing.py")
-    assert cli.main(["bench"]) == 2
-    assert "missing.py" in capsys.readouterr().err
-
-
 def test_chat_hands_its_options_to_the_tui(monkeypatch) -> None:
     import types
 

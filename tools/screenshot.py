@@ -63,13 +63,13 @@ async def wait_for(pilot: Any, condition: Callable[[], object], timeout: float, 
 
 
 async def draw(output: Path) -> None:
+    from textual.widgets import OptionList
+
+    from localpaged.sampling import SamplingParams
     from localpaged.tui.app import LocalpagedApp, default_engine_factory
     from localpaged.tui.screens.error import ErrorScreen
     from localpaged.tui.screens.main import MainScreen
     from localpaged.tui.screens.new_chat import NewChatDialog
-    from textual.widgets import OptionList
-
-    from localpaged.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=7)
     real_engine = default_engine_factory(None)

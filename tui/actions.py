@@ -6,6 +6,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+from textual.screen import Screen
+
+from localpaged.chat.prompts import list_prompts
+from localpaged.chat.session import Session
+from localpaged.errors import LocalpagedError
 from localpaged.tui.screens.confirm import ConfirmDialog
 from localpaged.tui.screens.edit import EditDialog
 from localpaged.tui.screens.new_chat import Choice, NewChatDialog
@@ -13,11 +18,6 @@ from localpaged.tui.screens.search import SearchDialog
 from localpaged.tui.screens.text_dialog import TextDialog
 from localpaged.tui.widgets.bubble import MessageBubble
 from localpaged.tui.widgets.chat_input import ChatInput
-from textual.screen import Screen
-
-from localpaged.chat.prompts import list_prompts
-from localpaged.chat.session import Session
-from localpaged.errors import LocalpagedError
 
 
 class ChatActions(Screen[None]):

@@ -12,11 +12,6 @@ from collections.abc import Callable, Iterable
 from contextlib import suppress
 from typing import Any
 
-from localpaged.tui.live import EngineDied
-from localpaged.tui.screens.engine_dead import EngineDeadScreen
-from localpaged.tui.screens.error import ErrorScreen
-from localpaged.tui.screens.loading import LoadingScreen
-from localpaged.tui.screens.main import MainScreen
 from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
@@ -25,6 +20,11 @@ from textual.screen import Screen
 from localpaged.config_file import Settings, save_theme
 from localpaged.engine.protocol import EngineClient
 from localpaged.errors import ConfigError, LocalpagedError
+from localpaged.tui.live import EngineDied
+from localpaged.tui.screens.engine_dead import EngineDeadScreen
+from localpaged.tui.screens.error import ErrorScreen
+from localpaged.tui.screens.loading import LoadingScreen
+from localpaged.tui.screens.main import MainScreen
 
 log = logging.getLogger(__name__)
 

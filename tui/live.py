@@ -7,13 +7,13 @@ from collections.abc import AsyncIterator
 from contextlib import suppress
 from typing import Any, Literal
 
-from localpaged.tui.widgets.status_line import ChatFigures
 from textual.app import App
 from textual.message import Message
 from textual.message_pump import MessagePump
 from textual.worker import Worker
 
 from localpaged.errors import EngineDeadError, LocalpagedError, RemoteEngineError
+from localpaged.tui.widgets.status_line import ChatFigures
 
 Phase = Literal["start", "first", "done"]  # "first": the first text arrived (the chat has its title)
 

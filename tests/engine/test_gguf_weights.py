@@ -65,7 +65,6 @@ def _check_parity(llm, hf, label: str) -> None:
 
 def test_tiny_mixed_quant_llama_runs_its_blocks_and_matches_transformers_on_the_same_file(mixed_llama, mixed_llama_hf):
     from localpaged.kernels import cpu
-
     from localpaged.layers.linear import BlockLinear
     from localpaged.models.quantized import BlockEmbedding
 
@@ -126,7 +125,6 @@ def test_default_model_blocks_equal_transformers_weights_from_the_same_file(defa
 @pytest.mark.model
 def test_default_model_on_the_cpu_runs_on_its_blocks(default_llm):
     from localpaged.kernels import cpu
-
     from localpaged.layers.linear import BlockLinear
     from localpaged.models.quantized import BlockEmbedding
 

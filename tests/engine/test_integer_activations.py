@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from localpaged.kernels import cpu
 
 from localpaged import LLM, SamplingParams
 from localpaged.errors import ConfigError
+from localpaged.kernels import cpu
 from localpaged.layers.linear import BlockLinear
 from tests.engine.test_parity import _prompts
 from tests.oracle import exact_llm

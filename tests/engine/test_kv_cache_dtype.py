@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from localpaged.kernels import cpu
 
 from localpaged import SamplingParams
+from localpaged.kernels import cpu
 from tests.engine.test_parity import NEW_TOKENS, _prompts
 from tests.oracle import hf_greedy, load_hf
 

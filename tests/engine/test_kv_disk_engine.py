@@ -97,9 +97,9 @@ def test_a_weight_files_digest_is_remembered_until_the_file_changes(tmp_path, mo
 def test_each_cpu_kernel_path_has_its_own_disk_tier(tiny_model_path, monkeypatch):
     """The AVX-512, AVX2 and portable kernels may round the last bits differently: KV one wrote, another never reads."""
     import torch
-    from localpaged.kernels import cpu, cpu_isa
 
     from localpaged.engine.setup import open_kv_disk
+    from localpaged.kernels import cpu, cpu_isa
     from localpaged.models.loader import load_config, resolve_model
 
     names = [path.name for path in cpu_isa.PATHS if path.cpu_flags <= cpu_isa.cpu_flags()]

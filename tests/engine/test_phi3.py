@@ -57,7 +57,6 @@ def test_tiny_phi3_with_partial_rotary_and_longrope_matches_transformers(tmp_pat
 
 def test_a_phi3_gguf_keeps_its_fused_projections_as_blocks_and_matches_transformers(tmp_path, gguf_tokenizer):
     from localpaged.kernels import cpu
-
     from localpaged.layers.linear import BlockLinear
 
     types = {"blk.0.attn_qkv.weight": "Q4_K", "blk.0.ffn_up.weight": "Q6_K", "blk.1.attn_qkv.weight": "Q5_0"}

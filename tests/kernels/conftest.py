@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+
 from localpaged.kernels import cpu, cpu_isa
 
 if not torch.cuda.is_available():

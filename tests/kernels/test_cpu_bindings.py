@@ -16,9 +16,9 @@ import sys
 
 import pytest
 import torch
-from localpaged.kernels import cpu, cpu_isa
 
 from localpaged.errors import KernelArgumentError, KernelError
+from localpaged.kernels import cpu, cpu_isa
 
 needs_library = pytest.mark.skipif(
     cpu.library() is None, reason="no C compiler or no 64-bit CPU: the torch path runs instead"

@@ -11,9 +11,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from localpaged.kernels import cpu, cpu_isa
 
 from localpaged.errors import ConfigError
+from localpaged.kernels import cpu, cpu_isa
 
 CHECK = Path(__file__).with_name("cpu_kernels_check.c")
 CROSS = shutil.which("aarch64-linux-gnu-gcc")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from localpaged.kernels import cpu, reference
 
+from localpaged.kernels import cpu, reference
 from localpaged.models.gguf_weights import BlockQuantized
 
 pytestmark = [

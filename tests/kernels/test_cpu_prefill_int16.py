@@ -11,8 +11,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from localpaged.kernels import cpu, reference
 
+from localpaged.kernels import cpu, reference
 from tests.kernels.test_cpu_paged_prefill import CASES, chunks, prefill_and_reference
 
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler or no 64-bit CPU: nothing to call")

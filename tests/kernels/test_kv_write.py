@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from localpaged.kernels import reference
 from localpaged.kernels.kv_write import write_kv
 

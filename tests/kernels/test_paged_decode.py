@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from localpaged.kernels import reference
 from localpaged.kernels.paged_decode import paged_decode
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from localpaged.kernels import reference
 from localpaged.kernels.paged_prefill import paged_prefill
 

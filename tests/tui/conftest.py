@@ -11,10 +11,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_engine import FakeEngine
-from localpaged.tui.app import LocalpagedApp
 from pilot_helpers import NOW
 
 from localpaged.chat.store import ChatStore
+from localpaged.tui.app import LocalpagedApp
 
 
 @pytest.fixture

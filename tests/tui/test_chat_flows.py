@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from pilot_helpers import error_message, main_screen, new_chat, reply_done, send, wait_for
+
+from localpaged.errors import ModelNotFoundError
 from localpaged.tui.app import LocalpagedApp
 from localpaged.tui.screens.confirm import ConfirmDialog
 from localpaged.tui.screens.edit import EditDialog
@@ -13,9 +16,6 @@ from localpaged.tui.screens.loading import LoadingScreen
 from localpaged.tui.screens.new_chat import NewChatDialog
 from localpaged.tui.screens.search import SearchDialog
 from localpaged.tui.widgets.sidebar import LIVE_MARK
-from pilot_helpers import error_message, main_screen, new_chat, reply_done, send, wait_for
-
-from localpaged.errors import ModelNotFoundError
 
 pytestmark = pytest.mark.anyio
 

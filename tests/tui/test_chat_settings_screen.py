@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from localpaged.tui.screens.chat_settings import ChatSettingsDialog
-from localpaged.tui.screens.main import MainScreen
 from pilot_helpers import main_screen, reply_done, send, wait_for
 from textual.widgets import Input, Label, TextArea
 
 from localpaged.config_file import SamplingSettings, Settings
 from localpaged.engine.protocol import LOCAL
+from localpaged.tui.screens.chat_settings import ChatSettingsDialog
+from localpaged.tui.screens.main import MainScreen
 
 pytestmark = pytest.mark.anyio
 WORDS = 100

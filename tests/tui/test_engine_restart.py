@@ -6,15 +6,15 @@ import threading
 
 import pytest
 from fake_engine import FakeEngine
+from pilot_helpers import NOW, engine_dead_message, error_message, main_screen, new_chat, reply_done, send, wait_for
+
+from localpaged.errors import EngineDeadError, ModelNotFoundError
 from localpaged.tui.app import LocalpagedApp
 from localpaged.tui.live import EngineDied
 from localpaged.tui.screens.engine_dead import EngineDeadScreen
 from localpaged.tui.screens.error import ErrorScreen
 from localpaged.tui.screens.loading import LoadingScreen
 from localpaged.tui.screens.main import REFRESH_S
-from pilot_helpers import NOW, engine_dead_message, error_message, main_screen, new_chat, reply_done, send, wait_for
-
-from localpaged.errors import EngineDeadError, ModelNotFoundError
 
 pytestmark = pytest.mark.anyio
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from localpaged.tui.widgets.status_line import StatusLine
 from pilot_helpers import main_screen, reply_done, send, wait_for
+
+from localpaged.tui.widgets.status_line import StatusLine
 
 pytestmark = pytest.mark.anyio
 

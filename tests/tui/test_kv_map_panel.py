@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from localpaged.tui.widgets.kv_map import KVMapPanel
 from pilot_helpers import main_screen, wait_for
+
+from localpaged.tui.widgets.kv_map import KVMapPanel
 
 pytestmark = pytest.mark.anyio
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from localpaged.tui.app import LocalpagedApp
-from localpaged.tui.widgets.kv_map import KVMapPanel
 from pilot_helpers import main_screen, send, wait_for
 
 from localpaged.chat.store import ChatStore
+from localpaged.tui.app import LocalpagedApp
+from localpaged.tui.widgets.kv_map import KVMapPanel
 
 pytestmark = pytest.mark.anyio
 

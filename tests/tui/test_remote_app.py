@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from localpaged.tui.app import LocalpagedApp
-from localpaged.tui.screens.engine_dead import EngineDeadScreen
-from localpaged.tui.widgets.kv_map import KVMapPanel
 from pilot_helpers import engine_dead_message, error_message, main_screen, new_chat, reply_done, send, wait_for
 
 from localpaged.chat.store import ChatStore
 from localpaged.config_file import Settings
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.engine.remote import RemoteEngine
+from localpaged.tui.app import LocalpagedApp
+from localpaged.tui.screens.engine_dead import EngineDeadScreen
+from localpaged.tui.widgets.kv_map import KVMapPanel
 from tests.chat.test_remote import free_port
 from tests.server.running import running_server
 

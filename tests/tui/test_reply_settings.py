@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from localpaged.tui.app import LocalpagedApp
-from localpaged.tui.screens.error import ErrorScreen
-from localpaged.tui.screens.new_chat import NewChatDialog
 from pilot_helpers import NOW, error_message, main_screen, reply_done, send, wait_for
 from textual.widgets import Label
 
 from localpaged.config_file import SamplingSettings, Settings, load_settings
 from localpaged.locations import config_file_path
+from localpaged.tui.app import LocalpagedApp
+from localpaged.tui.screens.error import ErrorScreen
+from localpaged.tui.screens.new_chat import NewChatDialog
 
 pytestmark = pytest.mark.anyio
 WORDS = 600

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from localpaged.tui.screens.search import SearchDialog
 from pilot_helpers import NOW, main_screen, wait_for
 
 from localpaged.chat.prompts import Prompt
+from localpaged.tui.screens.search import SearchDialog
 
 SIZE = (120, 40)
 REPLY = """Use a list comprehension:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from localpaged.tui.screens.main import REDRAW_S
-from localpaged.tui.widgets.bubble import MessageBubble
 from pilot_helpers import main_screen, new_chat, reply_done, send, wait_for
 from textual.widgets import Markdown
+
+from localpaged.tui.screens.main import REDRAW_S
+from localpaged.tui.widgets.bubble import MessageBubble
 
 pytestmark = pytest.mark.anyio
 

@@ -4,16 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from localpaged.tui.actions import ChatActions
-from localpaged.tui.live import EngineDied, LiveChat, ReplyActivity
-from localpaged.tui.redraw_pacer import REDRAW_S, RedrawPacer
-from localpaged.tui.screens.chat_settings import ChatSettingsChoice, ChatSettingsDialog
-from localpaged.tui.widgets.bubble import MessageBubble, metrics_note
-from localpaged.tui.widgets.chat_input import ChatInput
-from localpaged.tui.widgets.kv_map import KVMapPanel
-from localpaged.tui.widgets.message_list import MessageList
-from localpaged.tui.widgets.sidebar import SessionEntry, SessionList
-from localpaged.tui.widgets.status_line import StatusLine
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -26,6 +16,16 @@ from localpaged.config_file import Settings
 from localpaged.engine.output import KVMap
 from localpaged.engine.protocol import EngineClient, EngineStats
 from localpaged.errors import EngineDeadError, LocalpagedError, RemoteEngineError
+from localpaged.tui.actions import ChatActions
+from localpaged.tui.live import EngineDied, LiveChat, ReplyActivity
+from localpaged.tui.redraw_pacer import REDRAW_S, RedrawPacer
+from localpaged.tui.screens.chat_settings import ChatSettingsChoice, ChatSettingsDialog
+from localpaged.tui.widgets.bubble import MessageBubble, metrics_note
+from localpaged.tui.widgets.chat_input import ChatInput
+from localpaged.tui.widgets.kv_map import KVMapPanel
+from localpaged.tui.widgets.message_list import MessageList
+from localpaged.tui.widgets.sidebar import SessionEntry, SessionList
+from localpaged.tui.widgets.status_line import StatusLine
 
 REFRESH_S = 0.5  # status line and KV map
 

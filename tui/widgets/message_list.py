@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from localpaged.tui.widgets.bubble import MessageBubble
 from textual.containers import VerticalScroll
+
+from localpaged.tui.widgets.bubble import MessageBubble
 
 
 class MessageList(VerticalScroll):

@@ -1,0 +1,553 @@
+"""Write docs/benchmarks.md, and the README's results block, from benchmarks/results/*.json.
+
+The figures live in the results files the benchmarks write and nowhere else: this script turns
+each file into a section (what it measures, how to rerun it, its tables, its plots, the machine
+and date the file records where it does), so the docs cannot drift from the runs. A results file
+it has no renderer for gets a generic section with its figures as recorded, and the scripts under
+benchmarks/ that write no results file are listed at the end from their own docstrings.
+`make docs` runs it; tests/test_docs.py fails when the committed files differ from what it writes.
+
+    python tools/benchmarks_doc.py           # rewrite docs/benchmarks.md and README.md's results block
+    python tools/benchmarks_doc.py --check   # exit 1 if either is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+BEGIN = "<!-- results: written by tools/benchmarks_doc.py from benchmarks/results/peers.json; `make docs` -->"
+END = "<!-- /results -->"
+HELPERS = {"kv_folder", "random_model"}  # modules under benchmarks/ that are not benchmarks
+GENERIC_ROWS = 60
+
+
+# -- formatting ---------------------------------------------------------------------------------
+
+
+def num(value: object, digits: int = 1) -> str:
+    if value is None:
+        return "not run"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    return f"{value:,.{digits}f}"
+
+
+def ratio(ours: float | None, theirs: float | None) -> str:
+    if not ours or not theirs:
+        return "-"
+    return f"**{ours / theirs:.2f}x**"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def recorded(data: dict) -> str:
+    """The machine and date a results file records, in one line (empty if it records neither)."""
+    parts = []
+    machine = data.get("machine")
+    if isinstance(machine, dict):
+        cpu, cpus, threads = machine.get("cpu"), machine.get("cpus"), machine.get("threads")
+        words = [f"{cpu}" if cpu else "", f"{cpus} CPUs" if cpus else "", f"{threads} threads" if threads else ""]
+        parts.append("machine: " + ", ".join(w for w in words if w))
+    elif machine:
+        parts.append(f"machine: {machine}")
+    for key, label in (("date", "date"), ("model", "model"), ("llama_cpp", "llama.cpp")):
+        if data.get(key):
+            parts.append(f"{label}: {data[key]}")
+    return ("*Recorded in the file: " + "; ".join(parts) + ".*") if parts else ""
+
+
+# -- renderers of the results files we know ----------------------------------------------------
+
+
+def peers_sessions(data: dict) -> str:
+    rows = []
+    for r in data.get("sessions", []):
+        bb = (data.get("batched_bench") or {}).get(str(r.get("sessions")))
+        rows.append(
+            [
+                f"{r.get('sessions')} x {r.get('tokens_each')}",
+                num(r.get("localpaged")),
+                num(r.get("llama_default")),
+                num(r.get("llama_fa")),
+                num(r.get("llama_kvu_fa")),
+                num(bb),
+                ratio(r.get("localpaged"), r.get("llama_best")),
+            ]
+        )
+    header = ["sessions x tokens", "localpaged", "llama-server defaults", "`-fa on`, warm", "`-kvu -fa on`, warm"]
+    header += ["`llama-batched-bench` decode only", "vs llama-server's best"]
+    return "**Many chats at once** (aggregate output tok/s):\n\n" + table(header, rows)
+
+
+def peers_one_chat(data: dict) -> str:
+    one = data.get("one_chat")
+    if not one:
+        return ""
+    peers = [k for k in ("llama_default", "llama_kvu_fa") if k in one]
+    names = {"llama_default": "llama-server defaults", "llama_kvu_fa": "`-kvu -fa on`"}
+    rows = []
+    for key, label, digits, higher in (
+        ("decode_tok_s", "decode tok/s, one chat", 1, True),
+        ("cold_prefill_tok_s", "cold prefill tok/s", 1, True),
+        ("warm_ttft_s", "time to first token, system prompt cached (s)", 3, False),
+    ):
+        ours = one.get("localpaged", {}).get(key)
+        theirs = [one[p].get(key) for p in peers if one[p].get(key)]
+        best = (max(theirs) if higher else min(theirs)) if theirs else None
+        r = ratio(ours, best) if higher else ratio(best, ours)
+        rows.append([label, num(ours, digits), *(num(one[p].get(key), digits) for p in peers), r])
+    tokens = one.get("coding_prompt_tokens")
+    head = f"**One chat** (the {num(tokens, 0)}-token coding system prompt for the prefill and the first token):"
+    return head + "\n\n" + table(["", "localpaged", *(names[p] for p in peers), "vs llama.cpp's best"], rows)
+
+
+def peers_prefill(data: dict) -> str:
+    p = data.get("prefill_by_length")
+    if not p:
+        return ""
+    native = p.get("localpaged", {}).get("native", {})
+    torch_ = p.get("localpaged", {}).get("torch", {})
+    rows = []
+    for length in native:
+        theirs = [p.get(k, {}).get(length) for k in ("llama_default", "llama_fa")]
+        best = max((t for t in theirs if t), default=None)
+        rows.append(
+            [num(int(length), 0), num(native[length], 0), num(torch_.get(length), 0)]
+            + [num(t, 0) for t in theirs]
+            + [ratio(native[length], best)]
+        )
+    header = ["prompt tokens", "localpaged (native)", "localpaged (torch)", "llama-server defaults", "`-fa on`"]
+    out = "**Cold prefill by prompt length** (tok/s, medians of the rounds):\n\n" + table(
+        [*header, "vs llama.cpp's best"], rows
+    )
+    los = p.get("long_over_short") or {}
+    if los:
+        words = {"native": "localpaged native", "torch": "localpaged torch", "llama_default": "llama-server"}
+        words["llama_fa"] = "llama-server `-fa on`"
+        cells = ", ".join(f"{words.get(k, k)} {v:.2f}x" for k, v in los.items())
+        out += f"\n\nLongest against shortest prompt, tok/s (the median of the rounds' own ratios): {cells}."
+    return out
+
+
+def peers_kv_memory(data: dict) -> str:
+    mem = data.get("kv_memory")
+    if not mem:
+        return ""
+    mib = 2**20
+    rows = [
+        [
+            num(r.get("sessions"), 0),
+            num(r.get("minimum_bytes", 0) / mib, 0),
+            num(r.get("held_bytes", 0) / mib, 0),
+            num(r.get("unshared_bytes", 0) / mib, 0),
+            num(r["llama_kvu_bytes"] / mib, 0) if "llama_kvu_bytes" in r else "-",
+            num(r["llama_np_8192_bytes"] / mib, 0) if "llama_np_8192_bytes" in r else "-",
+            f"{r.get('waste', 0):.1%}",
+        ]
+        for r in mem
+    ]
+    header = ["sessions", "minimum", "localpaged's pool, prefix shared", "the pool without sharing"]
+    header += ["llama.cpp `-np N -kvu`", "llama.cpp `-np N`, 8,192 a slot", "pool over the minimum"]
+    head = (
+        "**KV memory** (MiB; each session a 2,000-token shared system prompt and 300 tokens of its own, "
+        "from the block pool's own accounting; the minimum is the shared part once plus the private parts):"
+    )
+    return head + "\n\n" + table(header, rows)
+
+
+def peers_latency(data: dict) -> str:
+    lat = data.get("latency")
+    if not lat:
+        return ""
+    labels = {"chunked": "chunked prefill (the default)", "unchunked": "no chunking"}
+    rows = [
+        [
+            labels.get(name, name),
+            num(r.get("step_budget"), 0),
+            num(r.get("alone_itl_p50_ms"), 0) + " ms",
+            num(r.get("itl_p50_ms", 0) / 1000, 2) + " s",
+            num(r.get("itl_p99_ms", 0) / 1000, 2) + " s",
+            num(r.get("long_prompt_ttft_s"), 1) + " s",
+        ]
+        for name, r in lat.items()
+    ]
+    header = [
+        "",
+        "step budget (tokens)",
+        "time between tokens, alone (p50)",
+        "while a 4,000-token prompt prefills: p50",
+    ]
+    return "**Latency under load** (8 chats streaming while a 4,000-token prompt arrives):\n\n" + table(
+        [*header, "p99", "the long prompt's first token"], rows
+    )
+
+
+def render_peers(data: dict) -> str:
+    parts = [peers_sessions(data), peers_one_chat(data), peers_prefill(data), peers_kv_memory(data)]
+    parts.append(peers_latency(data))
+    return "\n\n".join(p for p in parts if p)
+
+
+def render_app_speed(data: dict) -> str:
+    res = data.get("results", {})
+    base = res.get("script", {}).get("tok_s")
+    base8 = res.get("script", {}).get("eight_tok_s")
+    rows = [["`LLM.chat` on a plain script: the engine's own speed", num(base), "1.00x", num(base8), "1.00x", "-"]]
+    for key, label in (
+        ("process", "`AsyncLLM`, the core in its own process (the default)"),
+        ("process+ui", "the same, with a UI-like thread in the front end"),
+        ("thread", "`AsyncLLM`, the core on a thread of the caller's process"),
+        ("thread+ui", "the same, with a UI-like thread"),
+    ):
+        if key in res:
+            tok = res[key].get("tok_s")
+            rows.append([label, num(tok), ratio(tok, base).strip("*"), "-", "-", "-"])
+    for key, label in (
+        ("app/process", "the app, headless, core in its own process"),
+        ("app/thread", "the app, headless, core on a thread"),
+        ("app/pty", "the app drawing to a pty"),
+        ("app/tmux", "the app in tmux"),
+    ):
+        app = res.get(key)
+        if not app:
+            continue
+        one, eight = app.get("one_chat", {}), app.get("eight_chats", {})
+        tok = statistics.median(one["decode_tok_s"]) if one.get("decode_tok_s") else None
+        agg = eight.get("aggregate_tok_s")
+        share = one.get("front_end_cpu_share")
+        cells = [label, num(tok), ratio(tok, base).strip("*"), num(agg), ratio(agg, base8).strip("*")]
+        rows.append([*cells, f"{share:.0%}" if share is not None else "-"])
+    header = ["contender", "one chat tok/s", "vs the engine", "eight chats tok/s", "vs the engine", "front end CPU"]
+    out = f"Replies of {num(data.get('tokens'), 0)} greedy tokens; each figure the best of the rounds.\n\n"
+    out += table(header, rows)
+    starts = [
+        (label, res[key].get(field))
+        for key, field, label in (
+            ("run/process", "seconds", '`localpaged run "hi" --max-tokens 1`, start to exit'),
+            ("app/process", "start_to_chat_s", "the app, start to the loading screen closing"),
+        )
+        if key in res
+    ]
+    if starts:
+        out += "\n\n" + table(["start-up", "seconds"], [[label, num(s, 1)] for label, s in starts])
+    return out
+
+
+def render_serve_speed(data: dict) -> str:
+    res = data.get("results", {})
+    rows = []
+    for key, label in (("in-process", "`AsyncLLM.stream` in-process"), ("http", "`localpaged serve` over HTTP")):
+        r = res.get(key)
+        if r:
+            cpu = r.get("front_cpu_ms_per_token")
+            rows.append(
+                [label, num(r.get("tok_s")), num(r.get("ttft_p50_s"), 2), num(r.get("ttft_p99_s"), 2), num(cpu, 3)]
+            )
+    header = ["", "aggregate tok/s", "first token p50 (s)", "p99 (s)", "CPU outside the core, ms a token"]
+    out = f"{num(data.get('clients'), 0)} streaming clients, {num(data.get('tokens'), 0)} tokens each; "
+    out += "each contender's best round.\n\n" + table(header, rows)
+    ratios = data.get("ratios") or {}
+    if "tok_s" in ratios:
+        out += f"\n\nHTTP against in-process: {ratios['tok_s']:.2f}x the tok/s (the goal: at least 0.9x)."
+    return out
+
+
+def render_kv_disk(data: dict) -> str:
+    cases = [("coding", "first chat with the coding prompt"), ("long chat", "reopening a long chat, one more message")]
+    columns = ["(a) cold", "(b) new process, page cache warm", "(b) new process, page cache dropped"]
+    columns.append("(c) warm in memory")
+    rows = []
+    for case, label in cases:
+        cells = [data.get(f"{case} {c}", {}).get("ttft_s") for c in columns]
+        tokens = next((data[f"{case} {c}"].get("prompt_tokens") for c in columns if f"{case} {c}" in data), None)
+        if any(cells):
+            rows.append([f"{label} ({num(tokens, 0)} tokens)", *(num(c, 3) + " s" if c else "-" for c in cells)])
+    out = "Time to first token:\n\n" + table(
+        ["", "cold", "new process, from disk", "the same, OS page cache dropped", "warm in memory"], rows
+    )
+    facts = []
+    if "disk bytes per block" in data:
+        facts.append(f"a block takes {num(data['disk bytes per block'], 0)} bytes on disk")
+    if "disk write MB/s (writer thread, during decode)" in data:
+        facts.append(f"the writer wrote {num(data['disk write MB/s (writer thread, during decode)'], 0)} MB/s")
+    if "decode on/off" in data:
+        facts.append(f"decode with the tier on ran at {data['decode on/off']:.2f}x of decode with it off (goal 0.95x)")
+    if facts:
+        text = "; ".join(facts)
+        out += "\n\n" + text[0].upper() + text[1:] + "."
+    return out
+
+
+def render_generic(data: object) -> str:
+    """Any other results file: its figures as recorded, one row a value (lists as their median)."""
+    rows: list[list[str]] = []
+
+    def walk(value: object, path: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path} / {key}" if path else str(key))
+        elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+            rows.append([path, f"{statistics.median(value):,.4g} (median of {len(value)})"])
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                walk(item, f"{path} / {i}")
+        else:
+            rows.append([path or "(value)", f"{value:,.4g}" if isinstance(value, float) else str(value)])
+
+    walk(data, "")
+    note = "No renderer in tools/benchmarks_doc.py knows this file yet: its figures as recorded."
+    if len(rows) > GENERIC_ROWS:
+        note += f" The first {GENERIC_ROWS} of {len(rows)}."
+    return note + "\n\n" + table(["figure", "value"], rows[:GENERIC_ROWS])
+
+
+# -- what each benchmark is ---------------------------------------------------------------------
+
+
+class Spec:
+    def __init__(self, title: str, about: str, rerun: str, render: Callable[[dict], str]) -> None:
+        self.title, self.about, self.rerun, self.render = title, about, rerun, render
+
+
+PEERS_ABOUT = (
+    "localpaged against llama.cpp, the program our users would otherwise run, on the same GGUF, the same CPU "
+    "and thread count, in one run (these machines drift by up to 20% from minute to minute, so only figures of "
+    "one run are compared). Both get the same prompt token ids (sent to llama-server as ids), greedy, end of "
+    "turn ignored. Sessions share a ~300-token system prompt and each asks its own question; llama-server is "
+    "started for each point with `-np N` and 1,024 tokens of context a slot and driven over HTTP, with its "
+    "defaults (cold) and tuned (`-fa on`, and `-kvu -fa on` up to 16 sessions; warm: every slot already holds "
+    "the system prompt). The cold prefills run without the disk tier."
+)
+KNOWN: dict[str, Spec] = {
+    "peers": Spec(
+        "localpaged against llama.cpp",
+        PEERS_ABOUT,
+        "`make bench-peers` once (builds llama.cpp into the cache folder, about 10 minutes on two cores), then "
+        "`python benchmarks/peers.py` (part of `make bench`).",
+        render_peers,
+    ),
+    "app_speed": Spec(
+        "Does the app stream at the engine's speed?",
+        "One chat, and eight at once, through each front end against `LLM.chat` on a plain script, every "
+        "contender in a fresh interpreter in one run. The front end's CPU share is what the app takes from the "
+        "engine on a small machine.",
+        "`python benchmarks/app_speed.py [--tokens 128]` (part of `make bench`).",
+        render_app_speed,
+    ),
+    "serve_speed": Spec(
+        "What does HTTP cost?",
+        "Streaming clients against `localpaged serve` through the official OpenAI client, against the same "
+        "requests through `AsyncLLM` in-process; the engine core runs in its own process in both, so they differ "
+        "by the HTTP layer alone. Every request shares one system prompt and generates exactly the same tokens.",
+        "`python benchmarks/serve_speed.py [--clients 32] [--tokens 128]` (part of `make bench`).",
+        render_serve_speed,
+    ),
+    "kv_disk": Spec(
+        "The disk KV tier",
+        "Time to first token cold, from the disk tier in a new process, and warm in memory: (b) and (c) are "
+        "the median of five new processes and five new questions. Also the tier's bytes per block, its "
+        "writer's speed, and decode with the tier on against off.",
+        "`python benchmarks/kv_disk.py` (part of `make bench`).",
+        render_kv_disk,
+    ),
+}
+
+
+def spec_for(stem: str) -> Spec:
+    if stem in KNOWN:
+        return KNOWN[stem]
+    if stem.startswith("peers-"):  # peers.py --model FILE (sessions table only) or --only prefill
+        return Spec(
+            f"localpaged against llama.cpp: {stem.removeprefix('peers-')}",
+            "The sessions of the section above, measured the same way on another file, in a separate run.",
+            f"`python benchmarks/peers.py --model {stem.removeprefix('peers-')}.gguf`"
+            if stem != "peers-prefill"
+            else "`python benchmarks/peers.py --only prefill`",
+            render_peers,
+        )
+    script = ROOT / "benchmarks" / f"{stem}.py"
+    about, rerun = "", ""
+    if script.is_file():
+        about = first_line(script)
+        rerun = f"`python benchmarks/{stem}.py`"
+    return Spec(stem, about, rerun, render_generic)
+
+
+def first_line(script: Path) -> str:
+    try:
+        doc = ast.get_docstring(ast.parse(script.read_text()))
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    return doc.strip().splitlines()[0] if doc else ""
+
+
+def usage_lines(script: Path) -> list[str]:
+    try:
+        doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+    except (OSError, SyntaxError, ValueError):
+        return []
+    lines = [line.strip() for line in doc.splitlines() if line.strip().startswith("python benchmarks/")]
+    return [re.split(r"\s{2,}", line)[0] for line in lines]  # a usage line's comment after a wide gap
+
+
+# -- the documents --------------------------------------------------------------------------------
+
+
+def order(stems: list[str]) -> list[str]:
+    known = [s for s in KNOWN if s in stems]
+    peers_more = sorted(s for s in stems if s.startswith("peers-"))
+    return known[:1] + peers_more + known[1:] + sorted(s for s in stems if s not in KNOWN and s not in peers_more)
+
+
+def plots_by_stem(stems: list[str], results: Path) -> tuple[dict[str, list[str]], list[str]]:
+    """Each PNG goes to the results file whose name is the longest prefix of its own (``peers_kv_memory`` -> peers)."""
+    owned: dict[str, list[str]] = {s: [] for s in stems}
+    loose = []
+    for png in sorted(results.glob("*.png")):
+        owners = [s for s in stems if png.stem == s or png.stem.startswith((s + "_", s + "-"))]
+        if owners:
+            owned[max(owners, key=len)].append(png.name)
+        else:
+            loose.append(png.name)
+    return owned, loose
+
+
+def render_doc(results: Path = RESULTS) -> str:
+    files = sorted(results.glob("*.json"))
+    stems = order([f.stem for f in files])
+    plots, loose = plots_by_stem(stems, results)
+    out = [
+        "# Benchmarks",
+        "",
+        "<!-- Written by tools/benchmarks_doc.py from benchmarks/results/: edit those, then `make docs`. -->",
+        "",
+        (
+            "Every figure below is read from a results file under [benchmarks/results/](../benchmarks/results/), "
+            "written by the benchmark's last run; `make bench` reruns them all "
+            "(llama.cpp's side once `make bench-peers` has built it) and `make docs` rewrites this page. "
+            "Each benchmark compares its contenders within one run: these shared "
+            "machines drift by up to 20% from minute to minute, so figures from different runs, or different "
+            "machines, are not compared. How the two engines compare depends on the CPU: compare on yours."
+        ),
+    ]
+    for stem in stems:
+        path = results / f"{stem}.json"
+        spec = spec_for(stem)
+        out += ["", f"## {spec.title}", "", f"Results file: [`{path.name}`](../benchmarks/results/{path.name})."]
+        if spec.about:
+            out += ["", spec.about]
+        if spec.rerun:
+            out += ["", f"Rerun: {spec.rerun}"]
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            out += ["", f"The file could not be read ({type(exc).__name__}): no figures."]
+            continue
+        note = recorded(data) if isinstance(data, dict) else ""
+        if note:
+            out += ["", note]
+        try:
+            body = spec.render(data) if isinstance(data, dict) else render_generic(data)
+        except (KeyError, TypeError, ValueError, AttributeError, statistics.StatisticsError):
+            body = render_generic(data)  # a file whose shape moved on from its renderer: still every figure
+        out += ["", body]
+        for png in plots.get(stem, []):
+            out += ["", f"![{png}](../benchmarks/results/{png})"]
+    for png in loose:
+        out += ["", f"![{png}](../benchmarks/results/{png})"]
+    scripts = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in HELPERS and p.stem not in stems)
+    if scripts:
+        out += [
+            "",
+            "## Benchmarks that print their figures",
+            "",
+            "These write no results file: they print their comparison, and their figures are not kept here.",
+            "",
+        ]
+        for script in scripts:
+            usage = "; ".join(f"`{u}`" for u in usage_lines(script)) or f"`python benchmarks/{script.name}`"
+            out.append(f"- [`{script.name}`](../benchmarks/{script.name}): {first_line(script)} {usage}")
+    return "\n".join(out) + "\n"
+
+
+def render_readme_block(results: Path = RESULTS) -> str:
+    """The README's headline table: peers.json's sessions and one-chat figures, with the machine it records."""
+    data = json.loads((results / "peers.json").read_text())
+    rows = []
+    for r in data.get("sessions", []):
+        n = r["sessions"]
+        label = f"{n} chat{'s' if n > 1 else ''} at once, {r['tokens_each']} tokens each: output tok/s"
+        rows.append(
+            [label, num(r["localpaged"]), num(r.get("llama_best")), ratio(r["localpaged"], r.get("llama_best"))]
+        )
+    one = data.get("one_chat") or {}
+    ours = one.get("localpaged", {})
+    peers = [v for k, v in one.items() if k.startswith("llama_") and isinstance(v, dict)]
+    if ours and peers:
+        tokens = num(one.get("coding_prompt_tokens"), 0)
+        best = max(p["cold_prefill_tok_s"] for p in peers)
+        rows.append([f"cold prefill of a {tokens}-token prompt: tok/s", num(ours["cold_prefill_tok_s"], 0)])
+        rows[-1] += [num(best, 0), ratio(ours["cold_prefill_tok_s"], best)]
+        best = min(p["warm_ttft_s"] for p in peers)
+        rows.append(["first token, system prompt cached: s", num(ours["warm_ttft_s"], 3), num(best, 3)])
+        rows[-1].append(ratio(best, ours["warm_ttft_s"]))
+    mem = (data.get("kv_memory") or [{}])[-1]
+    if "llama_kvu_bytes" in mem:
+        mib = 2**20
+        label = f"KV memory of {mem['sessions']} chats sharing a 2,000-token system prompt: MiB"
+        rows.append([label, num(mem["held_bytes"] / mib, 0), num(mem["llama_kvu_bytes"] / mib, 0)])
+        rows[-1].append(f"**{mem['llama_kvu_bytes'] / mem['held_bytes']:.1f}x less**")
+    machine = data.get("machine") or {}
+    where = f"{machine.get('cpu')}, {machine.get('cpus')} CPUs, {machine.get('threads')} threads for each engine"
+    lines = [
+        BEGIN,
+        table(["the default model's GGUF, greedy", "localpaged", "llama.cpp's best", ""], rows),
+        "",
+        f"*{where}; llama.cpp {data.get('llama_cpp')}, built with `-march=native`.*",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def readme_with_block(readme: str, block: str) -> str:
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"README.md has no results block ({BEGIN!r} ... {END!r})")
+    return readme[:start] + block + readme[end + len(END) :]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md or README.md is out of date")
+    args = ap.parse_args()
+    doc = render_doc()
+    readme = readme_with_block(README.read_text(), render_readme_block())
+    stale = [p for p, text in ((DOC, doc), (README, readme)) if not p.is_file() or p.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is out of date: run `make docs`", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in ((DOC, doc), (README, readme)):
+        if path in stale:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
