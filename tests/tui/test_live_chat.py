@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from localpaged.tui.live import LiveChat
-
 from localpaged.chat.session import Session
 from localpaged.chat.store import ChatStore
+from localpaged.tui.live import LiveChat
 from tests.tui.fake_engine import FakeEngine
 
 
