@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.func(args, engines)
         return 0
     except LocalpagedError as exc:
-        print(f"{_red('error:', sys.stderr)} {exc}", file=sys.stderr)
+        print(f"{_red('error:', sys.stderr)} {_shown(str(exc), stream=sys.stderr)}", file=sys.stderr)
         return EXIT_ERROR
     except Terminated:
         return EXIT_TERMINATED
@@ -352,7 +352,7 @@ def cmd_run(args: argparse.Namespace, engines: list[EngineClient]) -> None:
             # closing(): on Ctrl-C the reply is finalised (stored as partial) before the engine stops.
             with closing(session.stream(args.message)) as deltas:
                 for delta in deltas:
-                    sys.stdout.write(delta)
+                    sys.stdout.write(_shown(delta))
                     sys.stdout.flush()
         except BaseException:
             # A first turn rejected before anything was stored (too long, ...) leaves no empty session behind.
@@ -362,7 +362,7 @@ def cmd_run(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     sys.stdout.write("\n")
     sys.stdout.flush()  # before the note on stderr, so a terminal shows them in order
     if session.warning:
-        print(f"warning: {session.warning}", file=sys.stderr)
+        print(f"warning: {_shown(session.warning, stream=sys.stderr)}", file=sys.stderr)
     context, reply = session.engine.info.max_model_len, session.last_reply
     if reply is not None and (note := limit_note(reply, context)):
         if filled_context(reply, context):
@@ -532,7 +532,7 @@ def cmd_prompts_list(args: argparse.Namespace, engines: list[EngineClient]) -> N
     problems: list[PromptError] = []
     prompts = list_prompts(problems)
     for problem in problems:  # a broken file is named, the rest still listed
-        print(f"warning: {problem}", file=sys.stderr)
+        print(f"warning: {_shown(problem, stream=sys.stderr)}", file=sys.stderr)
     for prompt in prompts:
         origin = "" if prompt.builtin else " (yours)"
         print(
@@ -580,9 +580,10 @@ _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) 
 _CONTROLS_ONE_LINE = {**_CONTROLS, ord("\n"): "\\n", ord("\t"): "\\t"}
 
 
-def _shown(text: str, *, one_line: bool = False) -> str:
-    """``text`` for stdout: control characters escaped when that is a terminal, unchanged into pipes and files."""
-    if not sys.stdout.isatty():
+def _shown(text: str, *, one_line: bool = False, stream: TextIO | None = None) -> str:
+    """``text`` for ``stream`` (stdout): control characters escaped when that is a terminal, unchanged into pipes
+    and files. A model's reply, a server's error and a stored title are all text someone else chose."""
+    if not (stream or sys.stdout).isatty():
         return text
     return text.translate(_CONTROLS_ONE_LINE if one_line else _CONTROLS)
 

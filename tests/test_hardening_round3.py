@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,39 @@ def test_modes_are_never_set_through_a_link(tmp_path: Path) -> None:
     assert stat.S_IMODE(target.stat().st_mode) == 0o644 and stat.S_IMODE(folder.stat().st_mode) == 0o755
     make_private(target)  # the file itself, ours: made private
     assert stat.S_IMODE(os.lstat(target).st_mode) == 0o600
+
+
+EVIL = "title\x1b]0;pwned\x07 clear\x1b[2J clipboard\x1b]52;c;cm0gLXJmIH4=\x07 end"
+
+
+def _no_controls(text: str) -> bool:
+    return not any(ord(c) < 0x20 and c not in "\n\t" or 0x7F <= ord(c) < 0xA0 for c in text)
+
+
+def test_run_never_lets_a_reply_or_an_error_drive_the_terminal(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A model's (or a remote server's) reply with OSC 0, CSI 2J or OSC 52 reaches a terminal escaped, and so does
+    an error message; a pipe gets the text as it is."""
+    from localpaged import cli
+    from localpaged.engine.async_llm import AsyncLLM
+    from localpaged.errors import RequestError
+    from tests.chat.fake_llm import FakeLLM
+
+    monkeypatch.setenv("LOCALPAGED_HOME", str(tmp_path))
+    fake = FakeLLM(lambda ids: EVIL)
+    monkeypatch.setattr(cli, "open_engine", lambda model, **config: AsyncLLM(llm=fake))
+    assert cli.main(["run", "hello", "--no-store"]) == 0
+    assert EVIL in capsys.readouterr().out  # into a pipe: unchanged
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli.main(["run", "hello", "--no-store"]) == 0
+    out = capsys.readouterr().out
+    assert _no_controls(out) and "title\\x1b]0;pwned\\x07 clear\\x1b[2J" in out
+
+    def refuse(*args, **kwargs):
+        raise RequestError(f"the server said: {EVIL}")
+
+    monkeypatch.setattr(cli, "open_engine", refuse)
+    assert cli.main(["run", "hello", "--no-store"]) == 2
+    err = capsys.readouterr().err
+    assert _no_controls(err.replace("\x1b[31m", "").replace("\x1b[0m", "")) and "pwned\\x07" in err
