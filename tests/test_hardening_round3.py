@@ -74,3 +74,19 @@ def test_run_never_lets_a_reply_or_an_error_drive_the_terminal(tmp_path: Path, m
     assert cli.main(["run", "hello", "--no-store"]) == 2
     err = capsys.readouterr().err
     assert _no_controls(err.replace("\x1b[31m", "").replace("\x1b[0m", "")) and "pwned\\x07" in err
+
+
+def test_a_kv_folder_that_cannot_be_made_turns_the_tier_off_with_one_warning(
+    tiny_model_path: Path, tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """The disk tier is a cache: a KV folder that cannot be created (here, under a file) never stops a start."""
+    from localpaged.engine.llm import LLM
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("LOCALPAGED_KV_CACHE", str(tmp_path / "a-file" / "kv"))
+    with caplog.at_level("WARNING", logger="localpaged.engine.setup"):
+        llm = LLM(str(tiny_model_path), kv_cache_memory="64MiB")
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "the disk KV tier is off for this run" in warning and "--no-kv-disk" in warning
+    assert llm.kv_disk is None and not llm.resolved.kv_disk and llm.config.kv_disk  # as given, and as settled
+    assert llm.generate("hello")[0].finish_reason in ("stop", "length")

@@ -5,7 +5,9 @@ Each decision fails early with the numbers and what to change, rather than at th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,8 @@ from localpaged.models.llama import LlamaForCausalLM, head_dim_of
 from localpaged.models.loader import ModelFiles, load_config, load_state_dict, resolve_model
 from localpaged.models.quantized import swap_in_blocks
 from localpaged.models.weights_digest import weights_digest
+
+log = logging.getLogger(__name__)
 
 MAX_DEFAULT_CONTEXT = 8192
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
@@ -166,7 +170,7 @@ def open_kv_disk(
     device: torch.device,
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
-) -> KVDiskTier:
+) -> KVDiskTier | None:
     """The disk tier for this model and KV layout, in a folder named for everything that makes KV values differ.
 
     Kernels are part of it wherever they may round differently (native CPU kernels or torch, their
@@ -198,7 +202,15 @@ def open_kv_disk(
     }
     nbytes = ModelRunner.bytes_per_block(hf_config, head_dim, resolved.block_size, kv_dtype)
     layout = BlockLayout(layout_fingerprint(fields), shape, fields["kv_dtype"], nbytes)
-    return KVDiskTier(kv_cache_dir(), layout, disk_bytes)
+    try:
+        return KVDiskTier(kv_cache_dir(), layout, disk_bytes)
+    except (ConfigError, OSError) as exc:  # a cache: a folder it cannot have costs warm starts, never the start
+        log.warning(
+            "the disk KV tier is off for this run: %s. Chats start cold after a restart; pass --no-kv-disk "
+            "(or kv_disk = false in the settings file) to say so and silence this",
+            exc,
+        )
+        return None
 
 
 def resolve_attention_name(name: str | None) -> str | None:
@@ -281,6 +293,13 @@ def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | 
         enable_prefix_caching=config.enable_prefix_caching,
         kv_disk=config.kv_disk and config.enable_prefix_caching,
     )
+    kv_disk = None
+    if resolved.kv_disk:
+        disk_bytes = parse_bytes(config.kv_disk_bytes, "kv_disk_bytes")
+        kv_disk = open_kv_disk(
+            resolved, disk_bytes, files, hf_config, model.head_dim, attention, device, dtype, kv_dtype
+        )
+        resolved = dataclasses.replace(resolved, kv_disk=kv_disk is not None)
     return EngineParts(
         files.name,
         files.folder,
@@ -292,18 +311,6 @@ def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | 
         num_blocks,
         block_bytes,
         stop_token_ids(tokenizer, hf_config),
-        open_kv_disk(
-            resolved,
-            parse_bytes(config.kv_disk_bytes, "kv_disk_bytes"),
-            files,
-            hf_config,
-            model.head_dim,
-            attention,
-            device,
-            dtype,
-            kv_dtype,
-        )
-        if resolved.kv_disk
-        else None,
+        kv_disk,
         resolved,
     )
