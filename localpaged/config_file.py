@@ -200,7 +200,7 @@ def load_settings(path: str | os.PathLike | None = None) -> Settings:
     path = Path(path).expanduser() if path is not None else config_file_path()
     try:
         text = _read_settings_text(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no file there (a path through a file holds none either)
         return Settings(path=path)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from exc
@@ -350,7 +350,7 @@ def save_theme(theme: str, path: str | os.PathLike | None = None) -> Path:
     file is created 0600. The result is parsed before it replaces the file, so a file this cannot
     edit safely is left untouched (ConfigError). Returns the file's path.
     """
-    path = Path(path).expanduser() if path is not None else config_file_path()
+    path = Path(path).expanduser() if path is not None else config_file_path(create=True)
     _theme_name(theme)
     try:
         text = _read_settings_text(path)

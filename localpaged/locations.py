@@ -64,21 +64,35 @@ def chat_db_path() -> Path:
     return data_dir() / "chats.db"
 
 
-def user_prompts_dir() -> Path:
-    """The user's own system prompts: $LOCALPAGED_HOME/prompts, else ``prompts`` in the user config folder."""
+def user_prompts_dir(create: bool = True) -> Path:
+    """The user's own system prompts: $LOCALPAGED_HOME/prompts, else ``prompts`` in the user config folder.
+
+    ``create=False`` for reading: nothing is made, so a read-only home still lists the shipped prompts.
+    """
+    if not create:
+        return _config_home() / "prompts"
     if os.environ.get(HOME_VAR):
         return _sub(data_dir(), "prompts", HOME_VAR)
     return _sub(_root(None, platformdirs.user_config_dir, fix_var=HOME_VAR), "prompts", HOME_VAR)
 
 
-def config_file_path() -> Path:
+def config_file_path(create: bool = False) -> Path:
     """The settings file: $LOCALPAGED_HOME/config.toml, else ``config.toml`` in the user config folder.
 
-    The folder is created (as for the prompts); the file is not: a missing one means the built-in defaults.
+    Reading never needs a write: the folder is created only with ``create`` (to save a setting), the file
+    never here (a missing one means the built-in defaults).
     """
+    if not create:
+        return _config_home() / "config.toml"
     if os.environ.get(HOME_VAR):
         return data_dir() / "config.toml"
     return _root(None, platformdirs.user_config_dir, fix_var=HOME_VAR) / "config.toml"
+
+
+def _config_home() -> Path:
+    """Where the settings file and the user's prompts are read from: $LOCALPAGED_HOME, else the user config folder."""
+    home = os.environ.get(HOME_VAR)
+    return Path(home).expanduser() if home else Path(platformdirs.user_config_dir(APP))
 
 
 def cache_dir() -> Path:

@@ -24,7 +24,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def config(home: Path) -> Path:
-    return config_file_path()
+    return config_file_path(create=True)  # the folder made, as saving a setting makes it
 
 
 def write(path: Path, text: str) -> Path:

@@ -90,3 +90,21 @@ def test_a_kv_folder_that_cannot_be_made_turns_the_tier_off_with_one_warning(
     assert "the disk KV tier is off for this run" in warning and "--no-kv-disk" in warning
     assert llm.kv_disk is None and not llm.resolved.kv_disk and llm.config.kv_disk  # as given, and as settled
     assert llm.generate("hello")[0].finish_reason in ("stop", "length")
+
+
+def test_a_home_that_cannot_be_written_still_lists_and_shows_the_shipped_prompts(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Reading never needs a write: prompts list, prompts show and the settings file work in a home nothing can be
+    created in (here, a path under a file; as root a read-only mode would not bite)."""
+    from localpaged import cli
+    from localpaged.config_file import load_settings
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("LOCALPAGED_HOME", str(tmp_path / "a-file" / "home"))
+    assert cli.main(["prompts", "list"]) == 0
+    assert "coding" in capsys.readouterr().out
+    assert cli.main(["prompts", "show", "coding"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert load_settings().model is None  # no file there: the built-in defaults
+    assert not (tmp_path / "a-file").is_dir()

@@ -46,8 +46,8 @@ class Prompt:
 
 
 def user_prompt_dir() -> Path:
-    """The user's prompt folder, :func:`localpaged.locations.user_prompts_dir` (created if missing)."""
-    return user_prompts_dir()
+    """The user's prompt folder, :func:`localpaged.locations.user_prompts_dir`; only read here, so never created."""
+    return user_prompts_dir(create=False)
 
 
 def list_prompts(problems: list[PromptError] | None = None) -> list[Prompt]:
