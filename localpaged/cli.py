@@ -142,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
         "(default: $LOCALPAGED_API_KEY; none: no key needed)",
     )
+    serve.add_argument(
+        "--allowed-hosts",
+        metavar="NAME",
+        nargs="+",
+        default=[],
+        help="Host names a server without an API key answers besides loopback ones (localhost, 127.0.0.1, ::1), "
+        "e.g. this machine's name on the LAN; keeps web pages that rebind their DNS name to this machine out",
+    )
     _add_engine(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -406,7 +414,7 @@ def cmd_serve(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     with closing(listen(args.host, args.port)) as sock:  # a port in use fails before the model loads
         engine = open_engine(model, **settings)
         engines.append(engine)
-        app = build_app(engine, api_key=api_key)
+        app = build_app(engine, api_key=api_key, allowed_hosts=args.allowed_hosts)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         print(f"serving {engine.info.model_name} at {url}/v1 (OpenAI API; Ctrl-C stops)", file=sys.stderr, flush=True)

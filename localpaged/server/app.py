@@ -21,6 +21,7 @@ request at once, so its KV blocks go back to the pool for everyone else.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,12 +37,13 @@ from localpaged.server.state import ServerState
 from localpaged.server.streaming import EventStream, chat_chunks, completion_chunks, usage
 
 
-def build_app(engine: EngineClient, *, api_key: str | None = None) -> FastAPI:
-    """The HTTP app over ``engine``; with ``api_key`` every path but /health and /metrics needs ``Bearer KEY``."""
+def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts: Iterable[str] = ()) -> FastAPI:
+    """The HTTP app over ``engine``; with ``api_key`` every path but /health and /metrics needs ``Bearer KEY``,
+    without one only loopback Host names and ``allowed_hosts`` are answered."""
     state = ServerState(engine)
     app = FastAPI(title="localpaged", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.localpaged = state
-    app.add_middleware(Guard, api_key=api_key)
+    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:

@@ -13,10 +13,12 @@ from tests.chat.test_async_llm import wait_until
 
 
 @contextmanager
-def running_server(engine: EngineClient, api_key: str | None = None) -> Iterator[str]:
+def running_server(
+    engine: EngineClient, api_key: str | None = None, allowed_hosts: tuple[str, ...] | list[str] = ()
+) -> Iterator[str]:
     """``http://127.0.0.1:PORT`` of a server over ``engine`` for the length of the ``with`` block."""
     sock = listen("127.0.0.1", 0)
-    server = Server(build_app(engine, api_key=api_key))
+    server = Server(build_app(engine, api_key=api_key, allowed_hosts=allowed_hosts))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
