@@ -16,7 +16,7 @@ from localpaged.errors import ConfigError
 from localpaged.unicode_text import not_unicode
 
 MAX_TOKENS_LIMIT = 1 << 20  # beyond any context we can hold: a value above it is a mistake
-MAX_SEED = (1 << 63) - 1  # what every torch generator accepts
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1  # any 64-bit seed, as OpenAI's and vLLM's; torch takes them all
 # Above any vocabulary, and within what crosses to the engine process (msgspec carries 64-bit integers):
 # a bigger top_k or token id is a mistake, and would fail there rather than here.
 MAX_TOKEN_ID = (1 << 31) - 1
@@ -63,9 +63,9 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p!r}: must be in (0, 1]; 1 turns it off")
         if self.seed is not None:
-            self.seed = _whole("seed", self.seed, f"None or a whole number from 0 to {MAX_SEED}")
-            if not 0 <= self.seed <= MAX_SEED:
-                raise ConfigError(f"seed={self.seed}: use None (random) or a whole number from 0 to {MAX_SEED}")
+            self.seed = _whole("seed", self.seed, f"a whole number from {MIN_SEED} to {MAX_SEED}, or none for random")
+            if not MIN_SEED <= self.seed <= MAX_SEED:
+                raise ConfigError(f"seed={self.seed}: use a whole number from {MIN_SEED} to {MAX_SEED} (a 64-bit seed)")
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _token_ids(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):

@@ -14,7 +14,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from localpaged.errors import ConfigError
-from localpaged.sampling import MAX_SEED, MAX_TOKENS_LIMIT, SamplingParams
+from localpaged.sampling import (
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKENS_LIMIT,
+    MIN_SEED,
+    SamplingParams,
+)
 
 
 @pytest.mark.parametrize(
@@ -48,7 +56,7 @@ from localpaged.sampling import MAX_SEED, MAX_TOKENS_LIMIT, SamplingParams
         ("top_p", "1"),
         ("top_p", None),
         ("top_p", True),
-        ("seed", -1),
+        ("seed", MIN_SEED - 1),
         ("seed", MAX_SEED + 1),
         ("seed", 1.5),
         ("seed", True),
@@ -89,6 +97,7 @@ def test_valid_input_keeps_its_meaning():
     assert SamplingParams(temperature=0).greedy and SamplingParams(top_k=1).greedy
     assert SamplingParams(top_p=Fraction(1, 2)).top_p == 0.5
     assert SamplingParams(seed=MAX_SEED).seed == MAX_SEED and SamplingParams(seed=0).seed == 0
+    assert SamplingParams(seed=MIN_SEED).seed == MIN_SEED and SamplingParams(seed=-1).seed == -1  # any 64-bit seed
     assert SamplingParams(max_tokens=MAX_TOKENS_LIMIT).max_tokens == MAX_TOKENS_LIMIT
 
 
@@ -99,9 +108,15 @@ valid = st.fixed_dictionaries(
         "temperature": st.one_of(st.integers(0, 1000), st.floats(0, 1e300)),
         "top_k": st.integers(0, 10**9),
         "top_p": st.floats(0, 1, exclude_min=True),
-        "seed": st.one_of(st.none(), st.integers(0, MAX_SEED)),
-        "stop": st.one_of(st.text(), st.lists(st.text()), st.tuples(st.text(), st.text())),
-        "stop_token_ids": st.one_of(st.lists(st.integers(0, 10**9)), st.tuples(st.integers(0, 10**9))),
+        "seed": st.one_of(st.none(), st.integers(MIN_SEED, MAX_SEED)),
+        "stop": st.one_of(
+            st.text(max_size=MAX_STOP_CHARS),
+            st.lists(st.text(max_size=MAX_STOP_CHARS), max_size=MAX_STOP_STRINGS),
+            st.tuples(st.text(max_size=MAX_STOP_CHARS), st.text(max_size=MAX_STOP_CHARS)),
+        ),
+        "stop_token_ids": st.one_of(
+            st.lists(st.integers(0, 10**9), max_size=MAX_STOP_TOKEN_IDS), st.tuples(st.integers(0, 10**9))
+        ),
         "ignore_eos": st.booleans(),
     },
 )
@@ -155,8 +170,6 @@ def test_importing_sampling_params_does_not_import_torch():
 
 def test_every_list_a_request_carries_is_bounded():
     """A request's stop checks run on the engine core after each of its tokens: their size is bounded up front."""
-    from localpaged.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-
     SamplingParams(stop=["x"] * MAX_STOP_STRINGS, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
     SamplingParams(stop="y" * MAX_STOP_CHARS)
     with pytest.raises(ConfigError, match=f"^stop has 300000 strings: use at most {MAX_STOP_STRINGS}$"):

@@ -41,7 +41,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts
     """The HTTP app over ``engine``; with ``api_key`` every path but /health and /metrics needs ``Bearer KEY``,
     without one only loopback Host names and ``allowed_hosts`` are answered."""
     state = ServerState(engine)
-    app = FastAPI(title="localpaged", docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json: the request bodies as the pydantic models declare them, for client generators and API testers.
+    app = FastAPI(title="localpaged", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.localpaged = state
     app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts)
 
@@ -56,7 +57,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+        return error_response(APIError(exc.status_code, str(exc.detail), type=kind), exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -79,16 +80,23 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts
         body = await asyncio.to_thread(state.metrics.render)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "localpaged",
+        "max_model_len": state.max_model_len,
+    }
+
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {
-            "id": state.model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "localpaged",
-            "max_model_len": state.max_model_len,
-        }
         return json_response({"object": "list", "data": [card]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        """One model's card (the openai client's ``models.retrieve``); 404 for a model not served here."""
+        state.check_model(model_id)
+        return json_response(card)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

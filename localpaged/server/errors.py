@@ -6,6 +6,8 @@ FastAPI ``{"detail": ...}`` or a 422 would reach them as an unexplained failure.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 from fastapi.exceptions import RequestValidationError
 from starlette.responses import Response
@@ -42,8 +44,10 @@ def json_response(body: dict, status: int = 200) -> Response:
     return Response(_json.encode(body), status_code=status, media_type="application/json")
 
 
-def error_response(error: APIError) -> Response:
+def error_response(error: APIError, headers: Mapping[str, str] | None = None) -> Response:
+    """OpenAI's error body; ``headers`` the ones the status needs (``Allow`` on a 405, RFC 9110)."""
     response = json_response(error.body(), error.status)
+    response.headers.update(headers or {})
     if error.status == 401:
         response.headers["WWW-Authenticate"] = "Bearer"
     return response

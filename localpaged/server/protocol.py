@@ -8,9 +8,9 @@ the server and the library refuse the same things with the same words.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, field_validator
 
 from localpaged.errors import ConfigError
 from localpaged.sampling import SamplingParams
@@ -18,6 +18,15 @@ from localpaged.server.errors import bad_request
 
 # What the OpenAI API calls roles; "developer" is its newer name for "system".
 ROLES = ("system", "developer", "user", "assistant")
+
+
+def _whole_number(value: Any) -> Any:
+    """JSON has one number type: 8.0 is the whole number 8 (clients that build bodies from floats send it so)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# A whole number, strictly, where a float of a whole value counts as one.
+Whole = Annotated[int, BeforeValidator(_whole_number)]
 
 
 class _Strict(BaseModel):
@@ -58,15 +67,15 @@ class _Generation(_Strict):
     """The fields chat and text completions share: which model, how to sample, how to answer."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Whole | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # vLLM's extension; -1 (vLLM's "off") is taken as 0
-    seed: int | None = None
+    top_k: Whole | None = None  # vLLM's extension; -1 (vLLM's "off") is taken as 0
+    seed: Whole | None = None
     stop: Any = None
-    stop_token_ids: list[int] | None = None  # vLLM's extension
+    stop_token_ids: list[Whole] | None = None  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
-    n: int = 1
+    n: Whole = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted at their "off" values only (clients send them so); see _refuse_unsupported.
@@ -98,6 +107,12 @@ class _Generation(_Strict):
         """
         self._refuse_unsupported()
         max_tokens, max_field = self.requested_max_tokens()
+        if max_tokens is not None and max_tokens >= max_model_len:
+            raise bad_request(
+                f"{max_field}={max_tokens}: the context holds {max_model_len} tokens, prompt and reply together; "
+                f"ask for fewer, or leave {max_field} out to let the reply run until the context is full",
+                max_field,
+            )
         fields: dict[str, Any] = {
             "max_tokens": max_model_len if max_tokens is None else max_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,  # OpenAI's default
@@ -131,7 +146,7 @@ class _Generation(_Strict):
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are sent
+    max_completion_tokens: Whole | None = None  # OpenAI's newer name for max_tokens; wins when both are sent
     # vLLM's fields for continuing a reply: the final (assistant) message goes on where it stops, its
     # turn left open, instead of a new assistant turn starting after it. RemoteEngine's continue uses them.
     continue_final_message: bool = False
@@ -177,7 +192,7 @@ class CompletionRequest(_Generation):
     prompt: Any
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Whole | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -187,6 +202,8 @@ class CompletionRequest(_Generation):
             prompt = prompt[0]
         if isinstance(prompt, str):
             return prompt
+        if isinstance(prompt, list):
+            prompt = [_whole_number(t) for t in prompt]
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return prompt
         raise ValueError(f"must be one string or one list of token ids, not {_kind(prompt)}")
@@ -212,7 +229,7 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Whole]
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:

@@ -47,10 +47,10 @@ async def chat_chunks(state: ServerState, run: Run, include_usage: bool) -> Asyn
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for out in run:
-            if out.finished:
-                yield chunk({"content": out.delta} if out.delta else {}, out.finish_reason)
-            elif out.delta:
+            if out.delta:
                 yield chunk({"content": out.delta})
+            if out.finished:  # in a chunk of its own with an empty delta, as OpenAI sends it
+                yield chunk({}, out.finish_reason)
         if include_usage and run.last is not None:
             yield sse({**head, "choices": [], "usage": usage(run.last)})
         yield DONE
@@ -67,9 +67,10 @@ async def completion_chunks(state: ServerState, run: Run, include_usage: bool) -
     extra = {"usage": None} if include_usage else {}
     try:
         async for out in run:
-            if out.delta or out.finished:
-                choice = {"index": 0, "text": out.delta, "logprobs": None, "finish_reason": out.finish_reason}
-                yield sse({**head, "choices": [choice], **extra})
+            for text, finish_reason in ((out.delta, None), ("", out.finish_reason if out.finished else None)):
+                if text or finish_reason:  # the finish in a chunk of its own, as OpenAI sends it
+                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                    yield sse({**head, "choices": [choice], **extra})
         if include_usage and run.last is not None:
             yield sse({**head, "choices": [], "usage": usage(run.last)})
         yield DONE

@@ -51,3 +51,10 @@ def test_allowed_hosts_and_an_api_key_open_other_names() -> None:
         assert get(url, "/v1/models", "evil.example")[0] == 403
     with running_server(engine, api_key="k") as url:  # a key is what guards a server open to the network
         assert get(url, "/v1/models", "gpu-box.lan:8000", key="k")[0] == 200
+
+
+def test_the_openapi_document_describes_every_route(keyless: str) -> None:
+    status, spec = get(keyless, "/openapi.json", "localhost")
+    assert status == 200
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}"} <= set(spec["paths"])
+    assert "max_tokens" in spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]

@@ -223,6 +223,34 @@ GOOD = {"messages": MESSAGES, "max_tokens": 2, "temperature": 0}
 TOO_LONG = [{"role": "user", "content": "paging " * 1500}]
 
 
+def test_json_numbers_and_64_bit_seeds_are_taken_as_peers_take_them(client: openai.OpenAI, base_url: str) -> None:
+    """JSON has one number type (8.0 is 8), and a seed is any 64-bit integer, negative ones too."""
+    body = {**GOOD, "max_tokens": 4.0, "seed": -5, "top_k": 1.0, "stop_token_ids": [2.0]}
+    status, reply = call(base_url, "/v1/chat/completions", body)
+    assert status == 200, reply
+    status, reply = call(base_url, "/v1/completions", {"prompt": [17835.0, 28.0], "max_tokens": 2.0})
+    assert status == 200 and reply["usage"]["prompt_tokens"] == 2, reply
+
+
+def test_strict_clients_get_what_the_http_and_openai_specs_say(client: openai.OpenAI, base_url: str, engine) -> None:
+    """405 names the allowed methods; models.retrieve works; a stream's finish comes in a chunk of its own."""
+    request = urllib.request.Request(f"{base_url}/v1/models", data=b"{}", method="POST")
+    request.add_header("Authorization", f"Bearer {KEY}")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code == 405 and caught.value.headers["Allow"] == "GET"
+    assert client.models.retrieve(engine.info.model_name).id == engine.info.model_name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    chunks = list(
+        client.chat.completions.create(model=engine.info.model_name, messages=MESSAGES, max_tokens=3, stream=True)
+    )
+    finishes = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishes) == 1 and finishes[0].choices[0].delta.content in (None, "")
+    text_chunks = list(client.completions.create(model=engine.info.model_name, prompt="Hi", max_tokens=3, stream=True))
+    assert text_chunks[-1].choices[0].finish_reason and text_chunks[-1].choices[0].text == ""
+
+
 @pytest.mark.parametrize(
     ("change", "param"),
     [
@@ -233,7 +261,8 @@ TOO_LONG = [{"role": "user", "content": "paging " * 1500}]
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_k": -3}, "top_k"),
-        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": 5000}, "max_tokens"),  # past the 1024-token context
         ({"stop": 5}, "stop"),
         ({"n": 2}, "n"),
         ({"stream": "yes"}, "stream"),
