@@ -152,6 +152,9 @@ class ChatCompletionRequest(_Generation):
     continue_final_message: bool = False
     add_generation_prompt: bool = True
     tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None  # OpenAI's legacy names for tools and tool_choice: refused as they are
+    function_call: Any = None
     response_format: Any = None
 
     @field_validator("messages")
@@ -170,6 +173,14 @@ class ChatCompletionRequest(_Generation):
         super()._refuse_unsupported()
         if self.tools:
             raise bad_request("tools are not supported by this server; leave tools out", "tools")
+        for legacy in ("functions", "function_call"):  # refused, never ignored: a plain reply would pass for an answer
+            if getattr(self, legacy) is not None:
+                raise bad_request(f"{legacy} (OpenAI's legacy tool calling) is not supported; leave it out", legacy)
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_request(
+                f"tool_choice={self.tool_choice!r} asks for a tool call, and this server runs no tools; leave it out",
+                "tool_choice",
+            )
         if self.response_format not in (None, {"type": "text"}):
             raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
         if self.continue_final_message and self.add_generation_prompt:
