@@ -212,6 +212,8 @@ def load_settings(path: str | os.PathLike | None = None) -> Settings:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}. Fix that line (see https://toml.io)") from exc
+    except RecursionError:  # tomllib parses nested arrays and tables recursively
+        raise ConfigError(f"{path} nests arrays or tables thousands deep; no setting does: fix the file") from None
     return _settings(document, path, text)
 
 

@@ -108,3 +108,83 @@ def test_a_home_that_cannot_be_written_still_lists_and_shows_the_shipped_prompts
     assert capsys.readouterr().out.strip()
     assert load_settings().model is None  # no file there: the built-in defaults
     assert not (tmp_path / "a-file").is_dir()
+
+
+def _gguf(metadata: bytes, kv_count: int, tensors: bytes = b"", tensor_count: int = 0) -> bytes:
+    """A GGUF v3 header by hand: the magic, the counts, ``metadata`` (after general.architecture) and ``tensors``."""
+    import struct
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    arch = string("general.architecture") + struct.pack("<I", 8) + string("llama")  # 8: STRING
+    return b"GGUF" + struct.pack("<IQQ", 3, tensor_count, kv_count + 1) + arch + metadata + tensors
+
+
+def test_crafted_gguf_headers_are_one_invalid_model_error(tmp_path: Path) -> None:
+    import struct
+
+    from localpaged.errors import InvalidModelError
+    from localpaged.models.gguf_file import GGUFFile
+
+    nested = struct.pack("<Q", 3) + b"key" + struct.pack("<I", 9)  # 9: ARRAY
+    nested += struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 4, 0)  # arrays of arrays, 5000 deep
+    zero_dims = struct.pack("<Q", 1) + b"t" + struct.pack("<I", 0) + struct.pack("<IQ", 0, 0)
+    huge = struct.pack("<Q", 3) + b"big" + struct.pack("<I", 9) + struct.pack("<IQ", 4, 1 << 60)  # 2^60 uint32s
+    cases = {
+        "nested": (_gguf(nested, 1), "nests arrays more than 4 deep"),
+        "zero-dims": (_gguf(b"", 0, zero_dims, 1), "tensor t has 0 dimensions"),
+        "huge-array": (_gguf(huge, 1), "cut short or corrupt"),
+    }
+    for name, (data, why) in cases.items():
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(data)
+        with pytest.raises(InvalidModelError, match=why):
+            GGUFFile(path)
+
+
+def test_a_broken_model_folder_or_settings_file_is_one_error(tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    from localpaged.config_file import load_settings
+    from localpaged.errors import ConfigError, InvalidModelError, ModelNotFoundError
+    from localpaged.models.loader import load_config, resolve_model
+
+    not_json, no_heads = tmp_path / "not-json", tmp_path / "no-heads"
+    for folder in (not_json, no_heads):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"")
+    (not_json / "config.json").write_text("{not json")
+    shape = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 0, "num_hidden_layers": 1}
+    (no_heads / "config.json").write_text(json.dumps({**shape, "intermediate_size": 128, "vocab_size": 100}))
+    for folder in (not_json, no_heads):
+        with pytest.raises(InvalidModelError, match="config.json"):
+            load_config(resolve_model(str(folder)).folder)
+    with pytest.raises(ModelNotFoundError, match="cannot be opened .*File name too long"):
+        resolve_model(str(tmp_path / ("x" * 300)))
+    monkeypatch.setenv("LOCALPAGED_HOME", str(tmp_path))
+    (tmp_path / "config.toml").write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match="nests arrays or tables thousands deep"):
+        load_settings()
+
+
+def test_one_broken_file_in_another_tools_folder_never_hides_the_others(tmp_path: Path, monkeypatch) -> None:
+    import struct
+
+    from localpaged.models.catalog import find_models
+    from localpaged.models.loader import default_model_path
+
+    store = tmp_path / "home" / ".lmstudio" / "models" / "someone" / "repo"
+    store.mkdir(parents=True)
+    (store / "good.gguf").symlink_to(default_model_path())
+    # A tensor of no dimensions: its shape's last size was read past the end (IndexError), and the listing failed.
+    zero_dims = struct.pack("<Q", 1) + b"t" + struct.pack("<I", 0) + struct.pack("<IQ", 0, 0)
+    (store / "odd.gguf").write_bytes(_gguf(b"", 0, zero_dims, 1))
+    (store / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "no-ollama"))
+    for var in ("LLAMA_CACHE", "HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    found = {m.path.name: m for m in find_models()}
+    assert found["odd.gguf"].architecture == "?"
+    assert found["good.gguf"].architecture == "llama" and found["broken.gguf"].architecture == "?"

@@ -32,8 +32,22 @@ class LocalModel:
 
 
 def find_models() -> list[LocalModel]:
-    """Every model file in the usual places, with its size, quantisation and architecture."""
-    return [_describe(source, name, path) for source, name, path in _candidates()]
+    """Every model file in the usual places, with its size, quantisation and architecture.
+
+    One file another tool left broken never hides the rest: it is listed with "?" for what could not be read.
+    """
+    return [_describe_or_unknown(source, name, path) for source, name, path in _candidates()]
+
+
+def _describe_or_unknown(source: str, name: str, path: Path) -> LocalModel:
+    try:
+        return _describe(source, name, path)
+    except Exception:  # noqa: BLE001 -- any way a foreign file is broken; the listing goes on
+        try:
+            size = path.stat().st_size if path.is_file() else 0
+        except OSError:
+            size = 0
+        return LocalModel(name, path, source, size, "?", "?")
 
 
 def find_model(name: str) -> tuple[str, Path] | None:

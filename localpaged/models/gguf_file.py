@@ -22,6 +22,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from localpaged.errors import InvalidModelError
 
 VERSIONS = (2, 3)
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 4  # arrays of arrays: llama.cpp writes none deeper than 2
 SCALARS = {
     GGUFValueType.UINT8: "<B",
     GGUFValueType.INT8: "<b",
@@ -65,8 +67,8 @@ class GGUFFile:
             self._parse()
         except InvalidModelError:
             raise
-        except (struct.error, UnicodeDecodeError, ValueError, OverflowError) as exc:
-            raise self.invalid(f"its header is cut short or corrupt ({exc})") from exc
+        except (struct.error, UnicodeDecodeError, ValueError, OverflowError, MemoryError) as exc:
+            raise self.invalid(f"its header is cut short or corrupt ({type(exc).__name__}: {exc})") from exc
 
     def invalid(self, why: str) -> InvalidModelError:
         return InvalidModelError(
@@ -109,6 +111,8 @@ class GGUFFile:
         for _ in range(tensor_count):
             name = self._string()
             (dims,) = self._unpack("<I")
+            if not 1 <= dims <= MAX_DIMS:
+                raise self.invalid(f"tensor {name} has {dims} dimensions; a ggml tensor has 1 to {MAX_DIMS}")
             shape = tuple(reversed(self._unpack(f"<{dims}Q")))
             type_id, offset = self._unpack("<IQ")
             table.append((name, shape, type_id, offset))
@@ -142,9 +146,10 @@ class GGUFFile:
             raise ValueError("a string runs past the end of the file")
         return bytes(self._map[start : self._pos]).decode("utf-8")
 
-    def _value(self, value_type: int) -> object:
+    def _value(self, value_type: int, depth: int = 0) -> object:
         """A metadata value; an array of strings (the vocabulary, the merges) is walked and kept as its length:
-        the tokenizer is built by transformers from the file, and a config needs only the count."""
+        the tokenizer is built by transformers from the file, and a config needs only the count. Arrays nest
+        at most MAX_ARRAY_DEPTH deep: a crafted file nesting thousands deep would end in a RecursionError."""
         if value_type in SCALARS:
             return self._unpack(SCALARS[value_type])[0]
         if value_type == GGUFValueType.STRING:
@@ -155,7 +160,9 @@ class GGUFFile:
         if item_type in SCALARS:
             return list(self._unpack(f"<{count}{SCALARS[item_type][1]}"))
         if item_type != GGUFValueType.STRING:
-            return [self._value(item_type) for _ in range(count)]
+            if item_type == GGUFValueType.ARRAY and depth >= MAX_ARRAY_DEPTH:
+                raise self.invalid(f"its metadata nests arrays more than {MAX_ARRAY_DEPTH} deep")
+            return [self._value(item_type, depth + 1) for _ in range(count)]
         for _ in range(count):
             (length,) = self._unpack("<Q")
             self._pos += length

@@ -87,6 +87,15 @@ def resolve_model(model: str | os.PathLike | None, progress: Progress = _quiet) 
     """
     path = default_model_path() if model is None else Path(model).expanduser()
     name = path.name
+    try:
+        path.stat()
+    except FileNotFoundError:
+        pass  # perhaps a listed name; said below if not
+    except OSError as exc:  # a name longer than the OS allows, a loop of links, a folder we may not enter
+        raise ModelNotFoundError(
+            f"--model {str(model)[:200]!r} cannot be opened ({exc.strerror or exc}); pass a Hugging Face folder, "
+            "a .gguf file or a name `localpaged models` lists"
+        ) from None
     if model is not None and not path.exists():
         from localpaged.models.catalog import find_model
 
@@ -263,7 +272,19 @@ def _floats(file, name: str) -> list[float]:
 def load_config(folder: Path):
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, TypeError, ArithmeticError) as exc:  # not JSON, or not a model config
+        raise InvalidModelError(
+            f"{folder}/config.json cannot be read as a model config ({type(exc).__name__}: {str(exc)[:300]}); "
+            "fix or replace the model folder, or pass another --model"
+        ) from None
+    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+        value = getattr(config, field, None)
+        if not isinstance(value, int) or value <= 0:
+            raise InvalidModelError(
+                f"{folder}/config.json: {field}={value!r} must be a positive whole number; fix or replace the model"
+            )
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{folder}: architecture {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
