@@ -50,6 +50,7 @@ class EngineConfig:
     block_size: int = BLOCK_SIZE
     kv_disk: bool = True  # the disk tier below the block pool (see localpaged.engine.kv_disk)
     kv_disk_bytes: int | str = 2 * 2**30  # the disk tier's size limit; least recently used blocks go first
+    cascade_attention: bool = True  # shared-prefix attention: a prefix common to the batch's sequences read once
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -113,6 +114,7 @@ class EngineConfig:
             "num_threads": ((int,), True, "a whole number"),
             "block_size": ((int,), False, "a whole number"),
             "kv_disk": ((bool,), False, "true or false"),
+            "cascade_attention": ((bool,), False, "true or false"),
         }
         for name, (types, optional, want) in kinds.items():
             value = getattr(self, name)
