@@ -28,8 +28,10 @@ def test_shared_prompt_holds_the_pool_between_the_minimum_and_no_sharing(tiny_gg
             assert len(point["runs"][name]) == 2
             for run in point["runs"][name]:
                 assert run["minimum_blocks"] <= run["peak_blocks"] <= run["unshared_blocks"]
+                assert run["unshared_blocks"] <= run["unshared_whole_blocks"]
+                assert run["minimum_blocks"] <= run["minimum_whole_blocks"] <= run["unshared_whole_blocks"]
                 assert run["first_prefill_s"] <= run["ttft_median_s"] <= run["ttft_last_s"]
-                assert run["decode_steps"] >= 1
+                assert run["decode_steps"] >= 1 and 1 <= run["decode_batch"] <= point["users"]
             m = point[name]
             assert all(m[key] > 0 for key in TIMED)
             assert m["peak_bytes"] == m["peak_blocks"] * results["block_bytes"]
