@@ -58,6 +58,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
+from kv_accounting import llama_cells, llama_kvu_tokens, llama_np_tokens
 from kv_folder import own_kv_folder
 from throughput import QUESTIONS, SYSTEM  # the 16-session workload of throughput.py
 
@@ -466,10 +467,9 @@ def kv_memory(sessions_list: list[int], block_size: int, ours_bytes_per_token: f
             "unshared_bytes": unshared * ours_bytes_per_token,
         }
         if llama_bpt is not None:
-            slot = -(-total_each // 256) * 256  # llama.cpp pads each slot's context to 256 cells
-            row["llama_np_tokens"] = n * slot
-            row["llama_np_8192_tokens"] = n * 8192
-            row["llama_kvu_tokens"] = -(-n * total_each // 256) * 256
+            row["llama_np_tokens"] = llama_np_tokens(n, total_each)
+            row["llama_np_8192_tokens"] = llama_np_tokens(n, 8192)
+            row["llama_kvu_tokens"] = llama_kvu_tokens(n * total_each)
             for key in ("llama_np", "llama_np_8192", "llama_kvu"):
                 row[f"{key}_bytes"] = row[f"{key}_tokens"] * llama_bpt
         rows.append(row)
@@ -741,7 +741,8 @@ def report(results: dict, sessions_only: bool = False) -> None:
             f"| llama.cpp -np 200 -kvu (one buffer, f16) | {mem['llama_kvu_tokens']} | {mem['llama_kvu_bytes'] / mib:.0f} |"
         )
         print(
-            f"| llama.cpp -np 200, 2304 per slot (f16) | {mem['llama_np_tokens']} | {mem['llama_np_bytes'] / mib:.0f} |"
+            f"| llama.cpp -np 200, {llama_cells(SHARED_TOKENS + PRIVATE_PROMPT_TOKENS + PRIVATE_REPLY_TOKENS)} per slot"
+            f" (f16) | {mem['llama_np_tokens']} | {mem['llama_np_bytes'] / mib:.0f} |"
         )
         print(
             f"| llama.cpp -np 200, 8192 per slot (f16) | {mem['llama_np_8192_tokens']} | {mem['llama_np_8192_bytes'] / mib:.0f} |"

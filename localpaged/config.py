@@ -75,6 +75,7 @@ FIELDS: dict[str, Field] = {
     "block_size": Field((int,), "a whole number"),
     "kv_disk": Field((bool,), "true or false"),
     "kv_disk_bytes": Field((int, str), "bytes or a size such as '2GiB'", size=True),
+    "cascade_attention": Field((bool,), "true or false"),
 }
 
 
@@ -123,6 +124,7 @@ class EngineConfig:
     block_size: int = BLOCK_SIZE
     kv_disk: bool = True  # the disk tier below the block pool (see localpaged.engine.kv_disk)
     kv_disk_bytes: int | str = 2 * 2**30  # the disk tier's size limit; least recently used blocks go first
+    cascade_attention: bool = True  # shared-prefix attention: a prefix common to the batch's sequences read once
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -148,3 +150,4 @@ class ResolvedConfig:
     num_blocks: int
     enable_prefix_caching: bool
     kv_disk: bool  # the disk tier is open
+    cascade_attention: bool

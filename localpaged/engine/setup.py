@@ -292,6 +292,7 @@ def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | 
         num_blocks=num_blocks,
         enable_prefix_caching=config.enable_prefix_caching,
         kv_disk=config.kv_disk and config.enable_prefix_caching,
+        cascade_attention=config.cascade_attention,
     )
     kv_disk = None
     if resolved.kv_disk:

@@ -130,6 +130,7 @@ def test_each_cpu_kernel_path_has_its_own_disk_tier(tiny_model_path, monkeypatch
                 num_blocks=0,
                 enable_prefix_caching=True,
                 kv_disk=True,
+                cascade_attention=True,
             )
             tier = open_kv_disk(
                 resolved,

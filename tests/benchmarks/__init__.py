@@ -1,0 +1,1 @@
+"""Tests of the benchmarks' own logic (accounting, the files they write), never of their timings."""
