@@ -38,24 +38,37 @@ TINY_COMMON = {
 }
 
 
+# The compiled kernels, converted GGUF metadata and weight digests of test runs: the checkout's own (build/ is
+# ignored), never the user's cache, and kept between runs so that the suite builds the kernels once.
+TEST_CACHE = Path(__file__).resolve().parent.parent / "build" / "test-cache"
+
+
 @pytest.fixture(scope="session", autouse=True)
-def session_kv_disk(tmp_path_factory) -> Path:
-    """A disk KV tier of the test session's own, for the engines shared by many tests (``default_llm``):
-    session fixtures are made before any test's, so the per-test folder below comes too late for them."""
-    folder = tmp_path_factory.mktemp("kv-session")
-    before = os.environ.get("LOCALPAGED_KV_CACHE")
-    os.environ["LOCALPAGED_KV_CACHE"] = str(folder)
-    yield folder
-    if before is None:
-        os.environ.pop("LOCALPAGED_KV_CACHE", None)
-    else:
-        os.environ["LOCALPAGED_KV_CACHE"] = before
+def session_folders(tmp_path_factory) -> Path:
+    """A home, a cache and a disk KV tier of the test session's own, for the engines shared by many tests
+    (``default_llm``): session fixtures are made before any test's, so the per-test folders below come too late
+    for them. Nothing a test run does reaches the user's real home or cache."""
+    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    folders = {
+        "LOCALPAGED_HOME": tmp_path_factory.mktemp("home-session"),
+        "LOCALPAGED_CACHE": TEST_CACHE,
+        "LOCALPAGED_KV_CACHE": tmp_path_factory.mktemp("kv-session"),
+    }
+    before = {var: os.environ.get(var) for var in folders}
+    os.environ.update({var: str(folder) for var, folder in folders.items()})
+    yield folders["LOCALPAGED_KV_CACHE"]
+    for var, value in before.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
 
 
 @pytest.fixture(autouse=True)
 def kv_disk(tmp_path_factory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A fresh, empty disk KV tier for each test: runs never share state, and a prompt's first
-    ``cached_tokens`` are 0 as they would be without the tier (the user's own tier is never touched)."""
+    """A fresh, empty home and disk KV tier for each test: runs never share state, and a prompt's first
+    ``cached_tokens`` are 0 as they would be without the tier (the user's own are never touched)."""
+    monkeypatch.setenv("LOCALPAGED_HOME", str(tmp_path_factory.mktemp("home")))
     folder = tmp_path_factory.mktemp("kv")
     monkeypatch.setenv("LOCALPAGED_KV_CACHE", str(folder))
     return folder

@@ -188,3 +188,16 @@ def test_one_broken_file_in_another_tools_folder_never_hides_the_others(tmp_path
     found = {m.path.name: m for m in find_models()}
     assert found["odd.gguf"].architecture == "?"
     assert found["good.gguf"].architecture == "llama" and found["broken.gguf"].architecture == "?"
+
+
+def test_tests_never_use_the_users_real_home_or_cache() -> None:
+    """Every folder the code under test resolves is the test run's own (tests/conftest.py), not the user's."""
+    import platformdirs
+
+    from localpaged import locations
+    from tests.conftest import TEST_CACHE
+
+    assert locations.cache_dir() == TEST_CACHE and locations.kernels_cache_dir().is_relative_to(TEST_CACHE)
+    real = [Path(platformdirs.user_cache_dir("localpaged")), Path(platformdirs.user_data_dir("localpaged"))]
+    for folder in (locations.data_dir(), locations.kv_cache_dir(), locations.config_file_path().parent):
+        assert not any(folder.is_relative_to(r) for r in real), folder
