@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_cache_dtype(chat)
     chat.add_argument("--prompt", metavar="NAME", help="system prompt for new sessions (see `prompts list`)")
     chat.add_argument("--session", metavar="ID", help="open this stored session")
+    _add_sampling(chat)
     _add_db(chat)
     chat.set_defaults(func=cmd_chat)
 
@@ -124,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_cache_dtype(run)
     _add_db(run)
     run.add_argument("--no-store", action="store_true", help="keep nothing: use an in-memory store")
+    run.add_argument(
+        "--truncate",
+        action="store_true",
+        help="when the conversation outgrows the context, drop its oldest turns (default: refuse, saying by how much)",
+    )
     run.set_defaults(func=cmd_run)
 
     serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
@@ -338,7 +344,11 @@ def cmd_run(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     # A new session's system prompt: --system, else --prompt, else the settings file's prompt.
     prompt_name = None if args.system else settings.prompt
     system = load_prompt(prompt_name) if prompt_name else args.system
-    reply = {"sampling": settings.sampling.template(), "max_tokens": settings.sampling.max_tokens}
+    reply = {
+        "sampling": settings.sampling.template(),
+        "max_tokens": settings.sampling.max_tokens,
+        "truncate": args.truncate,
+    }
     if not args.message.strip():  # checked before seconds go into loading the model
         raise RequestError("the message is empty; pass some text to send")
     with ChatStore(":memory:" if args.no_store else args.db) as store:

@@ -201,3 +201,20 @@ def test_tests_never_use_the_users_real_home_or_cache() -> None:
     real = [Path(platformdirs.user_cache_dir("localpaged")), Path(platformdirs.user_data_dir("localpaged"))]
     for folder in (locations.data_dir(), locations.kv_cache_dir(), locations.config_file_path().parent):
         assert not any(folder.is_relative_to(r) for r in real), folder
+
+
+def test_run_takes_the_truncate_its_error_suggests(tmp_path: Path, monkeypatch, capsys) -> None:
+    from localpaged import cli
+    from localpaged.chat.store import ChatStore
+    from localpaged.engine.async_llm import AsyncLLM
+    from tests.chat.fake_llm import FakeLLM
+
+    monkeypatch.setenv("LOCALPAGED_HOME", str(tmp_path))
+    monkeypatch.setattr(cli, "open_engine", lambda model, **config: AsyncLLM(llm=FakeLLM(lambda ids: "ok")))
+    assert cli.main(["run", "x" * 5000]) == 0
+    with ChatStore(tmp_path / "chats.db") as store:
+        (session,) = store.list_sessions()
+    capsys.readouterr()
+    assert cli.main(["run", "y" * 5000, "--session", session.id]) == 2  # 10,000 characters: past the 8,192 context
+    assert "--truncate for localpaged run" in capsys.readouterr().err
+    assert cli.main(["run", "y" * 5000, "--session", session.id, "--truncate"]) == 0  # the oldest turn dropped

@@ -99,6 +99,7 @@ class LocalpagedApp(App[None]):
         self.clock = clock
         self.engine: EngineClient | None = None
         self.engine_lost = False  # the engine died and no new one has taken over yet
+        self.engine_remote = False  # the engine that died was a remote one
 
     def on_mount(self) -> None:
         loading = LoadingScreen()
@@ -179,6 +180,7 @@ class LocalpagedApp(App[None]):
         if event.engine is not self.engine or self.engine_lost:
             return  # old news: an engine already replaced, or already explained
         self.engine_lost = True
+        self.engine_remote = event.remote  # what a failed restart's screen offers: restart, or connect again
         self.push_screen(EngineDeadScreen(str(event.error), remote=event.remote), self._restart_chosen)
 
     def _restart_chosen(self, restart: bool | None) -> None:
@@ -199,10 +201,16 @@ class LocalpagedApp(App[None]):
         try:
             engine = self.engine_factory(lambda msg, frac: self.call_from_thread(loading.progress, msg, frac))
         except LocalpagedError as err:
-            screen = ErrorScreen(str(err), title="localpaged could not restart the engine")
-            self.call_from_thread(self.switch_screen, screen)
+            self.call_from_thread(self._restart_failed, err, loading)
             return
         self.call_from_thread(self._restarted, engine, loading)
+
+    def _restart_failed(self, error: LocalpagedError, loading: LoadingScreen) -> None:
+        """Say why the new engine could not start, and offer to try again: a server still down is a dead end
+        only until it is back."""
+        if self.screen is loading:
+            self.pop_screen()
+        self.push_screen(EngineDeadScreen(str(error), remote=self.engine_remote), self._restart_chosen)
 
     def _restarted(self, engine: EngineClient, loading: LoadingScreen) -> None:
         """Hand the new engine to the chat screen (and through it to every open chat), then show it."""

@@ -397,7 +397,7 @@ class Session:
                         if self.truncate
                         else "Start a new session, fork an earlier message, "
                         + ("lower max_tokens, " if max_tokens is not None else "")
-                        + "or open the session with truncate=True to drop the oldest turns."
+                        + "or let the oldest turns drop (truncate=True in Python, --truncate for localpaged run)."
                     )
                 )
             turns = _drop_oldest_exchange(turns)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 from fake_engine import FakeEngine
-from pilot_helpers import NOW, engine_dead_message, error_message, main_screen, new_chat, reply_done, send, wait_for
+from pilot_helpers import NOW, engine_dead_message, main_screen, new_chat, reply_done, send, wait_for
 
 from localpaged.errors import EngineDeadError, ModelNotFoundError
 from localpaged.tui.app import LocalpagedApp
@@ -108,12 +108,15 @@ async def test_engine_death_mid_reply_then_restart_and_the_chats_go_on(store):
 async def test_a_death_found_by_the_figures_and_a_failed_restart_are_explained(store):
     first = FakeEngine()
     built: list[FakeEngine] = []
+    failures: list[str] = []
+    gone = "No model at /gone. Pass --model with a local HF folder or .gguf file."
 
     def factory(progress):
-        if built:
-            raise ModelNotFoundError("No model at /gone. Pass --model with a local HF folder or .gguf file.")
-        built.append(first)
-        return first
+        if built and len(failures) < 2:  # the first two restarts fail, the third works
+            failures.append(gone)
+            raise ModelNotFoundError(gone)
+        built.append(FakeEngine() if built else first)
+        return built[-1]
 
     app = LocalpagedApp(engine_factory=factory, store=store, clock=lambda: NOW)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -121,10 +124,19 @@ async def test_a_death_found_by_the_figures_and_a_failed_restart_are_explained(s
         first.die(CAUSE)  # no reply in flight: the next figures refresh finds out
         assert await engine_dead_message(pilot) == CAUSE
         await pilot.press("r")
-        message = await error_message(pilot)
-        assert message == "No model at /gone. Pass --model with a local HF folder or .gguf file."
-        assert "restart" in str(app.screen.query_one("#error-title").content)
-        assert first.shut_down
+        # The restart failed too: the same screen says why, and trying again stays possible (Enter, or r).
+        await wait_for(pilot, lambda: len(failures) == 1)
+        assert await engine_dead_message(pilot) == gone
+        assert first.shut_down and isinstance(app.screen, EngineDeadScreen)
+        footer = {b.binding.description for b in app.screen.active_bindings.values()}
+        assert "Restart engine" in footer and "Connect again" not in footer  # one name, as on the button
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(failures) == 2)
+        assert await engine_dead_message(pilot) == gone  # tried again, failed again, still offered
+        await pilot.press("r")  # the model is back: this try works
+        await wait_for(pilot, lambda: len(built) == 2 and app.engine is built[1])
+        await main_screen(pilot)
+        assert not any(isinstance(s, EngineDeadScreen) for s in app.screen_stack)
 
 
 async def test_quit_from_the_engine_dead_screen(make_app, engine, store):

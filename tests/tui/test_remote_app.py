@@ -75,6 +75,8 @@ async def test_losing_the_server_mid_chat_offers_to_connect_again(tiny_model_pat
         assert await engine_dead_message(pilot) == f"cannot reach {url}/v1: connection refused"
         assert str(app.screen.query_one("#engine-dead-title").content) == "The remote engine cannot be reached"
         assert isinstance(app.screen, EngineDeadScreen) and screen.current is not None
+        footer = {b.binding.description for b in app.screen.active_bindings.values()}
+        assert "Connect again" in footer and "Restart engine" not in footer  # the button's name, in the footer too
         # Counting the prompt (the server's /tokenize) failed before the message was stored: it is
         # given back to the input box, to send again once the server is back.
         assert store.messages(screen.current.session.id) == []
