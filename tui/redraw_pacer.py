@@ -1,13 +1,11 @@
 """How often the open chat's growing reply is redrawn: up to 10 times a second, less while the front end is busy.
 
-Every redraw re-lays out the screen and renders its visible lines again (the reply scrolls), ~10-15 ms
-of CPU here, and on a 2-core machine that CPU is taken from the engine core, whose two threads then
-wait for each other at every barrier. Measured on one chat, headless app, default model:
-
-- 256 greedy tokens: 30 redraws/s 67-70 tok/s, 15/s 75-80, 10/s 76-82;
-- 1,000 greedy tokens (the reply is taller than the screen, so every redraw scrolls): 10/s 70-73
-  tok/s with the front end at 13.5% of a core, no redraws at all 75-83 tok/s at 5%, the same chat
-  on a plain script 82-84.
+Every redraw re-lays out the screen and renders its visible lines again (the reply scrolls), and on
+a machine of few cores that CPU is taken from the engine core, whose threads then wait for each other
+at every barrier. On one chat, 30 redraws a second streamed visibly slower than 10, and 10 nearly as
+fast as none; a reply taller than the screen (every redraw scrolls) costs more again
+(benchmarks/app_speed.py measures the app against the engine on a plain script, with the front
+end's CPU share).
 
 So the pace follows the front end's own CPU use (all its threads: drawing, the store's writes, the
 channel to the core), judged once a second: above CPU_BUDGET of one core the reply is redrawn on

@@ -164,8 +164,8 @@ class ChatStore:
 
         Processes switching a fresh database at once each hold a shared lock and want the exclusive
         one: SQLite sees the deadlock and answers all but one "database is locked" at once, without
-        waiting in its busy handler (6 processes at once: 10 failures in 30 rounds here), so a first
-        start next to another one failed. Once one has switched, the others find WAL already on.
+        waiting in its busy handler (often, with a few processes starting at once), so a first start
+        next to another one failed. Once one has switched, the others find WAL already on.
         """
         deadline = time.monotonic() + self._timeout
         while True:

@@ -1,15 +1,14 @@
 """The engine core: steps an LLM and nothing else, in its own process (or on a thread, for tests).
 
-Why a process: stepped on a second thread of the UI's process, the engine ran at a third of its
-speed in the app (43 against 134 tok/s on one chat), since every one of the ~300 native calls of a
-step gave the GIL back and waited for it again while the UI thread held it, and two OpenMP thread
-teams fought over two cores. In its own process the core owns its GIL and its thread team.
+Why a process: stepped on a second thread of the UI's process, the engine ran at a fraction of its
+speed in the app (benchmarks/app_speed.py measures both), since every one of the hundreds of native
+calls of a step gave the GIL back and waited for it again while the UI thread held it, and two OpenMP
+thread teams fought over the cores. In its own process the core owns its GIL and its thread team.
 
-Threads, by measurement (one chat / 8 chats, 128 greedy tokens, 2 cores, front end alone and with
-a UI-like thread doing 5 ms of Python every 33 ms): torch's default of one thread a core with
-OpenMP's default waiting gives 82.5 / 231 tok/s alone and 85.4 / 235 beside the UI thread; one
-thread 62.9 / 151 and 63.1 / 148; OMP_WAIT_POLICY=PASSIVE 40.1 / 176 and 44.0 / 179. So the core
-keeps the defaults: a front end that mostly waits on a socket costs it nothing.
+Threads: torch's default of one thread a core with OpenMP's default waiting was the fastest, alone and
+beside a UI-like thread, against one thread and against OMP_WAIT_POLICY=PASSIVE (benchmarks/app_speed.py,
+run with those variables in its environment, compares them). So the core keeps the defaults: a front
+end that mostly waits on a socket costs it nothing.
 
 The loop: take the commands that have arrived (waiting only while nothing runs), then run one
 step and send one message with every request's new tokens. Calls (stats, kv_map) are answered
@@ -211,6 +210,6 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     code = main(sys.argv)
     sys.stderr.flush()
-    # Skip tearing the interpreter down: with torch loaded that took 0.9 s, which every shutdown()
-    # waited for, and the core has nothing left to write.
+    # Skip tearing the interpreter down: with torch loaded that is slow, every shutdown() waited for it,
+    # and the core has nothing left to write.
     os._exit(code)

@@ -1,9 +1,10 @@
 """The disk tier below the KV block pool: full blocks as files, by chained block hash, under a fingerprint.
 
-Why: on a 2-core CPU the ~2,500-token coding prompt takes 8-12 s to prefill, and a restart loses
-every cached prefix. Block hashes are chained content hashes (a block's hash covers every token
-before it), so a block's file name alone says which prefix it holds, in any process, after any
-restart, and a prompt's blocks are found on disk by the same chain walk as in memory.
+Why: on a small CPU the ~2,500-token coding prompt takes seconds to prefill, and a restart loses
+every cached prefix (benchmarks/kv_disk.py times it cold, from disk in a new process, and warm).
+Block hashes are chained content hashes (a block's hash covers every token before it), so a block's
+file name alone says which prefix it holds, in any process, after any restart, and a prompt's blocks
+are found on disk by the same chain walk as in memory.
 
 Layout: ``<kv_cache_dir>/<fingerprint[:32]>/<block hash hex>.kvb``. The fingerprint covers everything
 that makes KV values differ (weights' content hash, KV dtype, block size, layer/head shapes, RoPE
@@ -14,8 +15,8 @@ settings, kernel path), so a block of another model or layout is never even look
 where the header names the fingerprint, block hash, shape, dtype, payload length and the payload's
 XXH3-64 checksum, all checked on read. Plain bytes and JSON: nothing is pickled. The checksum guards
 against torn and flipped bytes, not against an attacker who can already write to the user's 0700
-folder, so it need not be cryptographic, only fast: over the coding prompt's 157 blocks (58 MB of
-float16 KV) XXH3 takes 1.3 ms of CPU, zlib's CRC-32 15 ms and sha256 ~35 ms, on a read of ~40 ms.
+folder, so it need not be cryptographic, only fast: XXH3 costs a small fraction of a block's read, where
+zlib's CRC-32 and sha256 would cost a sizeable part of it.
 
 Files are written whole to a temp file and renamed (atomic), mode 0600 in a 0700 folder (KV blocks
 reveal the conversation). The index (hash -> size, last use) is rebuilt by scanning the folder at
@@ -63,16 +64,16 @@ STALE_TEMP_S = 3600.0
 MAX_PENDING_BYTES = 256 << 20
 # The writer rescans the folder (other processes add and evict files) at most this often, or when its own count says
 # the tier is over its limit; it then evicts down to EVICT_TO of the limit, so that a full tier does not rescan after
-# every batch. A scan of ~3,500 files took 23-40 ms of CPU, which every prompt's batch used to pay.
+# every batch. A scan of thousands of files takes CPU that every prompt's batch used to pay.
 RESCAN_S = 30.0
 EVICT_TO = 0.9
-# The writer runs at this niceness (Linux, where it is the thread's own): its ~0.2 s of CPU for a 4,000-token prompt's
-# 92 MB otherwise came out of the next prompt's compute on a 2-core machine (a 300-token prompt right after one:
-# 684-772 tok/s against 951-1,034 without the tier).
+# The writer runs at this niceness (Linux, where it is the thread's own): its CPU for a long prompt's blocks otherwise
+# came out of the next prompt's compute on a machine of few cores (benchmarks/kv_disk.py measures decode while the
+# writer works, against the tier off).
 WRITER_NICENESS = 10
 # Threads that read a chain's block files at once. Reading into the pool is bound by first-touch page
-# faults and the checksum, both of which run in parallel: the coding prompt's 157 blocks (115 MB) read
-# and checked in 100-114 ms on one thread, 54-68 ms on two, 51 ms on three (this 2-core machine).
+# faults and the checksum, both of which run in parallel: a chain reads in far less time on two threads than on
+# one, and a little less again on three (benchmarks/kv_disk.py times a prompt read back in a new process).
 READ_THREADS = min(4, os.cpu_count() or 1)
 
 

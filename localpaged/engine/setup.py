@@ -63,9 +63,8 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # The CPU default is fp32 by measurement: float32 keeps a GGUF's blocks on the native kernels. On a
-        # 2-core EPYC with AVX512-BF16, 16 sessions x 32 tokens of the default model ran at 285 tok/s,
-        # and at 172 tok/s in bfloat16 (weights dequantised, torch's matmuls). The KV cache's type is separate.
+        # The CPU default is fp32: float32 keeps a GGUF's blocks on the native kernels, which beat bfloat16
+        # (weights dequantised, torch's matmuls) even on a CPU with AVX512-BF16. The KV cache's type is separate.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
 
@@ -74,12 +73,11 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> tor
     """The KV pool's element type: the one named, or for "auto" float16 where native CPU kernels with a
     fast float16 conversion (``KernelPath.fast_float16_kv``) run the model in float32, else the model's ``dtype``.
 
-    float16 KV (float32 math) by measurement, default model, 2 cores, best of five interleaved runs:
-    16 sessions with the 2,500-token coding prompt 154.9 against 135.2 tok/s with float32 KV, one chat
-    at that context 49.8 against 41.6, 16 short chats 344.5 against 345.6; half the pool's memory and
-    the disk tier's bytes. Over the parity prompts (8 x 64 greedy tokens) it gave the very tokens of
-    float32 KV, which stays the exact path (``kv_cache_dtype="float32"``) that the parity tests run.
-    llama.cpp's default KV type is float16 as well. bfloat16 agreed on 84.6% only (8 significant bits).
+    float16 KV (float32 math): faster than float32 KV at long contexts and as fast on short chats
+    (``benchmarks/cpu_kernel_bench.py --engine --kv-cache-dtype``), with half the pool's memory and the
+    disk tier's bytes. Over the parity prompts it gives the very tokens of float32 KV, which stays the
+    exact path (``kv_cache_dtype="float32"``) that the parity tests run (tests/engine/test_kv_cache_dtype.py).
+    llama.cpp's default KV type is float16 as well. bfloat16 parts from it far more often (8 significant bits).
     """
     if name != "auto":
         return getattr(torch, name)
@@ -90,8 +88,8 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> tor
 def use_block_weights(config: EngineConfig, files, device: torch.device, dtype: torch.dtype) -> bool:
     """Keep a GGUF's quantised blocks: on the CPU in float32, where the native kernels build.
 
-    Measured with ``make bench`` (16 sessions, SmolLM2-135M Q4_1, 2 cores): 153.3 tok/s and 146 MiB
-    of weights, against 102.4 tok/s and 515 MiB with the same values dequantised to float32.
+    Faster than the same values dequantised to float32, in a fraction of their memory
+    (``benchmarks/throughput.py`` runs both and prints model memory).
     """
     return config.weights == "auto" and files.gguf is not None and cpu.runs(device, dtype)
 
@@ -100,25 +98,23 @@ def resolve_activations(activations: str, blocks: bool) -> str:
     """What ``activations`` becomes for this model: "auto" is int16 on a GGUF's blocks where the CPU has AVX-512 VNNI,
     else float32 (the exact path, and all a float model has); int16 and int8 are refused where they cannot pay.
 
-    int16 is the default where it runs: measured on the default model on this project's AMD EPYC (Zen 4, 2 threads),
-    16 sessions decoded at 506.9 against 403.9 tok/s with float32 inputs (median of 4 alternating rounds), and over
-    the parity prompts every greedy token agreed with the exact path's (float16 KV or float32). Rounding a run of 32
-    to 16 bits moves each value by under 2^-16 of the run's largest, less than a float16 KV cache's rounding.
+    int16 is the default where it runs: its matmuls beat float32 inputs (``benchmarks/cpu_kernel_bench.py`` times
+    each activations type on the default model's shapes), and over the parity prompts every greedy token agrees with
+    the exact path's, with float16 KV or float32 (tests/engine/test_kv_cache_dtype.py). Rounding a run of 32 to 16
+    bits moves each value by under 2^-16 of the run's largest, less than a float16 KV cache's rounding.
 
-    int8 inputs (kernels/cpu_qgemm_int8.c) are opt-in: measured on the default model, this project's Xeon, median of
-    three alternating rounds, one chat decoded at 86.6 against 65.4 tok/s and 16 sessions at 315.3 against 259.5;
-    but over the parity prompts only 22.5% of greedy tokens agreed with the exact path (28.5% with float16 KV). On
-    one chat prompt the logits moved by an RMS of 1.2 (their standard deviation is ~4), 0.26 with the MLPs' down
-    projections left in float32: their inputs' outliers leave the rest of each run of 32 a few levels of 8 bits.
-    llama.cpp rounds the same way. Without VNNI the plain C kernels would run, slower than the float32 one.
+    int8 inputs (kernels/cpu_qgemm_int8.c) are opt-in: faster still (the same benchmark), but over the parity prompts
+    most greedy tokens part from the exact path, and the logits move by a sizeable part of their spread (far less
+    with the MLPs' down projections left in float32: their inputs' outliers leave the rest of each run of 32 a few
+    levels of 8 bits; tests/engine/test_integer_activations.py bounds it). llama.cpp rounds the same way. Without
+    VNNI the plain C kernels would run, slower than the float32 one.
 
     The chunked prefill's attention follows (``layers.attention.select_attention``): with int16 or int8 inputs its
     scores run on int16 q and K and its weighted sum on bfloat16 weights and V, where the CPU has AVX-512 VNNI and
-    BF16 (kernels/cpu_prefill_int16.c). Measured on the default model on the AMD EPYC: a 4,000-token prompt's
-    attention 3.57 -> 1.94-1.98 s (the prompt 520-578 -> 794-822 tok/s); with float16 KV, 100% of the parity
-    prompts' greedy tokens as the exact path's, 96.3% over 16 chats of ~300 tokens (the same as float16 KV alone)
-    and 97.0% over 8 questions after the 2,500-token coding prompt (one parts at its 97th token; 100% with float32
-    prefill products, and 100% with float32 KV).
+    BF16 (kernels/cpu_prefill_int16.c): it nearly halves a long prompt's attention (``benchmarks/cpu_kernel_bench.py``
+    times a prefill chunk with float32 and int16 products). With float16 KV the parity prompts' greedy tokens stay the
+    exact path's; over longer chats a rare near-tie parts, as with float16 KV alone (none with float32 prefill
+    products, or with float32 KV).
     """
     if activations == "auto":
         return "int16" if blocks and cpu.vnni_is_fast() else "float32"

@@ -2,9 +2,9 @@
 
 The front end keeps its own copy so that counting and encoding a conversation (every turn, every
 status refresh) never waits for an engine step in the core process. It loads the tokenizers-backed
-class straight from ``tokenizer.json`` (0.6 s of imports and no torch, against 2 s and torch for
-AutoTokenizer), and checks it against the core's AutoTokenizer on a probe conversation: a model
-whose tokenizer class does something of its own gets AutoTokenizer in the front end too.
+class straight from ``tokenizer.json`` (a fraction of AutoTokenizer's imports, and no torch), and
+checks it against the core's AutoTokenizer on a probe conversation: a model whose tokenizer class
+does something of its own gets AutoTokenizer in the front end too.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ class RMSNorm(nn.Module):
     """RMS norm of ``x + residual``: returns the normed rows and the sum (the new residual).
 
     Float32 rows on the CPU whose width is a multiple of 8 (the kernel reads runs of 8 floats) go to
-    the native kernel: add and norm in one pass, where torch ran a chain of small ops (~10 ms of a
-    16-session decode step on 2 cores when the native kernels came in). Float32 elsewhere goes to
+    the native kernel: add and norm in one pass, where torch ran a chain of small ops (a visible part
+    of a 16-session decode step when the native kernels came in). Float32 elsewhere goes to
     ``F.rms_norm``, one fused kernel; other dtypes norm in float32 as transformers does.
     """
 

@@ -1,7 +1,7 @@
 """The model files a user already has, found where other tools keep them (``locations.model_store_dirs()``).
 
-Nothing is downloaded or written: listing walks those folders and reads each GGUF's header (about
-0.01 s a file) for its architecture and quantisation. An Ollama model is a manifest
+Nothing is downloaded or written: listing walks those folders and reads each GGUF's header (a
+short read a file) for its architecture and quantisation. An Ollama model is a manifest
 (``manifests/<registry>/<namespace>/<model>/<tag>``, JSON) naming its layers by digest; the layer of
 media type ``application/vnd.ollama.image.model`` is the GGUF itself, ``blobs/sha256-<hex>``.
 """

@@ -1,8 +1,9 @@
 """A GGUF file opened as it is: its metadata, its tensor table, and each tensor's bytes memory-mapped.
 
 gguf-py's ``GGUFReader`` turns every metadata value into numpy views, which for a 49152-token
-vocabulary took 2.4 s here on every start; this reads the same layout (gguf-py's type constants and
-block sizes) in 0.01 s, walking the vocabulary and merge arrays without building them.
+vocabulary took seconds on every start; this reads the same layout (gguf-py's type constants and
+block sizes) in a small fraction of that, walking the vocabulary and merge arrays without building
+them (benchmarks/gguf_load.py times the start).
 Tensor bytes are views into one read-only memory map: nothing is read until a tensor is unpacked,
 a clean mapped page costs no swap, and ``drop_pages`` hands a tensor's pages back once it is packed
 (they stay in the page cache; only this process's resident set shrinks). Every way a file can be broken (empty, foreign, truncated,
@@ -88,7 +89,7 @@ class GGUFFile:
         """Unmap the pages of tensor ``name`` from this process once it is unpacked (a later read maps them again).
 
         Read pages of a mapped file count in the resident set until unmapped: without this a load keeps
-        the whole file resident (98 MB for the default model) on top of the packed weights.
+        the whole file resident on top of the packed weights.
         """
         info = self.tensors[name]
         start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE

@@ -93,7 +93,7 @@ class LlamaForCausalLM(nn.Module):
         # Our fused projection -> the checkpoint's shards; Phi-3 stores qkv_proj and gate_up_proj fused already.
         self.fused = {} if config.model_type == "phi3" else FUSED
         # Given its (empty) weight, nn.Embedding skips its random init: on the meta device that init runs
-        # torch's Python reference ops, whose import pulls in torch._dynamo and Triton (~100 MB RSS on a CPU).
+        # torch's Python reference ops, whose import pulls in torch._dynamo and Triton (a large RSS on a CPU).
         weight = torch.empty(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(

@@ -3,8 +3,9 @@
 A GGUF runs from the file as it is: its tensors are read from a memory map at every start
 (models/gguf_file.py, gguf_weights.py), and only what transformers needs of its metadata is written
 once to ``locations.models_cache_dir()`` (0700 folders, 0600 files), keyed by a hash of the file's
-bytes: config.json and the tokenizer files, about 3.5 MB for a 49152-token vocabulary. Building the
-tokenizer from the metadata takes ~0.5 s; the cached files load in a fraction of that. Only
+bytes: config.json and the tokenizer files, a few megabytes for a 49152-token vocabulary. Building
+the tokenizer from the metadata is slow; the cached files load in a fraction of that time
+(benchmarks/gguf_load.py times a first and a warm start). Only
 safetensors and GGUF are ever read: no pickle-based checkpoint is opened. The folder is built and
 checked by ``cache_folders.cached_folder`` (private, atomic, trusted only while it is the user's).
 """
@@ -113,7 +114,7 @@ def resolve_model(model: str | os.PathLike | None, progress: Progress = _quiet) 
             )
         return ModelFiles(name, path, _folder_fingerprint(path))
     if path.is_file() and (path.suffix == ".gguf" or is_gguf(path)):
-        fingerprint = file_sha256(path)  # remembered per file: no 100 MB rehash at every start
+        fingerprint = file_sha256(path)  # remembered per file: no rehash of the whole file at every start
         return ModelFiles(name, _gguf_metadata(path, fingerprint, progress), fingerprint, path)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a model folder nor a .gguf file")

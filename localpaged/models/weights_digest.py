@@ -1,8 +1,8 @@
 """Content hashes of weight files, computed once per file and remembered.
 
 The disk KV tier keys its folder by what the weights *are*, not by names and times, so it needs the
-sha256 of each weight file. Hashing the default model's 100 MB GGUF costs ~0.1 s of a free core and
-more on a busy one, at every start; the digest is therefore kept in ``weight-digests.json`` in the
+sha256 of each weight file. Hashing the whole GGUF at every start costs a free core a noticeable
+while and a busy one more; the digest is therefore kept in ``weight-digests.json`` in the
 cache folder, keyed by the file's path, size, mtime_ns and inode: any rewrite of the file (even one of
 the same size) changes its mtime or inode, and the file is hashed again. Torch-free.
 """

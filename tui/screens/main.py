@@ -255,7 +255,7 @@ class MainScreen(ChatActions):
 
         The footer rebuilds every key on each ``refresh_bindings``, and every reply's start, first text
         and end would ask for one while most change nothing the footer shows; each rebuild re-lays out
-        the whole screen, CPU taken from the engine core on a 2-core machine.
+        the whole screen, CPU taken from the engine core on a machine of few cores.
         """
         if self._bindings_on_show() != self._bindings_shown:
             self.refresh_bindings()
