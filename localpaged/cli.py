@@ -29,7 +29,6 @@ from localpaged.errors import ConfigError, LocalpagedError, PromptError, Request
 
 if TYPE_CHECKING:
     from localpaged.config_file import Settings
-    from localpaged.engine.async_llm import AsyncLLM
     from localpaged.engine.protocol import EngineClient
 
 EXIT_ERROR = 2
@@ -355,10 +354,8 @@ def cmd_run(args: argparse.Namespace, engines: list[EngineClient]) -> None:
         if args.session:
             store.get_session(args.session)  # fail on a wrong id before spending seconds on the model
         backend, api_key = _backend(args)
-        if backend:
-            from localpaged.engine.remote import RemoteEngine
-
-            engine: EngineClient = RemoteEngine(backend, api_key=api_key, model=args.model)
+        if backend:  # the settings file's model is a local path; --model names the server's
+            engine = open_engine(args.model, backend=backend, api_key=api_key)
         else:
             engine = open_engine(settings.model, **settings.engine.as_kwargs())
         engines.append(engine)
@@ -391,19 +388,20 @@ def cmd_run(args: argparse.Namespace, engines: list[EngineClient]) -> None:
         print(f"session {session.id} (continue with --session {session.id})", file=sys.stderr)
 
 
-def open_engine(model: str | None, **engine_config: object) -> AsyncLLM:
-    """Load the model, telling a person at a terminal what is happening meanwhile."""
-    from localpaged.engine.async_llm import AsyncLLM
+def open_engine(model: str | None, **engine_config: object) -> EngineClient:
+    """The engine (``engine.factory.make_engine``: ``backend=URL`` for a remote one), telling a person at a terminal
+    what is happening meanwhile."""
+    from localpaged.engine.factory import make_engine
 
     if not sys.stderr.isatty():
-        return AsyncLLM(model, **engine_config)
+        return make_engine(model=model, **engine_config)
 
     def progress(message: str, fraction: float | None) -> None:
         percent = f" {fraction:.0%}" if fraction is not None else ""
         sys.stderr.write(f"\r\033[K{message}{percent}")
         sys.stderr.flush()
 
-    engine = AsyncLLM(model, progress=progress, **engine_config)
+    engine = make_engine(model=model, progress=progress, **engine_config)
     sys.stderr.write("\r\033[K")
     return engine
 

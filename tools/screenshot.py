@@ -65,15 +65,15 @@ async def wait_for(pilot: Any, condition: Callable[[], object], timeout: float, 
 async def draw(output: Path) -> None:
     from textual.widgets import OptionList
 
+    from localpaged.engine.factory import make_engine
     from localpaged.sampling import SamplingParams
-    from localpaged.tui.app import LocalpagedApp, default_engine_factory
+    from localpaged.tui.app import LocalpagedApp
     from localpaged.tui.screens.error import ErrorScreen
     from localpaged.tui.screens.main import MainScreen
     from localpaged.tui.screens.new_chat import NewChatDialog
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=7)
-    real_engine = default_engine_factory(None)
-    app = LocalpagedApp(engine_factory=lambda progress: FixedParams(real_engine(progress), params))
+    app = LocalpagedApp(engine_factory=lambda progress: FixedParams(make_engine(progress=progress), params))
     try:
         async with app.run_test(size=SIZE) as pilot:
             print("loading the default model ...", file=sys.stderr)

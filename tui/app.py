@@ -10,6 +10,7 @@ import termios
 import time
 from collections.abc import Callable, Iterable
 from contextlib import suppress
+from functools import partial
 from typing import Any
 
 from textual import work
@@ -18,6 +19,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from localpaged.config_file import Settings, save_theme
+from localpaged.engine.factory import make_engine
 from localpaged.engine.protocol import EngineClient
 from localpaged.errors import ConfigError, LocalpagedError
 from localpaged.tui.live import EngineDied
@@ -30,31 +32,7 @@ log = logging.getLogger(__name__)
 
 TERMINAL_CHECK_S = 1.0  # how often the app makes sure it still has a terminal: one system call
 
-Progress = Callable[[str, "float | None"], None]
-EngineFactory = Callable[[Progress], EngineClient]
-
-
-def default_engine_factory(model: str | None, **engine_config: Any) -> EngineFactory:
-    """Build the real AsyncLLM (imported late: torch and the model load only in the worker)."""
-
-    def make(progress: Progress) -> EngineClient:
-        from localpaged.engine.async_llm import AsyncLLM
-
-        return AsyncLLM(model, progress=progress, **engine_config)
-
-    return make
-
-
-def remote_engine_factory(url: str, api_key: str | None = None, model: str | None = None) -> EngineFactory:
-    """Connect to an OpenAI-compatible server (and, after a failure, reconnect the same way)."""
-
-    def make(progress: Progress) -> EngineClient:
-        from localpaged.engine.remote import RemoteEngine
-
-        progress(f"Connecting to {url}", None)
-        return RemoteEngine(url, api_key=api_key, model=model)
-
-    return make
+EngineFactory = Callable[..., EngineClient]  # called with progress=Progress
 
 
 class LocalpagedApp(App[None]):
@@ -87,11 +65,11 @@ class LocalpagedApp(App[None]):
     ) -> None:
         super().__init__()
         self.settings = settings if settings is not None else Settings()
-        if engine_factory is None and backend is not None:
-            engine_factory = remote_engine_factory(backend, api_key, model)
-        self.engine_factory = engine_factory or default_engine_factory(
-            model or self.settings.model, **self.settings.engine.as_kwargs()
-        )
+        if engine_factory is None:  # the one choice of engine (engine.factory); a remote one reconnects the same way
+            local = self.settings.engine.as_kwargs() if backend is None else {}
+            engine_model = model if backend is not None else model or self.settings.model
+            engine_factory = partial(make_engine, backend, model=engine_model, api_key=api_key, **local)
+        self.engine_factory = engine_factory
         self.store = store
         self.prompt = prompt
         self.session_id = session_id
@@ -161,7 +139,9 @@ class LocalpagedApp(App[None]):
     def start(self, loading: LoadingScreen) -> None:
         """Load the model, open the store, and resolve --prompt / --session, or explain why not."""
         try:
-            self.engine = self.engine_factory(lambda msg, frac: self.call_from_thread(loading.progress, msg, frac))
+            self.engine = self.engine_factory(
+                progress=lambda msg, frac: self.call_from_thread(loading.progress, msg, frac)
+            )
             if self.store is None:
                 from localpaged.chat.store import ChatStore
 
@@ -199,7 +179,7 @@ class LocalpagedApp(App[None]):
             except Exception:  # it is dead already: a new engine is what matters
                 log.warning("shutting down the dead engine failed", exc_info=True)
         try:
-            engine = self.engine_factory(lambda msg, frac: self.call_from_thread(loading.progress, msg, frac))
+            engine = self.engine_factory(progress=lambda msg, frac: self.call_from_thread(loading.progress, msg, frac))
         except LocalpagedError as err:
             self.call_from_thread(self._restart_failed, err, loading)
             return

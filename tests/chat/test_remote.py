@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from localpaged.chat.session import Session
+from localpaged.chat.session import Session, chat_messages
 from localpaged.chat.store import ChatStore
 from localpaged.cli import main
 from localpaged.engine.async_llm import AsyncLLM
@@ -141,9 +141,7 @@ def test_session_streams_persists_and_reloads(remote: RemoteEngine, store: ChatS
     assert (user.role, user.content) == ("user", "What is a paged KV cache?")
     assert (reply.content, reply.status, reply.model) == (text, "complete", remote.info.model_name)
     assert reply.finish_reason in ("stop", "length") and reply.completion_tokens and reply.prompt_tokens
-    assert reply.prompt_tokens == len(
-        remote.encode_chat(session._messages([{"role": "user", "content": user.content}]))
-    )
+    assert reply.prompt_tokens == len(remote.encode_chat(chat_messages(session.system, [user])))
     assert store.token_ids(reply.id) is None  # the server sends text, not ids
     again = Session.load(remote, store, session.id)
     assert [(m.role, m.content) for m in again.history] == [("user", user.content), ("assistant", text)]
