@@ -44,6 +44,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # token budget per step; None picks one for the device
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
     enable_prefix_caching: bool = True
+    cascade_attention: bool = True  # sequences whose block tables begin with the same blocks (a shared system
+    # prompt, forks, n samples) read those blocks once a step for all of them (shared-prefix attention), merged
+    # with each one's own keys by log-sum-exp: the same tokens, float rounding apart; False: each reads its own
     attention: str | None = None  # "triton" or "torch"; None: $LOCALPAGED_ATTENTION, else by device
     enforce_eager: bool = False  # CUDA only: skip CUDA-graph capture of decode steps
     num_threads: int | None = None  # CPU only: torch threads; None leaves torch's choice
@@ -108,6 +111,7 @@ class EngineConfig:
             "max_num_batched_tokens": ((int,), True, "a whole number"),
             "max_model_len": ((int,), True, "a whole number"),
             "enable_prefix_caching": ((bool,), False, "true or false"),
+            "cascade_attention": ((bool,), False, "true or false"),
             "attention": ((str,), True, "text, 'triton' or 'torch'"),
             "enforce_eager": ((bool,), False, "true or false"),
             "num_threads": ((int,), True, "a whole number"),

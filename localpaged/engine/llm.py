@@ -72,6 +72,7 @@ class LLM:
             parts.kv_dtype,
             graph_batch_sizes=min(self.config.max_num_seqs, 512) if use_graphs else 0,
             max_model_len=self.config.max_model_len,
+            cascade=self.config.cascade_attention,
         )
         self.kv_disk = parts.kv_disk
         self.kv = KVCacheManager(self.pool, self.kv_disk, self.runner)

@@ -27,6 +27,7 @@ class AttentionMetadata:
     max_q_len: int
     block_size: int
     plan: reference.GatherPlan | None = None  # torch path only
+    cascade: reference.CascadePlan | None = None  # groups sharing leading blocks (runner.cascade_plan); None: none
 
 
 class TorchAttention:
@@ -40,6 +41,11 @@ class TorchAttention:
     """
 
     name = "torch"
+
+    @property
+    def takes_cascade(self) -> bool:
+        """Whether this path's kernels read a step's ``AttentionMetadata.cascade`` (the native ones do)."""
+        return self.native_decode or self.native_prefill
 
     def __init__(self, native: bool = False, prefill_products: str = "float32") -> None:
         self.native_decode = native
@@ -61,10 +67,11 @@ class TorchAttention:
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self._use_native_decode(meta):
-            return cpu.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+            return cpu.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.cascade)
         if self.native_prefill:
             tables, cu_seqlens_q, lens = meta.block_tables, meta.cu_seqlens_q, meta.context_lens
-            return cpu.paged_prefill(q, k_cache, v_cache, tables, cu_seqlens_q, lens, scale, self.prefill_products)
+            products = self.prefill_products
+            return cpu.paged_prefill(q, k_cache, v_cache, tables, cu_seqlens_q, lens, scale, products, meta.cascade)
         assert meta.plan is not None, "prepare() was not called for this step"
         return reference.paged_attention(q, k_cache, v_cache, meta.plan, scale)
 
