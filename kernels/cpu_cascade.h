@@ -109,7 +109,7 @@ static inline int cascade_plan(const lp_cascade *c, const int32_t *block_tables,
      * keys each (a chunk's result costs a merge per token). */
     long all_tiles = 0;
     for (long g = 0; g < G; g++) all_tiles += w->tiles[g] = (cascade_tokens(w, g) + CASCADE_TOKENS - 1) / CASCADE_TOKENS;
-    const long wanted = (4 * threads + all_tiles * KVH - 1) / (all_tiles * KVH > 0 ? all_tiles * KVH : 1);
+    const long wanted = (8 * threads + all_tiles * KVH - 1) / (all_tiles * KVH > 0 ? all_tiles * KVH : 1);
     w->task_start[0] = 0;
     long parts = 0;
     for (long g = 0; g < G; g++) {

@@ -188,7 +188,7 @@ class ModelRunner:
         a failure of the batch as a whole (the forward pass) raises.
         """
         ids, pos, meta, to_sample, logit_rows = self.prepare(batch)
-        if self.graphs is not None and self.graphs.can_run(meta, len(batch.seqs)):
+        if self.graphs is not None and meta.cascade is None and self.graphs.can_run(meta, len(batch.seqs)):
             hidden = self.graphs.run(ids, pos, meta)
         elif self.native_decode is not None and meta.max_q_len == 1:
             hidden = self.native_decode.run(ids, pos, meta)

@@ -78,6 +78,7 @@ class TorchAttention:
 
 class TritonAttention:
     name = "triton"
+    takes_cascade = True  # a step with groups goes through paged_prefill.cascade_prefill, decode rows and chunks alike
 
     def __init__(self) -> None:
         from localpaged.kernels import kv_write, paged_decode, paged_prefill
@@ -85,6 +86,7 @@ class TritonAttention:
         self._write = kv_write.write_kv
         self._decode = paged_decode.paged_decode
         self._prefill = paged_prefill.paged_prefill
+        self._cascade = paged_prefill.cascade_prefill
 
     def prepare(self, meta: AttentionMetadata) -> None:
         pass
@@ -94,6 +96,9 @@ class TritonAttention:
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         q = q.contiguous()
+        if meta.cascade is not None:
+            tables, cu, lens = meta.block_tables, meta.cu_seqlens_q, meta.context_lens
+            return self._cascade(q, k_cache, v_cache, tables, cu, lens, scale, meta.cascade, meta.max_q_len)
         if meta.max_q_len == 1:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         return self._prefill(
