@@ -93,3 +93,32 @@ def test_a_sequence_shares_only_what_it_computed_before_the_step():
     tables = [list(range(10)), list(range(10))]
     assert [(g.shared_blocks, g.members) for g in find_groups(tables, [9, 5], 4, 2)] == [(5, (0, 1))]
     assert find_groups(tables, [9, 3], 4, 2) == []  # a new prompt's first chunk computed nothing yet
+
+
+def test_admission_prefers_a_request_that_joins_a_running_group_but_starves_none():
+    """One slot a step: behind a request with a prompt of its own wait requests sharing the running sequence's
+    prompt. They go first, up to MAX_PASSES times; then the other goes first."""
+    from localpaged.engine.block_pool import BlockPool
+    from localpaged.engine.kv_cache_manager import KVCacheManager
+    from localpaged.engine.scheduler import MAX_PASSES, Scheduler
+    from localpaged.engine.sequence import Sequence
+
+    prompt = list(range(40))
+    scheduler = Scheduler(KVCacheManager(BlockPool(200, 16)), max_num_seqs=64, max_num_batched_tokens=1000)
+
+    def add(name, tokens):
+        scheduler.add(Sequence(name, tokens, params=None))
+
+    add("first", prompt + [100])
+    scheduler.on_step_done(scheduler.schedule())
+    scheduler.max_num_seqs = 1
+    add("other", list(range(500, 540)))
+    for i in range(MAX_PASSES + 2):
+        add(f"user{i}", prompt + [200 + i])
+    admitted = []
+    for _ in range(MAX_PASSES + 1):
+        scheduler.max_num_seqs = len(scheduler.running) + 1  # one more slot
+        before = {s.request_id for s in scheduler.running}
+        scheduler.on_step_done(scheduler.schedule())
+        admitted += [s.request_id for s in scheduler.running if s.request_id not in before]
+    assert admitted == [f"user{i}" for i in range(MAX_PASSES)] + ["other"]
