@@ -21,7 +21,6 @@ from itertools import islice
 from localpaged.engine.kv_cache_manager import KVCacheManager
 from localpaged.engine.sequence import Sequence, SequenceStatus
 
-
 LOOKAHEAD = 8  # waiting requests admission looks at for one that joins a running group
 MAX_PASSES = 4  # times a request may be passed over for such a one
 
