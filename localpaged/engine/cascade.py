@@ -19,11 +19,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-# Below these a group does not pay: its shared pass and merge cost more than the re-reads they save.
-# Measured on the default model (see the README's cascade figures): 16 sessions on a 300-token prompt (18 blocks)
-# run as fast with it as without; a group of 2 saves one read of its blocks.
-MIN_BLOCKS = 4
+# Below these a group does not pay on the CPU kernels: its shared pass computes the same products as the
+# sequences' own decode would, in tiles of 16 query rows (a member brings one row for each query head of a KV
+# head, G), so it gains only where reading the shared blocks once saves more than a tile's padding and the merge
+# cost. Best of 10 calls of the default model's decode attention (G = 3, fp16 KV) on this project's loaded 2-core
+# EPYC, off/on: 2 members 0.5-0.6x at 288 to 2,048 shared keys; 8 members 0.9x at 288, 1.3x at 2,048, 0.6-0.7x at
+# 8,000; 16 members ~1.0x at 288, 1.45x at 2,048, 2-6x at 8,000; 64 members 2.1-3.8x at 8,000. Below 64 shared
+# keys it lost at every size. So a group needs MIN_ROWS rows (ModelRunner turns that into members for its model)
+# and MIN_BLOCKS blocks.
+MIN_BLOCKS = 16
 MIN_MEMBERS = 2
+MIN_ROWS = 32
 
 
 @dataclass(frozen=True)

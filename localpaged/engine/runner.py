@@ -12,7 +12,7 @@ import mmap
 
 import torch
 
-from localpaged.engine import cascade
+from localpaged.engine import cascade as cascade_groups
 from localpaged.engine.cpu_decode import NativeDecode
 from localpaged.engine.cuda_graphs import DecodeGraphs
 from localpaged.engine.sampler import sample
@@ -54,6 +54,11 @@ class ModelRunner:
         self.model = model
         self.attention = attention
         self.cascade = cascade and getattr(attention, "takes_cascade", False)
+        heads = model.config.num_attention_heads
+        heads_a_kv_head = heads // (getattr(model.config, "num_key_value_heads", None) or heads)
+        # the least group that pays (engine/cascade.py); attributes, so a test can group small batches
+        self.cascade_min_members = max(cascade_groups.MIN_MEMBERS, -(-cascade_groups.MIN_ROWS // heads_a_kv_head))
+        self.cascade_min_blocks = cascade_groups.MIN_BLOCKS
         self.block_size = block_size
         self.device = device
         cfg = model.config
@@ -166,7 +171,8 @@ class ModelRunner:
         """The step's shared-prefix groups as the kernels take them, or None where there is none. A member shares
         only whole blocks of what it computed before this step, so no query of the step is masked from them."""
         limits = [seq.num_computed_tokens // self.block_size for seq in batch.seqs]
-        groups = cascade.find_groups([seq.block_table for seq in batch.seqs], limits)
+        tables = [seq.block_table for seq in batch.seqs]
+        groups = cascade_groups.find_groups(tables, limits, self.cascade_min_blocks, self.cascade_min_members)
         if not groups:
             return None
         starts = [0]

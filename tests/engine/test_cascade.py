@@ -15,6 +15,12 @@ PROMPT = [(37 * i) % 40000 + 100 for i in range(300)]  # 18 whole blocks and som
 QUESTIONS = [[5000 + 13 * j + i for i in range(3 + 5 * j)] for j in range(5)]
 
 
+def small_groups(llm: LLM) -> LLM:
+    """Groups of two sequences and 4 blocks count (the engine's thresholds are for speed, not for correctness)."""
+    llm.runner.cascade_min_members, llm.runner.cascade_min_blocks = 2, 4
+    return llm
+
+
 def generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompts, params)]
@@ -54,6 +60,7 @@ def test_greedy_tokens_with_cascade_equal_those_without(native_llama, kv_cache_d
         kv_disk=False,
         max_num_batched_tokens=64,  # chunked prefills of several members meet in one step
     )
+    small_groups(llm)
     assert llm.runner.cascade
     if not native_decode:
         llm.runner.native_decode = None
@@ -74,6 +81,7 @@ def test_forks_and_two_prompts_batch_as_several_groups(native_llama):
     """Two system prompts (each with two users) and two forks of one user's chat in one batch: several groups a
     step, the same tokens as without."""
     llm = LLM(str(native_llama), dtype="float32", kv_cache_memory="64MiB", max_model_len=512, kv_disk=False)
+    small_groups(llm)
     other = [(53 * i) % 30000 + 7000 for i in range(200)]
     generate(llm, [PROMPT, other], 1)
     chat = PROMPT + QUESTIONS[4] + generate(llm, [PROMPT + QUESTIONS[4]], 40)[0]
