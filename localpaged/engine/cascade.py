@@ -19,17 +19,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-# Below these a group does not pay on the CPU kernels: its shared pass computes the same products as the
-# sequences' own decode would, in tiles of 16 query rows (a member brings one row for each query head of a KV
-# head, G), so it gains only where reading the shared blocks once saves more than a tile's padding and the merge
-# cost. Best of 10 calls of the default model's decode attention (G = 3, fp16 KV) on this project's loaded 2-core
-# EPYC, off/on: 2 members 0.5-0.6x at 288 to 2,048 shared keys; 8 members 0.9x at 288, 1.3x at 2,048, 0.6-0.7x at
-# 8,000; 16 members ~1.0x at 288, 1.45x at 2,048, 2-6x at 8,000; 64 members 2.1-3.8x at 8,000. Below 64 shared
-# keys it lost at every size. So a group needs MIN_ROWS rows (ModelRunner turns that into members for its model)
-# and MIN_BLOCKS blocks.
-MIN_BLOCKS = 16
+# Below these a group does not pay on the CPU kernels: its shared pass computes the same products as its members'
+# own decode would (decode attention here is near this CPU's FMA rate already, not only bound by memory), in tiles
+# of 16 query rows (a member brings one row for each query head of a KV head, G), so it gains only where reading
+# the shared blocks once saves more than a tile's padding and the merge cost. Best of 10 calls, the default
+# model's decode attention (G = 3, fp16 KV), this project's 2-core EPYC when idle, off/on time:
+#   shared keys     2 members  4     8     12    16
+#   256             0.55       0.71  0.84  0.91  1.01
+#   1,024           0.61       0.92  1.10  1.19  1.37
+#   8,000           0.66       1.13  1.11  1.26  1.50     (64 members: 1.85-2.2)
+# So a group needs MIN_ROWS query rows (8 members on the default model; ModelRunner turns rows into members for
+# its model) and MIN_BLOCKS shared blocks (1,024 keys).
+MIN_BLOCKS = 64
 MIN_MEMBERS = 2
-MIN_ROWS = 32
+MIN_ROWS = 24
 
 
 @dataclass(frozen=True)
