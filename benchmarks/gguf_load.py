@@ -31,7 +31,7 @@ start = time.perf_counter()
 out = llm.chat([chat], SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))[0]
 decode = (len(out.token_ids) - 1) / (time.perf_counter() - start - out.metrics.ttft_s)
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"load_s": load_s, "decode_tok_s": decode, "peak_rss": rss, "kv_bytes": llm.stats()["blocks_total"] * llm.block_bytes,
+print(json.dumps({"load_s": load_s, "decode_tok_s": decode, "peak_rss": rss, "kv_bytes": llm.stats().blocks_total * llm.block_bytes,
                   "prompt": llm.encode_chat(chat), "tokens": out.token_ids}))
 """
 

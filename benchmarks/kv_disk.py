@@ -142,9 +142,9 @@ def main() -> None:
                 [ttft(engine, chat + [{"role": "user", "content": follow_up(10 + i)}]) for i in range(ROUNDS)]
             )
             stats = engine.stats()
-        results["block_bytes"] = stats["block_bytes"]
-        results["disk bytes per block"] = stats["disk_bytes"] / max(stats["disk_blocks"], 1)
-        results["disk bytes after the runs"] = stats["disk_bytes"]
+        results["block_bytes"] = stats.block_bytes
+        results["disk bytes per block"] = stats.disk_bytes / max(stats.disk_blocks, 1)
+        results["disk bytes after the runs"] = stats.disk_bytes
 
         coding, longer = [], []
         for i in range(ROUNDS):  # (b): each a new process, the tier's files in the page cache
@@ -169,7 +169,7 @@ def main() -> None:
                     rates.append(decode_rate(engine, i))
             written = tier_on.stats()
         results["disk write MB/s (writer thread, during decode)"] = (
-            written["disk_bytes_written"] / 1e6 / max(written["disk_write_s"], 1e-9)
+            written.disk_bytes_written / 1e6 / max(written.disk_write_s, 1e-9)
         )
     results["decode tok/s, tier on"] = statistics.median(on)
     results["decode tok/s, tier off"] = statistics.median(off)

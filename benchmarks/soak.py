@@ -167,7 +167,7 @@ async def drained(engine: AsyncLLM, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         stats = engine.stats()
-        if (stats["running"] == 0 and stats["waiting"] == 0) or time.monotonic() > deadline:
+        if (stats.running == 0 and stats.waiting == 0) or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.05)
 
@@ -204,14 +204,14 @@ def soak_sessions(model: str, device: str, sessions: int, minutes: float, seed: 
     return {
         "sessions": sessions,
         "minutes": (time.monotonic() - started) / 60,
-        "blocks_total": stats["blocks_total"],
+        "blocks_total": stats.blocks_total,
         "turns": tally.turns,
         "completed": tally.completed,
         "aborted": tally.aborted,
         "walked_away": tally.walked_away,
         "cancelled": tally.cancelled,
-        "preemptions": stats["preemptions"],
-        "blocks_leaked": stats["blocks_used"],
+        "preemptions": stats.preemptions,
+        "blocks_leaked": stats.blocks_used,
         "errors": tally.errors,
     }
 

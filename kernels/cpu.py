@@ -39,12 +39,12 @@ import torch
 
 from localpaged.cache_folders import cached_folder, set_aside
 from localpaged.errors import ConfigError, KernelArgumentError, KernelError
-from localpaged.kernels import cpu_isa
+from localpaged.kernels import cpu_isa, reference
 from localpaged.kernels.cpu_isa import KernelPath, choose_path
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
-ABI_VERSION = 6  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
+ABI_VERSION = 7  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
@@ -448,9 +448,34 @@ def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
     return out if padded == w.rows else out[:, : w.rows]
 
 
+class Cascade(ctypes.Structure):
+    """cpu_kernels.h's lp_cascade: a ``reference.CascadePlan``'s tensors, for one call."""
+
+    _fields_ = [("num_groups", SIZE), ("group_starts", POINTER), ("members", POINTER), ("shared_lens", POINTER)]
+
+
+def _cascade(plan: reference.CascadePlan | None, batch: int) -> tuple[int | None, object]:
+    """The address of an lp_cascade for ``plan`` (None: no plan) and what must outlive the call. The C side checks
+    every value against the block tables; here only what it reads: int32 rows of lengths that agree."""
+    if plan is None or len(plan.shared_lens) == 0:
+        return None, None
+    for name in ("group_starts", "members", "shared_lens"):
+        _expect(f"cascade.{name}", getattr(plan, name), (torch.int32,), 1, contiguous=True)
+    starts, members, lens = plan.group_starts, plan.members, plan.shared_lens
+    if len(starts) != len(lens) + 1 or int(starts[0]) != 0 or int(starts[-1]) != len(members):
+        raise KernelArgumentError(
+            f"cascade: {len(starts)} group starts from {int(starts[0])} to {int(starts[-1])} for {len(lens)} groups "
+            f"and {len(members)} members: need groups + 1 of them, from 0 to the number of members"
+        )
+    if bool((starts[1:] <= starts[:-1]).any()) or len(members) > batch:
+        raise KernelArgumentError("cascade: every group needs a member, and no more members than sequences")
+    struct = Cascade(len(lens), starts.data_ptr(), members.data_ptr(), lens.data_ptr())
+    return ctypes.addressof(struct), struct
+
+
 _lp_paged_decode = Kernel(
     "lp_paged_decode",
-    [POINTER, POINTER, POINTER, INT, POINTER, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE, SIZE, FLOAT, POINTER],
+    [POINTER, POINTER, POINTER, INT, POINTER, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE, SIZE, FLOAT, POINTER, POINTER],
     bad_index="a context length is below 1, longer than its block table row, or a block id is outside the cache",
 )
 
@@ -462,9 +487,11 @@ def paged_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    cascade: reference.CascadePlan | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context (as ``reference.paged_decode``): ``q`` float32, the caches
-    of any of KV_DTYPES (16-bit values are widened as they are read; the math is float32), the output float32."""
+    of any of KV_DTYPES (16-bit values are widened as they are read; the math is float32), the output float32.
+    ``cascade`` groups sequences whose tables begin with the same blocks: those keys are read once for the group."""
     num_blocks, kv_heads, kv_dtype = _expect_attention(q, k_cache, v_cache)
     b, h, d = q.shape
     _expect_index("block_tables", block_tables, 2, b)
@@ -475,6 +502,7 @@ def paged_decode(
         context_lens.to(torch.int32).contiguous(),
     )
     out = torch.empty_like(q)
+    plan, keep = _cascade(cascade, b)
     _lp_paged_decode(
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -489,14 +517,16 @@ def paged_decode(
         tables.shape[1],
         num_blocks,
         scale,
+        plan,
         out.data_ptr(),
     )
+    del keep
     return out
 
 
 _lp_paged_prefill = Kernel(
     "lp_paged_prefill",
-    [*[POINTER] * 3, INT, *[POINTER] * 3, *[SIZE] * 7, FLOAT, POINTER],
+    [*[POINTER] * 3, INT, *[POINTER] * 3, *[SIZE] * 7, FLOAT, POINTER, POINTER],
     bad_index=(
         "cu_seqlens_q does not rise from 0 to q's number of rows, a chunk is longer than its context, a context is "
         "longer than its block table row, or a block id is outside the cache"
@@ -515,6 +545,7 @@ def paged_prefill(
     context_lens: torch.Tensor,
     scale: float,
     activations: str = "float32",
+    cascade: reference.CascadePlan | None = None,
 ) -> torch.Tensor:
     """Varlen chunk attention over the paged cache (as ``reference.paged_prefill``): ``q`` [num_q, H, D] float32,
     the rows of sequence b from ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1]``, each seeing its cached prefix and,
@@ -523,7 +554,8 @@ def paged_prefill(
 
     ``activations="float32"`` computes in float32 (the exact path). ``"int16"`` runs the scores on int16-rounded
     q and K and the weighted sum on bfloat16 weights and V (``lp_paged_prefill_int16``, cpu_prefill_int16.c says
-    what it rounds and why) where the CPU has AVX-512 VNNI and BF16, and in float32 elsewhere."""
+    what it rounds and why) where the CPU has AVX-512 VNNI and BF16, and in float32 elsewhere. ``cascade``: as for
+    ``paged_decode``, each group's shared keys read (and rounded) once for all its members' rows."""
     if activations not in _PREFILL:
         raise KernelArgumentError(f"paged_prefill: activations={activations!r}: need one of {tuple(_PREFILL)}")
     num_blocks, kv_heads, kv_dtype = _expect_attention(q, k_cache, v_cache)
@@ -539,6 +571,7 @@ def paged_prefill(
         context_lens.to(torch.int32).contiguous(),
     )
     out = torch.empty_like(q)
+    plan, keep = _cascade(cascade, b)
     _PREFILL[activations](
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -555,8 +588,10 @@ def paged_prefill(
         tables.shape[1],
         num_blocks,
         scale,
+        plan,
         out.data_ptr(),
     )
+    del keep
     return out
 
 
@@ -725,7 +760,7 @@ class Llama(ctypes.Structure):
 
 _lp_llama_decode = Kernel(
     "lp_llama_decode",
-    [ctypes.POINTER(Llama), *[POINTER] * 6, SIZE, SIZE, POINTER],
+    [ctypes.POINTER(Llama), *[POINTER] * 6, SIZE, SIZE, POINTER, POINTER],
     bad_index="a slot_mapping entry is past the cache, a context length is below 1 or longer than its block table "
     "row, or a block id is outside the cache",
 )
@@ -739,10 +774,12 @@ def llama_decode(
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    cascade: reference.CascadePlan | None = None,
 ) -> torch.Tensor:
     """A decode step through every decoder layer of ``model`` and the final norm: ``x`` [B, hidden] float32 (the
     embedded tokens, one per sequence) -> [B, hidden]. ``cos``/``sin`` hold [B, head_dim / 2] values; each token's
-    K and V go to its slot, and it attends through its block table row over ``context_lens`` tokens."""
+    K and V go to its slot, and it attends through its block table row over ``context_lens`` tokens (``cascade``: as
+    ``paged_decode`` takes it, in every layer)."""
     _expect("x", x, torch.float32, 2)
     b, hidden = x.shape
     if hidden != model.hidden:
@@ -759,6 +796,7 @@ def llama_decode(
     slots = slot_mapping.to(torch.int64).contiguous()
     tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
     out = torch.empty_like(x)
+    plan, keep = _cascade(cascade, b)
     _lp_llama_decode(
         ctypes.byref(model),
         x.data_ptr(),
@@ -769,6 +807,8 @@ def llama_decode(
         lens.data_ptr(),
         b,
         tables.shape[1],
+        plan,
         out.data_ptr(),
     )
+    del keep
     return out

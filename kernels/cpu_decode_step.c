@@ -30,11 +30,12 @@ static int sizes_agree(const lp_llama *m, const lp_decoder_layer *layer) {
 
 /* x [B, hidden]: the embedded tokens, one per sequence. out [B, hidden]: the final norm of the last layer's
  * residual stream (what LlamaForCausalLM.forward returns). Each sequence's new K and V go to slots[b] (-1: nowhere);
- * it attends over context_lens[b] tokens through its row of block_tables [B, max_blocks]. cos and sin hold
+ * it attends over context_lens[b] tokens through its row of block_tables [B, max_blocks], groups of sequences
+ * sharing leading blocks as `cascade` (NULL: none) has them, in every layer. cos and sin hold
  * [B, head_dim / 2] values. LP_OK, or the first status a kernel returned (the output is then incomplete). */
 int lp_llama_decode(const lp_llama *m, const float *x, const float *cos, const float *sin, const int64_t *slots,
                     const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t max_blocks,
-                    float *out) {
+                    const lp_cascade *cascade, float *out) {
     if (B < 0 || m->num_layers < 1 || m->hidden <= 0 || m->intermediate <= 0 || m->num_kv_heads <= 0 ||
         m->num_heads % m->num_kv_heads)
         return LP_BAD_ARGUMENT;
@@ -60,7 +61,7 @@ int lp_llama_decode(const lp_llama *m, const float *x, const float *cos, const f
                                       layer->v_cache, m->kv_dtype, q);
         if (status == LP_OK)
             status = lp_paged_decode(q, layer->k_cache, layer->v_cache, m->kv_dtype, block_tables, context_lens, B, H,
-                                     KVH, D, max_blocks, m->num_blocks, m->scale, attention);
+                                     KVH, D, max_blocks, m->num_blocks, m->scale, cascade, attention);
         if (status == LP_OK) status = project(&layer->o, attention, B, H * D, y);
         if (status == LP_OK)
             status = lp_add_rms_norm(y, residual, layer->post_attention_norm, B, hidden, m->eps, residual, normed);

@@ -29,6 +29,7 @@ HERE = Path(__file__).parent
 HEADER = HERE / "cpu_kernels.h"  # the interface every build exports
 QGEMM_INSTANCES = HERE / "cpu_qgemm_instances.h"  # lp_qgemm's dispatch, included by both kernel sources
 KV_DISPATCH = HERE / "cpu_kv_dispatch.h"  # lp_paged_decode's and lp_rope_write_kv's, included by both as well
+CASCADE = HERE / "cpu_cascade.h"  # shared-prefix attention's plan and merge, for the dispatch and the int16 prefill
 PACK = HERE / "cpu_pack.c"
 DECODE_STEP = HERE / "cpu_decode_step.c"  # lp_llama_decode: a decode step's layers over the path's own kernels
 QGEMM_INT8 = HERE / "cpu_qgemm_int8.c"  # lp_qgemm_int8: int8 activations, plain C and AVX-512 VNNI chosen at run time
@@ -65,7 +66,7 @@ class KernelPath:
     @property
     def inputs(self) -> tuple[Path, ...]:
         """Every file whose bytes decide the library: the sources and the headers they include."""
-        return (*self.sources, *self.includes, HEADER, QGEMM_INSTANCES, KV_DISPATCH)
+        return (*self.sources, *self.includes, HEADER, QGEMM_INSTANCES, KV_DISPATCH, CASCADE)
 
 
 # Widest first: "auto" takes the first one the CPU runs. The AVX2 source is built with contraction off (its

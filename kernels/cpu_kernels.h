@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define TILE 16 /* weight rows per packed tile */
-#define LP_ABI_VERSION 6
+#define LP_ABI_VERSION 7
 
 enum {
     LP_OK = 0,
@@ -29,6 +29,20 @@ enum {
  * does, and keep a NaN a NaN. */
 enum { LP_KV_F32 = 0, LP_KV_BF16 = 1, LP_KV_F16 = 2 };
 
+/* Shared-prefix ("cascade") attention's plan for one call (NULL: none): groups of sequences whose block tables begin
+ * with the same blocks. Group g's members are the sequences members[group_starts[g] .. group_starts[g + 1] - 1], each
+ * in one group at most; the first shared_lens[g] keys (whole blocks) of every member lie in the very same blocks and
+ * before each member's first query of the call, so no query of the call is masked from them. The kernels attend all
+ * the group's query rows to those keys at once (each K and V row read once a call, a 16-bit product kernel's
+ * rounding done once) and each member's own keys after them as before, then merge the two by their log-sum-exp.
+ * A plan that breaks any of this is refused (LP_BAD_ARGUMENT, nothing computed). engine/cascade.py builds it. */
+typedef struct {
+    int64_t num_groups;
+    const int32_t *group_starts; /* [num_groups + 1], from 0 */
+    const int32_t *members;      /* [group_starts[num_groups]]: batch indices */
+    const int32_t *shared_lens;  /* [num_groups]: keys, multiples of 16, at least 16 */
+} lp_cascade;
+
 int lp_abi_version(void);
 int lp_qgemm(const float *X, int64_t M, int64_t K, const int8_t *q, const float *scale, const float *min,
              int64_t N_padded, int bits, int offset, int group, float *Y);
@@ -40,15 +54,16 @@ int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const 
 int lp_pack_quads(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out);
 int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                     const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH,
-                    int64_t D, int64_t max_blocks, int64_t num_blocks, float scale, float *out);
+                    int64_t D, int64_t max_blocks, int64_t num_blocks, float scale, const lp_cascade *cascade,
+                    float *out);
 int lp_paged_prefill(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                      const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens,
                      int64_t num_q, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
-                     int64_t num_blocks, float scale, float *out);
+                     int64_t num_blocks, float scale, const lp_cascade *cascade, float *out);
 int lp_paged_prefill_int16(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                            const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens,
                            int64_t num_q, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
-                           int64_t num_blocks, float scale, float *out);
+                           int64_t num_blocks, float scale, const lp_cascade *cascade, float *out);
 int lp_add_rms_norm(const float *x, const float *residual, const float *weight, int64_t M, int64_t D, float eps,
                     float *sum, float *out);
 int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out);
@@ -87,7 +102,7 @@ typedef struct {
 
 int lp_llama_decode(const lp_llama *model, const float *x, const float *cos, const float *sin, const int64_t *slots,
                     const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t max_blocks,
-                    float *out);
+                    const lp_cascade *cascade, float *out);
 
 /* Whether a context of ctx tokens (at least one) fits its table row of max_blocks entries, each a block of the cache. */
 static inline int context_fits(const int32_t *table, long ctx, long max_blocks, long num_blocks) {

@@ -13,6 +13,8 @@
 
 #include <omp.h>
 
+#include "cpu_cascade.h"
+
 /* How many parts sequence b's context is split into, a task each, combined after: enough tasks for four a thread
  * where the batch has few (sequences x KV heads), parts of at least 64 keys, and of at most DECODE_SPAN keys however
  * many tasks there are. With one task per (sequence, KV head), one chat's 3 KV heads on 2 threads kept one thread
@@ -131,79 +133,6 @@ static inline __attribute__((always_inline)) int decode_part(const int KV, long 
     return decode_task(LP_KV_F32, b, kvh, first, end, q, k_cache, v_cache, table, H, KVH, D, scale, o_rows, stats);
 }
 
-/* One query per sequence over its paged context: q [B, H, D] fp32, caches [num_blocks, 16, KVH, D] of kv_dtype
- * (an LP_KV_* type), out [B, H, D] fp32. One task per (part of a sequence's context, KV head) takes that head's
- * G = H / KVH query heads, so each K and V row is read once for all of them; a context split into parts (see
- * DECODE_SPAN) is combined after, each part's output rescaled by exp(its max - the overall max). D is a multiple
- * of 8. A sequence whose context does not fit its table or the cache is skipped (its output left unwritten) and
- * reported as LP_BAD_INDEX. Each cache type is its own inlined instance, picked per task (a branch per task costs
- * nothing beside the task). */
-int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
-                    const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH,
-                    int64_t D, int64_t max_blocks, int64_t num_blocks, float scale, float *out) {
-    if (B < 0 || KVH <= 0 || H % KVH || D <= 0 || D % 8 || kv_dtype < LP_KV_F32 || kv_dtype > LP_KV_F16)
-        return LP_BAD_ARGUMENT;
-    const long threads = omp_get_max_threads();
-    /* sequence b's parts are first_part[b] .. first_part[b + 1] - 1, of span[b] keys each (its last, fewer) */
-    long *first_part = malloc((B + 1) * sizeof(long)), *span = malloc((B ? B : 1) * sizeof(long));
-    if (!first_part || !span) {
-        free(first_part), free(span);
-        return LP_OUT_OF_MEMORY;
-    }
-    first_part[0] = 0;
-    for (long b = 0; b < B; b++) {
-        span[b] = decode_span(context_lens[b], B, KVH, threads);
-        first_part[b + 1] = first_part[b] + decode_parts(context_lens[b], span[b]);
-    }
-    const long parts = first_part[B];
-    long *part_seq = malloc(parts * sizeof(long)); /* each part's sequence */
-    float *partial = parts > B ? malloc(parts * H * (D + 2) * sizeof(float)) : NULL; /* split sequences' rows, stats */
-    char *failed = calloc(B ? B : 1, 1); /* sequences a part of which was not computed: not combined */
-    if (!part_seq || (parts > B && !partial) || !failed) {
-        free(first_part), free(span), free(part_seq), free(partial), free(failed);
-        return LP_OUT_OF_MEMORY;
-    }
-    for (long b = 0; b < B; b++)
-        for (long p = first_part[b]; p < first_part[b + 1]; p++) part_seq[p] = b;
-    float *partial_stats = partial ? partial + parts * H * D : NULL;
-    int status = LP_OK;
-#pragma omp parallel for schedule(dynamic)
-    for (long task = 0; task < parts * KVH; task++) {
-        const long p = task / KVH, b = part_seq[p], kvh = task % KVH, head = kvh * (H / KVH), ctx = context_lens[b];
-        const long first = (p - first_part[b]) * span[b], end = first + span[b] < ctx ? first + span[b] : ctx;
-        const int split = first_part[b + 1] - first_part[b] > 1;
-        float *o_rows = split ? partial + (p * H + head) * D : out + (b * H + head) * D;
-        float *stats = split ? partial_stats + (p * H + head) * 2 : NULL;
-        const int s = decode_part(kv_dtype, b, kvh, first, end, q, k_cache, v_cache, block_tables, context_lens, H,
-                                  KVH, D, max_blocks, num_blocks, scale, o_rows, stats);
-        if (s != LP_OK) {
-#pragma omp atomic write
-            failed[b] = 1;
-#pragma omp atomic write
-            status = s;
-        }
-    }
-    for (long b = 0; b < B; b++) { /* each split sequence's parts, combined */
-        const long p = first_part[b], n = first_part[b + 1] - p;
-        if (n == 1 || failed[b]) continue;
-        for (long h = 0; h < H; h++) {
-            float top = -INFINITY, total = 0.0f;
-            for (long i = 0; i < n; i++) top = fmaxf(top, partial_stats[((p + i) * H + h) * 2]);
-            float *o = out + (b * H + h) * D;
-            for (long d = 0; d < D; d++) o[d] = 0.0f;
-            for (long i = 0; i < n; i++) {
-                const float *st = partial_stats + ((p + i) * H + h) * 2, *part = partial + ((p + i) * H + h) * D;
-                const float weight = expf(st[0] - top);
-                total += weight * st[1];
-                for (long d = 0; d < D; d++) o[d] += weight * part[d];
-            }
-            for (long d = 0; d < D; d++) o[d] /= total;
-        }
-    }
-    free(first_part), free(span), free(part_seq), free(partial), free(failed);
-    return status;
-}
-
 /* RoPE (halves layout) on the q and k heads of qkv [N, (H + 2 KVH) * D], then k and v into their cache
  * slots (slot -1: skipped; caches [num_slots / 16, 16, KVH, D] of kv_dtype, an LP_KV_* type) and the rotated
  * q into q_out [N, H, D]. Products and sums are rounded one by one, as torch's elementwise ops do, and the
@@ -264,19 +193,20 @@ int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const
 static __thread float *prefill_scratch = NULL; /* per OpenMP thread: acc, s, qt, m, l, alpha, pos, kb, vb */
 static __thread long prefill_scratch_floats = 0;
 
-static inline __attribute__((always_inline)) int prefill_task(
-    const int KV, long b, long kvh, long tile, const float *q, const void *k_cache, const void *v_cache,
-    const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens, long num_q, long H,
-    long KVH, long D, long max_blocks, long num_blocks, float scale, float *out) {
-    if (!chunk_fits(cu_seqlens_q, context_lens, b, num_q)) return LP_BAD_INDEX;
-    const long q_start = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q_start, ctx = context_lens[b];
-    const long i0 = tile * PREFILL_TILE;
-    if (i0 >= q_len) return LP_OK; /* this sequence's chunk has fewer tiles */
-    const int32_t *table = block_tables + b * max_blocks;
-    if (!context_fits(table, ctx, max_blocks, num_blocks)) return LP_BAD_INDEX;
-    const long G = H / KVH, positions = q_len - i0 < PREFILL_TILE ? q_len - i0 : PREFILL_TILE, R = G * positions;
+/* A tile of n_tok (<= max_tok) query tokens and the G = H / KVH query heads of KV head kvh: token i is q's row tok[i],
+ * at position tpos[i] (non-decreasing: it sees the keys up to it), over keys k_begin .. k_end - 1 (k_begin a multiple
+ * of 16) through its block table row. With stats NULL each row's output goes normalised to dst's row tok[i] (q's
+ * layout); else unnormalised to dst's row dst_first + i, its max score (natural units) and sum of weights to the same
+ * row of stats [][H][2]. The steps are this file's includer's (see above). */
+static inline __attribute__((always_inline)) int rows_task(const int KV, const float *q, const int32_t *tok,
+                                                           const int32_t *tpos, long n_tok, long max_tok, long kvh,
+                                                           const void *k_cache, const void *v_cache,
+                                                           const int32_t *table, long k_begin, long k_end, long H,
+                                                           long KVH, long D, float scale, float *dst, long dst_first,
+                                                           float *stats) {
+    const long G = H / KVH, R = G * n_tok;
     const long rows = (R + ROW_LANES - 1) / ROW_LANES * ROW_LANES; /* this tile's; most: a whole tile's */
-    const long most = (G * PREFILL_TILE + ROW_LANES - 1) / ROW_LANES * ROW_LANES;
+    const long most = (G * max_tok + ROW_LANES - 1) / ROW_LANES * ROW_LANES;
     /* acc's rows and the widened K/V rows: D rounded up to whole vectors (AVX-512's 16 lanes, a D of 8 more) */
     const long width = (D + ROW_LANES - 1) / ROW_LANES * ROW_LANES;
     const long floats = most * (width + D + PREFILL_KEYS + 4) + 2 * PREFILL_KEYS * width;
@@ -289,20 +219,19 @@ static inline __attribute__((always_inline)) int prefill_task(
     float *acc = prefill_scratch, *s = acc + most * width, *qt = s + most * PREFILL_KEYS, *m = qt + most * D;
     float *l = m + most, *alpha = l + most, *kb = alpha + most + most, *vb = kb + PREFILL_KEYS * width;
     int32_t *pos = (int32_t *)(alpha + most);
-    const long first_pos = ctx - q_len + i0, end = first_pos + positions; /* keys 0 .. end - 1 */
-    const float *q_tile = q + ((q_start + i0) * H + kvh * G) * D, scale_log2 = scale * 1.44269504088896341f;
+    const float scale_log2 = scale * 1.44269504088896341f;
     for (long r = 0; r < rows; r++) {
         const long row = r < R ? r : R - 1; /* a padding row takes the last row's position; its q is zeros */
-        m[r] = -INFINITY, l[r] = 0.0f, pos[r] = (int32_t)(first_pos + row / G);
-        const float *qr = q_tile + row / G * H * D + row % G * D;
+        m[r] = -INFINITY, l[r] = 0.0f, pos[r] = tpos[row / G];
+        const float *qr = q + ((long)tok[row / G] * H + kvh * G + row % G) * D;
         for (long d = 0; d < D; d++) qt[d * rows + r] = r < R ? qr[d] * scale_log2 : 0.0f;
     }
     for (long i = 0; i < R * width; i++) acc[i] = 0.0f;
     const long stride = KVH * D;
     const int in_place = KV == LP_KV_F32 && width == D; /* an fp32 cache's rows are read where they lie */
     const long kv_stride = in_place ? stride : width;
-    for (long k0 = 0; k0 < end; k0 += PREFILL_KEYS) {
-        const long n = end - k0 < PREFILL_KEYS ? end - k0 : PREFILL_KEYS;
+    for (long k0 = k_begin; k0 < k_end; k0 += PREFILL_KEYS) {
+        const long n = k_end - k0 < PREFILL_KEYS ? k_end - k0 : PREFILL_KEYS;
         const float *k[PREFILL_KEYS / 16], *v[PREFILL_KEYS / 16];
         for (long j0 = 0; j0 < n; j0 += 16) { /* the step's blocks */
             const long nb = n - j0 < 16 ? n - j0 : 16, row0 = (long)table[(k0 + j0) / 16] * 16 * stride + kvh * D;
@@ -317,12 +246,50 @@ static inline __attribute__((always_inline)) int prefill_task(
         softmax_rows(s, rows, pos, k0, m, l, alpha);
         accumulate_values(s, rows, R, v, kv_stride, n, width, alpha, acc);
     }
-    for (long r = 0; r < R; r++) {
-        const float inv = 1.0f / l[r], *a = acc + r * width;
-        float *o = out + ((q_start + i0 + r / G) * H + kvh * G + r % G) * D;
-        for (long d = 0; d < D; d++) o[d] = a[d] * inv;
-    }
+    store_tile(R, G, kvh, H, D, acc, width, m, l, tok, dst, dst_first, stats);
     return LP_OK;
+}
+
+/* Tile `tile` of PREFILL_TILE positions of sequence b's chunk over its keys up to each position: normalised into out;
+ * a member of a cascade group (w not NULL, w->shared[b] > 0) over its own keys only, unnormalised into own/own_stats
+ * (q's rows), for the merge with its group's shared pass. */
+static inline __attribute__((always_inline)) int prefill_task(
+    const int KV, long b, long kvh, long tile, const float *q, const void *k_cache, const void *v_cache,
+    const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens, long num_q, long H,
+    long KVH, long D, long max_blocks, long num_blocks, float scale, float *out, const Cascade *w, float *own,
+    float *own_stats) {
+    if (!chunk_fits(cu_seqlens_q, context_lens, b, num_q)) return LP_BAD_INDEX;
+    const long q_start = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q_start, ctx = context_lens[b];
+    const long i0 = tile * PREFILL_TILE;
+    if (i0 >= q_len) return LP_OK; /* this sequence's chunk has fewer tiles */
+    const int32_t *table = block_tables + b * max_blocks;
+    if (!context_fits(table, ctx, max_blocks, num_blocks)) return LP_BAD_INDEX;
+    const long positions = q_len - i0 < PREFILL_TILE ? q_len - i0 : PREFILL_TILE;
+    const long first_pos = ctx - q_len + i0, end = first_pos + positions; /* keys 0 .. end - 1 */
+    int32_t tok[PREFILL_TILE], tpos[PREFILL_TILE];
+    for (long i = 0; i < positions; i++) tok[i] = (int32_t)(q_start + i0 + i), tpos[i] = (int32_t)(first_pos + i);
+    const long shared = w ? w->shared[b] : 0;
+    return rows_task(KV, q, tok, tpos, positions, PREFILL_TILE, kvh, k_cache, v_cache, table, shared, end, H, KVH, D,
+                     scale, shared ? own : out, q_start + i0, shared ? own_stats : NULL);
+}
+
+/* Shared-pass task t (of w->tasks x KVH): a tile of a group's tokens, all G heads of KV head t % KVH, over a chunk of
+ * the group's shared keys, unmasked, unnormalised into spart/sstats (see cpu_cascade.h). */
+static inline __attribute__((always_inline)) int shared_task(const int KV, long t, const Cascade *w,
+                                                             const lp_cascade *c, const float *q, const void *k_cache,
+                                                             const void *v_cache, long H, long KVH, long D,
+                                                             float scale, float *spart, float *sstats) {
+    SharedTile st;
+    shared_tile(w, c, t, KVH, &st);
+    const int32_t *table = w->table[st.g];
+    if (KV == LP_KV_BF16)
+        return rows_task(LP_KV_BF16, q, st.tok, st.tpos, st.n, CASCADE_TOKENS, st.kvh, k_cache, v_cache, table, st.k0,
+                         st.k1, H, KVH, D, scale, spart, st.first, sstats);
+    if (KV == LP_KV_F16)
+        return rows_task(LP_KV_F16, q, st.tok, st.tpos, st.n, CASCADE_TOKENS, st.kvh, k_cache, v_cache, table, st.k0,
+                         st.k1, H, KVH, D, scale, spart, st.first, sstats);
+    return rows_task(LP_KV_F32, q, st.tok, st.tpos, st.n, CASCADE_TOKENS, st.kvh, k_cache, v_cache, table, st.k0,
+                     st.k1, H, KVH, D, scale, spart, st.first, sstats);
 }
 
 /* Varlen chunk attention over the paged cache (as kernels/reference.py's paged_prefill): q [num_q, H, D] fp32, the
@@ -332,33 +299,167 @@ static inline __attribute__((always_inline)) int prefill_task(
  * query (decode rows) mix freely with chunks. D is a multiple of 8. cu_seqlens_q must run from 0 to num_q (else
  * nothing is computed); a sequence whose rows or context do not fit is skipped (its output left unwritten); both
  * are reported as LP_BAD_INDEX. Tasks (tile, sequence, KV head) go to threads dynamically, the last tiles first:
- * they see the most keys, so a long chunk's work ends evenly over the threads. */
+ * they see the most keys, so a long chunk's work ends evenly over the threads. With a cascade plan (see
+ * cpu_cascade.h) each group's shared pass comes first, its members' tiles take their own keys, and every member's
+ * rows are merged after. */
 int lp_paged_prefill(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                      const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens,
                      int64_t num_q, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
-                     int64_t num_blocks, float scale, float *out) {
+                     int64_t num_blocks, float scale, const lp_cascade *cascade, float *out) {
     if (B < 0 || num_q < 0 || KVH <= 0 || H % KVH || D <= 0 || D % 8 || kv_dtype < LP_KV_F32 || kv_dtype > LP_KV_F16)
         return LP_BAD_ARGUMENT;
     if (cu_seqlens_q[0] != 0 || cu_seqlens_q[B] != num_q) return LP_BAD_INDEX; /* some rows would go unwritten */
     const long tiles = most_tiles(cu_seqlens_q, context_lens, B, num_q, PREFILL_TILE);
+    Cascade w = {0};
+    const int cas = cascade && cascade->num_groups > 0;
+    float *own = NULL, *spart = NULL;
+    if (cas) {
+        const int st = cascade_plan(cascade, block_tables, cu_seqlens_q, context_lens, num_q, B, KVH, max_blocks,
+                                    num_blocks, omp_get_max_threads(), &w);
+        if (st != LP_OK) return st;
+        own = malloc(num_q * H * (D + 2) * sizeof(float) + 1);
+        spart = malloc(w.parts * H * (D + 2) * sizeof(float) + 1);
+        if (!own || !spart) {
+            free(own), free(spart), cascade_free(&w);
+            return LP_OUT_OF_MEMORY;
+        }
+    }
+    float *own_stats = own ? own + num_q * H * D : NULL, *sstats = spart ? spart + w.parts * H * D : NULL;
+    const long shared_tasks = cas ? w.tasks * KVH : 0;
     int status = LP_OK;
 #pragma omp parallel for schedule(dynamic)
-    for (long task = 0; task < tiles * B * KVH; task++) {
-        const long tile = tiles - 1 - task / (B * KVH), b = task / KVH % B, kvh = task % KVH;
+    for (long task = 0; task < shared_tasks + tiles * B * KVH; task++) {
         int s;
-        if (kv_dtype == LP_KV_BF16)
-            s = prefill_task(LP_KV_BF16, b, kvh, tile, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                             num_q, H, KVH, D, max_blocks, num_blocks, scale, out);
-        else if (kv_dtype == LP_KV_F16)
-            s = prefill_task(LP_KV_F16, b, kvh, tile, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                             num_q, H, KVH, D, max_blocks, num_blocks, scale, out);
-        else
-            s = prefill_task(LP_KV_F32, b, kvh, tile, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                             num_q, H, KVH, D, max_blocks, num_blocks, scale, out);
+        if (task < shared_tasks) {
+            s = shared_task(kv_dtype, task, &w, cascade, q, k_cache, v_cache, H, KVH, D, scale, spart, sstats);
+        } else {
+            const long t = task - shared_tasks;
+            const long tile = tiles - 1 - t / (B * KVH), b = t / KVH % B, kvh = t % KVH;
+            const Cascade *plan = cas ? &w : NULL;
+            if (kv_dtype == LP_KV_BF16)
+                s = prefill_task(LP_KV_BF16, b, kvh, tile, q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                 context_lens, num_q, H, KVH, D, max_blocks, num_blocks, scale, out, plan, own,
+                                 own_stats);
+            else if (kv_dtype == LP_KV_F16)
+                s = prefill_task(LP_KV_F16, b, kvh, tile, q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                 context_lens, num_q, H, KVH, D, max_blocks, num_blocks, scale, out, plan, own,
+                                 own_stats);
+            else
+                s = prefill_task(LP_KV_F32, b, kvh, tile, q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                 context_lens, num_q, H, KVH, D, max_blocks, num_blocks, scale, out, plan, own,
+                                 own_stats);
+        }
         if (s != LP_OK) {
 #pragma omp atomic write
             status = s;
         }
     }
+    if (cas) {
+        if (status == LP_OK)
+            cascade_merge_rows(&w, cascade, cu_seqlens_q, B, own, own_stats, spart, sstats, H, D, out);
+        free(own), free(spart), cascade_free(&w);
+    }
+    return status;
+}
+
+/* One query per sequence over its paged context: q [B, H, D] fp32, caches [num_blocks, 16, KVH, D] of kv_dtype
+ * (an LP_KV_* type), out [B, H, D] fp32. One task per (part of a sequence's context, KV head) takes that head's
+ * G = H / KVH query heads, so each K and V row is read once for all of them; a context split into parts (see
+ * DECODE_SPAN) is combined after, each part's output rescaled by exp(its max - the overall max). D is a multiple
+ * of 8. A sequence whose context does not fit its table or the cache is skipped (its output left unwritten) and
+ * reported as LP_BAD_INDEX. Each cache type is its own inlined instance, picked per task (a branch per task costs
+ * nothing beside the task). With a cascade plan (cpu_cascade.h), each group's shared keys are the shared pass's
+ * (every member's G heads a row of one tile, the prefill's steps), a member's parts cover its keys after them, and
+ * both are combined the same way. */
+int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
+                    const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH,
+                    int64_t D, int64_t max_blocks, int64_t num_blocks, float scale, const lp_cascade *cascade,
+                    float *out) {
+    if (B < 0 || KVH <= 0 || H % KVH || D <= 0 || D % 8 || kv_dtype < LP_KV_F32 || kv_dtype > LP_KV_F16)
+        return LP_BAD_ARGUMENT;
+    const long threads = omp_get_max_threads();
+    Cascade w = {0};
+    const int cas = cascade && cascade->num_groups > 0;
+    if (cas) {
+        const int st = cascade_plan(cascade, block_tables, NULL, context_lens, B, B, KVH, max_blocks, num_blocks,
+                                    threads, &w);
+        if (st != LP_OK) return st;
+    }
+    /* sequence b's parts are first_part[b] .. first_part[b + 1] - 1, of span[b] keys each (its last, fewer), over its
+     * keys from own_first[b] (after its group's shared keys; else 0) */
+    long *first_part = malloc((B + 1) * sizeof(long)), *span = malloc((B ? B : 1) * sizeof(long));
+    if (!first_part || !span) {
+        free(first_part), free(span);
+        if (cas) cascade_free(&w);
+        return LP_OUT_OF_MEMORY;
+    }
+    first_part[0] = 0;
+    for (long b = 0; b < B; b++) {
+        const long own = context_lens[b] - (cas ? w.shared[b] : 0);
+        span[b] = decode_span(own, B, KVH, threads);
+        first_part[b + 1] = first_part[b] + decode_parts(own, span[b]);
+    }
+    const long parts = first_part[B], shared_tasks = cas ? w.tasks * KVH : 0;
+    long *part_seq = malloc(parts * sizeof(long)); /* each part's sequence */
+    /* split sequences' and members' rows, stats; then the shared pass's */
+    const long partial_rows = (parts > B || cas ? parts : 0) + (cas ? w.parts : 0);
+    float *partial = partial_rows ? malloc(partial_rows * H * (D + 2) * sizeof(float)) : NULL;
+    char *failed = calloc(B ? B : 1, 1); /* sequences a part of which was not computed: not combined */
+    if (!part_seq || (partial_rows && !partial) || !failed) {
+        free(first_part), free(span), free(part_seq), free(partial), free(failed);
+        if (cas) cascade_free(&w);
+        return LP_OUT_OF_MEMORY;
+    }
+    for (long b = 0; b < B; b++)
+        for (long p = first_part[b]; p < first_part[b + 1]; p++) part_seq[p] = b;
+    const long own_rows = partial_rows - (cas ? w.parts : 0);
+    float *partial_stats = partial ? partial + partial_rows * H * D : NULL;
+    float *spart = cas ? partial + own_rows * H * D : NULL, *sstats = cas ? partial_stats + own_rows * H * 2 : NULL;
+    int status = LP_OK, shared_failed = 0;
+#pragma omp parallel for schedule(dynamic)
+    for (long task = 0; task < shared_tasks + parts * KVH; task++) {
+        if (task < shared_tasks) {
+            const int s = shared_task(kv_dtype, task, &w, cascade, q, k_cache, v_cache, H, KVH, D, scale, spart, sstats);
+            if (s != LP_OK) {
+#pragma omp atomic write
+                shared_failed = 1;
+#pragma omp atomic write
+                status = s;
+            }
+            continue;
+        }
+        const long p = (task - shared_tasks) / KVH, b = part_seq[p], kvh = task % KVH, head = kvh * (H / KVH);
+        const long ctx = context_lens[b], own_first = cas ? w.shared[b] : 0;
+        const long first = own_first + (p - first_part[b]) * span[b];
+        const long end = first + span[b] < ctx ? first + span[b] : ctx;
+        const int split = first_part[b + 1] - first_part[b] > 1 || own_first > 0;
+        float *o_rows = split ? partial + (p * H + head) * D : out + (b * H + head) * D;
+        float *stats = split ? partial_stats + (p * H + head) * 2 : NULL;
+        const int s = decode_part(kv_dtype, b, kvh, first, end, q, k_cache, v_cache, block_tables, context_lens, H,
+                                  KVH, D, max_blocks, num_blocks, scale, o_rows, stats);
+        if (s != LP_OK) {
+#pragma omp atomic write
+            failed[b] = 1;
+#pragma omp atomic write
+            status = s;
+        }
+    }
+    for (long b = 0; b < B; b++) { /* each split sequence's parts and each member's, combined */
+        const long p = first_part[b], n = first_part[b + 1] - p, member = cas && w.shared[b] > 0;
+        if ((n == 1 && !member) || failed[b] || (member && shared_failed)) continue;
+        if (member) {
+            cascade_merge_row(&w, cascade, b, b, partial + p * H * D, partial_stats + p * H * 2, n, spart, sstats, H,
+                              D, out + b * H * D);
+            continue;
+        }
+        for (long h = 0; h < H; h++) {
+            const float *rows[n], *stats[n];
+            for (long i = 0; i < n; i++)
+                rows[i] = partial + ((p + i) * H + h) * D, stats[i] = partial_stats + ((p + i) * H + h) * 2;
+            merge_parts(n, rows, stats, D, out + (b * H + h) * D);
+        }
+    }
+    free(first_part), free(span), free(part_seq), free(partial), free(failed);
+    if (cas) cascade_free(&w);
     return status;
 }

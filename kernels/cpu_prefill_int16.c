@@ -22,10 +22,12 @@
  * rounding was shared by fewer rows, or a tile's scores and sums leave L1).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_cascade.h"
 #include "cpu_kernels.h"
 
 #if defined(__x86_64__)
@@ -210,40 +212,56 @@ static inline __attribute__((always_inline)) VNNI_BF16 void step_value_columns(c
         }
 }
 
-/* Every sequence's context rounded once a call, as round_step has it: rows first_key[b] + kvh * padded(ctx) + key of
- * kq [][D], kscale [] and, by pairs of keys, vp [][D]; each sequence's keys padded to whole steps. Each tile reads
- * them: rounding a step for each tile instead took 13% of a 512-token chunk after 3,584 cached tokens. */
+/* Every sequence's context rounded once a call, as round_step has it: each range of keys begin[e] .. end[e] - 1 of a
+ * block table (entry e < B: sequence b's keys, after its cascade group's shared ones where it has one; entry B + g:
+ * group g's shared keys, rounded once for all its members) is rows first_key[e] + kvh * padded(e) + (key - begin[e])
+ * of kq [][D], kscale [] and, by pairs of keys, vp [][D]; each range padded to whole steps. Each tile reads them:
+ * rounding a step for each tile instead took 13% of a 512-token chunk after 3,584 cached tokens. */
 typedef struct {
-    long *first_key;
+    long entries;
+    long *first_key, *begin, *end;
+    const int32_t **table;
     int16_t *kq;
     float *kscale;
     int32_t *vp;
 } RoundedContext;
 
-static long padded_context(const int32_t *cu_seqlens_q, const int32_t *context_lens, long b) {
-    if (cu_seqlens_q[b + 1] == cu_seqlens_q[b]) return 0; /* no rows: nothing reads its keys */
-    return (context_lens[b] + STEP_KEYS - 1) / STEP_KEYS * STEP_KEYS;
+static inline long padded_range(const RoundedContext *rc, long e) {
+    return (rc->end[e] - rc->begin[e] + STEP_KEYS - 1) / STEP_KEYS * STEP_KEYS;
 }
 
 static void free_rounded(RoundedContext *rc) {
-    free(rc->first_key), free(rc->kq), free(rc->kscale), free(rc->vp);
+    free(rc->first_key), free(rc->begin), free(rc->end), free((void *)rc->table), free(rc->kq), free(rc->kscale);
+    free(rc->vp);
 }
 
-static inline __attribute__((always_inline)) VNNI_BF16 int round_context(
-    const int KV, const void *k_cache, const void *v_cache, const int32_t *block_tables, const int32_t *cu_seqlens_q,
-    const int32_t *context_lens, long num_q, long B, long KVH, long D, long max_blocks, long num_blocks,
-    RoundedContext *rc) {
-    *rc = (RoundedContext){malloc((B + 1) * sizeof(long)), NULL, NULL, NULL};
-    if (!rc->first_key) return LP_OUT_OF_MEMORY;
-    rc->first_key[0] = 0;
+/* The ranges of keys a call reads (a sequence without rows: none), checked; w NULL without a cascade plan. */
+static int context_ranges(const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens,
+                          long num_q, long B, long KVH, long max_blocks, long num_blocks, const Cascade *w,
+                          const lp_cascade *c, RoundedContext *rc) {
+    const long entries = B + (w ? w->groups : 0);
+    *rc = (RoundedContext){entries, malloc((entries + 1) * sizeof(long)), malloc((entries + 1) * sizeof(long)),
+                           malloc((entries + 1) * sizeof(long)), malloc((entries + 1) * sizeof(int32_t *)),
+                           NULL, NULL, NULL};
+    if (!rc->first_key || !rc->begin || !rc->end || !rc->table) return LP_OUT_OF_MEMORY;
     for (long b = 0; b < B; b++) {
         if (!chunk_fits(cu_seqlens_q, context_lens, b, num_q)) return LP_BAD_INDEX;
-        const long padded = padded_context(cu_seqlens_q, context_lens, b);
-        if (padded && !context_fits(block_tables + b * max_blocks, context_lens[b], max_blocks, num_blocks))
-            return LP_BAD_INDEX;
-        rc->first_key[b + 1] = rc->first_key[b] + KVH * padded;
+        const int rows = cu_seqlens_q[b + 1] > cu_seqlens_q[b]; /* no rows: nothing reads its keys */
+        rc->table[b] = block_tables + b * max_blocks;
+        if (rows && !context_fits(rc->table[b], context_lens[b], max_blocks, num_blocks)) return LP_BAD_INDEX;
+        rc->begin[b] = rows && w ? w->shared[b] : 0, rc->end[b] = rows ? context_lens[b] : 0;
     }
-    const long keys = rc->first_key[B];
+    for (long g = 0; w && g < w->groups; g++)
+        rc->table[B + g] = w->table[g], rc->begin[B + g] = 0, rc->end[B + g] = c->shared_lens[g];
+    rc->first_key[0] = 0;
+    for (long e = 0; e < entries; e++) rc->first_key[e + 1] = rc->first_key[e] + KVH * padded_range(rc, e);
+    return LP_OK;
+}
+
+static inline __attribute__((always_inline)) VNNI_BF16 int round_context(const int KV, const void *k_cache,
+                                                                       const void *v_cache, long KVH, long D,
+                                                                       RoundedContext *rc) {
+    const long keys = rc->first_key[rc->entries];
     rc->kq = aligned_alloc(64, (keys * D * sizeof(int16_t) + 63) / 64 * 64 + 64);
     rc->kscale = malloc(keys * sizeof(float) + 64);
     rc->vp = aligned_alloc(64, (keys / 2 * D * sizeof(int32_t) + 63) / 64 * 64 + 64);
@@ -251,17 +269,17 @@ static inline __attribute__((always_inline)) VNNI_BF16 int round_context(
 #pragma omp parallel for schedule(static)
     for (long step = 0; step < keys / STEP_KEYS; step++) {
         const long key = step * STEP_KEYS;
-        long b = 0, hi = B; /* the sequence whose keys hold `key`: the last b with first_key[b] <= key */
-        while (hi - b > 1) {
-            const long mid = (b + hi) / 2;
-            if (rc->first_key[mid] <= key) b = mid;
+        long e = 0, hi = rc->entries; /* the range whose keys hold `key`: the last e with first_key[e] <= key */
+        while (hi - e > 1) {
+            const long mid = (e + hi) / 2;
+            if (rc->first_key[mid] <= key) e = mid;
             else hi = mid;
         }
-        const long padded = padded_context(cu_seqlens_q, context_lens, b), at = key - rc->first_key[b];
-        const long kvh = at / padded, k0 = at % padded, left = context_lens[b] - k0;
+        const long padded = padded_range(rc, e), at = key - rc->first_key[e];
+        const long kvh = at / padded, k0 = rc->begin[e] + at % padded, left = rc->end[e] - k0;
         const long n = left < STEP_KEYS ? left : STEP_KEYS;
-        round_step(KV, k_cache, v_cache, block_tables + b * max_blocks, k0, n, KVH * D, kvh * D, D, rc->kq + key * D,
-                   rc->kscale + key, rc->vp + key / 2 * D);
+        round_step(KV, k_cache, v_cache, rc->table[e], k0, n, KVH * D, kvh * D, D, rc->kq + key * D, rc->kscale + key,
+                   rc->vp + key / 2 * D);
     }
     return LP_OK;
 }
@@ -269,14 +287,17 @@ static inline __attribute__((always_inline)) VNNI_BF16 int round_context(
 static __thread char *scratch = NULL; /* per OpenMP thread */
 static __thread long scratch_bytes = 0;
 
-static inline __attribute__((always_inline)) VNNI_BF16 int prefill_task16(
-    long b, long kvh, long tile, const float *q, const RoundedContext *rc, const int32_t *cu_seqlens_q,
-    const int32_t *context_lens, long H, long KVH, long D, float scale, float *out) {
-    const long q_start = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q_start, ctx = context_lens[b];
-    const long i0 = tile * TILE_POSITIONS;
-    if (i0 >= q_len) return LP_OK;
-    const long G = H / KVH, positions = q_len - i0 < TILE_POSITIONS ? q_len - i0 : TILE_POSITIONS, R = G * positions;
-    const long rows = (R + 15) / 16 * 16, most = (G * TILE_POSITIONS + 15) / 16 * 16;
+/* rows_task of cpu_kv_dispatch.h on the rounded keys of range e: n_tok (<= max_tok) tokens tok[i] at positions
+ * tpos[i], KV head kvh, keys k_begin .. k_end - 1 of the range (k_begin - begin[e] a multiple of STEP_KEYS); normalised
+ * into dst's rows tok[i] where stats is NULL, else unnormalised into rows dst_first + i with their stats. */
+static inline __attribute__((always_inline)) VNNI_BF16 int rows_task16(const float *q, const int32_t *tok,
+                                                                     const int32_t *tpos, long n_tok, long max_tok,
+                                                                     long kvh, const RoundedContext *rc, long e,
+                                                                     long k_begin, long k_end, long H, long KVH,
+                                                                     long D, float scale, float *dst, long dst_first,
+                                                                     float *stats) {
+    const long G = H / KVH, R = G * n_tok;
+    const long rows = (R + 15) / 16 * 16, most = (G * max_tok + 15) / 16 * 16;
     /* qt [D / 2][most] pairs, s [STEP_KEYS][most], pp [STEP_KEYS / 2][most], acc [most][D], qscale, m, l, alpha, pos
      * [most]: 4-byte units */
     const long units = most * (D / 2 + STEP_KEYS + STEP_KEYS / 2 + D + 5);
@@ -290,15 +311,14 @@ static inline __attribute__((always_inline)) VNNI_BF16 int prefill_task16(
     float *s = (float *)(qt + D / 2 * most), *acc = (float *)(pp + STEP_KEYS / 2 * most), *qscale = acc + most * D;
     float *m = qscale + most, *l = m + most, *alpha = l + most;
     int32_t *pos = (int32_t *)(alpha + most);
-    const long first_pos = ctx - q_len + i0, end = first_pos + positions;
-    const long first_key = rc->first_key[b] + kvh * padded_context(cu_seqlens_q, context_lens, b);
-    const float *q_tile = q + ((q_start + i0) * H + kvh * G) * D, scale_log2 = scale * 1.44269504088896341f;
+    const long first_key = rc->first_key[e] + kvh * padded_range(rc, e) - rc->begin[e];
+    const float scale_log2 = scale * 1.44269504088896341f;
     const long most_q = 2147483647L / (D * (long)K_LIMIT); /* D products of q_limit x K_LIMIT fit int32 */
     const float q_limit = (float)(most_q < Q_LIMIT ? most_q : Q_LIMIT);
     for (long r = 0; r < rows; r++) {
         const long row = r < R ? r : R - 1;
-        m[r] = -INFINITY, l[r] = 0.0f, pos[r] = (int32_t)(first_pos + row / G);
-        const float *qr = q_tile + row / G * H * D + row % G * D;
+        m[r] = -INFINITY, l[r] = 0.0f, pos[r] = tpos[row / G];
+        const float *qr = q + ((long)tok[row / G] * H + kvh * G + row % G) * D;
         float top = 0.0f;
         for (long d = 0; d < D; d++) top = fmaxf(top, fabsf(qr[d] * scale_log2));
         const float inv = r < R && top > 0.0f ? q_limit / top : 0.0f;
@@ -310,8 +330,8 @@ static inline __attribute__((always_inline)) VNNI_BF16 int prefill_task16(
         qscale[r] = top / q_limit;
     }
     memset(acc, 0, R * D * sizeof(float));
-    for (long k0 = 0; k0 < end; k0 += STEP_KEYS) {
-        const long n = end - k0 < STEP_KEYS ? end - k0 : STEP_KEYS, key = first_key + k0;
+    for (long k0 = k_begin; k0 < k_end; k0 += STEP_KEYS) {
+        const long n = k_end - k0 < STEP_KEYS ? k_end - k0 : STEP_KEYS, key = first_key + k0;
         step_scores(qt, qscale, rows, rc->kq + key * D, rc->kscale + key, n, D, s);
         step_softmax(s, rows, pos, k0, m, l, alpha, pp);
         const long pairs = (n + 1) / 2;
@@ -321,44 +341,93 @@ static inline __attribute__((always_inline)) VNNI_BF16 int prefill_task16(
             step_value_columns(VALUE_ROWS, pp, rows, r, vp, pairs, D, alpha, acc);
         for (; r < R; r++) step_value_columns(1, pp, rows, r, vp, pairs, D, alpha, acc);
     }
-    for (long r = 0; r < R; r++) {
-        const float inv = 1.0f / l[r], *a = acc + r * D;
-        float *o = out + ((q_start + i0 + r / G) * H + kvh * G + r % G) * D;
-        for (long d = 0; d < D; d++) o[d] = a[d] * inv;
-    }
+    store_tile(R, G, kvh, H, D, acc, D, m, l, tok, dst, dst_first, stats);
     return LP_OK;
+}
+
+/* Tile `tile` of sequence b's chunk (its own keys where it is in a cascade group, into own/own_stats). */
+static inline __attribute__((always_inline)) VNNI_BF16 int prefill_task16(
+    long b, long kvh, long tile, const float *q, const RoundedContext *rc, const int32_t *cu_seqlens_q,
+    const int32_t *context_lens, long H, long KVH, long D, float scale, float *out, const Cascade *w, float *own,
+    float *own_stats) {
+    const long q_start = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q_start, ctx = context_lens[b];
+    const long i0 = tile * TILE_POSITIONS;
+    if (i0 >= q_len) return LP_OK;
+    const long positions = q_len - i0 < TILE_POSITIONS ? q_len - i0 : TILE_POSITIONS;
+    const long first_pos = ctx - q_len + i0;
+    int32_t tok[TILE_POSITIONS], tpos[TILE_POSITIONS];
+    for (long i = 0; i < positions; i++) tok[i] = (int32_t)(q_start + i0 + i), tpos[i] = (int32_t)(first_pos + i);
+    const int member = w && w->shared[b];
+    return rows_task16(q, tok, tpos, positions, TILE_POSITIONS, kvh, rc, b, rc->begin[b], first_pos + positions, H,
+                       KVH, D, scale, member ? own : out, q_start + i0, member ? own_stats : NULL);
+}
+
+/* Shared-pass task t of a cascade plan on group g's rounded shared keys (entry B + g), as cpu_kv_dispatch.h's
+ * shared_task. */
+static inline __attribute__((always_inline)) VNNI_BF16 int shared_task16(long t, long B, const Cascade *w,
+                                                                       const lp_cascade *c, const float *q,
+                                                                       const RoundedContext *rc, long H, long KVH,
+                                                                       long D, float scale, float *spart,
+                                                                       float *sstats) {
+    SharedTile st;
+    shared_tile(w, c, t, KVH, &st);
+    return rows_task16(q, st.tok, st.tpos, st.n, CASCADE_TOKENS, st.kvh, rc, B + st.g, st.k0, st.k1, H, KVH, D, scale,
+                       spart, st.first, sstats);
 }
 
 static VNNI_BF16 int prefill_int16(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                                    const int32_t *block_tables, const int32_t *cu_seqlens_q,
                                    const int32_t *context_lens, long num_q, long B, long H, long KVH, long D,
-                                   long max_blocks, long num_blocks, float scale, float *out) {
+                                   long max_blocks, long num_blocks, float scale, const lp_cascade *cascade,
+                                   float *out) {
+    Cascade w = {0};
+    const int cas = cascade && cascade->num_groups > 0;
+    if (cas) {
+        const int st = cascade_plan(cascade, block_tables, cu_seqlens_q, context_lens, num_q, B, KVH, max_blocks,
+                                    num_blocks, omp_get_max_threads(), &w);
+        if (st != LP_OK) return st;
+    }
     RoundedContext rc;
-    int status;
-    if (kv_dtype == LP_KV_BF16)
-        status = round_context(LP_KV_BF16, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, num_q, B, KVH,
-                               D, max_blocks, num_blocks, &rc);
-    else if (kv_dtype == LP_KV_F16)
-        status = round_context(LP_KV_F16, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, num_q, B, KVH,
-                               D, max_blocks, num_blocks, &rc);
-    else
-        status = round_context(LP_KV_F32, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, num_q, B, KVH,
-                               D, max_blocks, num_blocks, &rc);
+    int status = context_ranges(block_tables, cu_seqlens_q, context_lens, num_q, B, KVH, max_blocks, num_blocks,
+                                cas ? &w : NULL, cascade, &rc);
+    if (status == LP_OK) {
+        if (kv_dtype == LP_KV_BF16) status = round_context(LP_KV_BF16, k_cache, v_cache, KVH, D, &rc);
+        else if (kv_dtype == LP_KV_F16) status = round_context(LP_KV_F16, k_cache, v_cache, KVH, D, &rc);
+        else status = round_context(LP_KV_F32, k_cache, v_cache, KVH, D, &rc);
+    }
+    float *own = NULL, *spart = NULL;
+    if (status == LP_OK && cas) {
+        own = malloc(num_q * H * (D + 2) * sizeof(float) + 1);
+        spart = malloc(w.parts * H * (D + 2) * sizeof(float) + 1);
+        if (!own || !spart) status = LP_OUT_OF_MEMORY;
+    }
     if (status != LP_OK) {
-        free_rounded(&rc);
+        free_rounded(&rc), free(own), free(spart);
+        if (cas) cascade_free(&w);
         return status;
     }
+    float *own_stats = own ? own + num_q * H * D : NULL, *sstats = spart ? spart + w.parts * H * D : NULL;
     const long tiles = most_tiles(cu_seqlens_q, context_lens, B, num_q, TILE_POSITIONS);
+    const long shared_tasks = cas ? w.tasks * KVH : 0;
 #pragma omp parallel for schedule(dynamic)
-    for (long task = 0; task < tiles * B * KVH; task++) {
-        const long tile = tiles - 1 - task / (B * KVH), b = task / KVH % B, kvh = task % KVH;
-        const int st = prefill_task16(b, kvh, tile, q, &rc, cu_seqlens_q, context_lens, H, KVH, D, scale, out);
+    for (long task = 0; task < shared_tasks + tiles * B * KVH; task++) {
+        int st;
+        if (task < shared_tasks) {
+            st = shared_task16(task, B, &w, cascade, q, &rc, H, KVH, D, scale, spart, sstats);
+        } else {
+            const long t = task - shared_tasks, tile = tiles - 1 - t / (B * KVH), b = t / KVH % B, kvh = t % KVH;
+            st = prefill_task16(b, kvh, tile, q, &rc, cu_seqlens_q, context_lens, H, KVH, D, scale, out,
+                                cas ? &w : NULL, own, own_stats);
+        }
         if (st != LP_OK) {
 #pragma omp atomic write
             status = st;
         }
     }
-    free_rounded(&rc);
+    if (cas && status == LP_OK)
+        cascade_merge_rows(&w, cascade, cu_seqlens_q, B, own, own_stats, spart, sstats, H, D, out);
+    free_rounded(&rc), free(own), free(spart);
+    if (cas) cascade_free(&w);
     return status;
 }
 #endif
@@ -368,15 +437,15 @@ static VNNI_BF16 int prefill_int16(const float *q, const void *k_cache, const vo
 int lp_paged_prefill_int16(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                            const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens,
                            int64_t num_q, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
-                           int64_t num_blocks, float scale, float *out) {
+                           int64_t num_blocks, float scale, const lp_cascade *cascade, float *out) {
 #if defined(__x86_64__)
     if (has_vnni_bf16() && B >= 0 && num_q >= 0 && KVH > 0 && H % KVH == 0 && D > 0 && D % 16 == 0 &&
         kv_dtype >= LP_KV_F32 && kv_dtype <= LP_KV_F16) {
         if (cu_seqlens_q[0] != 0 || cu_seqlens_q[B] != num_q) return LP_BAD_INDEX;
         return prefill_int16(q, k_cache, v_cache, kv_dtype, block_tables, cu_seqlens_q, context_lens, num_q, B, H,
-                             KVH, D, max_blocks, num_blocks, scale, out);
+                             KVH, D, max_blocks, num_blocks, scale, cascade, out);
     }
 #endif
     return lp_paged_prefill(q, k_cache, v_cache, kv_dtype, block_tables, cu_seqlens_q, context_lens, num_q, B, H, KVH,
-                            D, max_blocks, num_blocks, scale, out);
+                            D, max_blocks, num_blocks, scale, cascade, out);
 }

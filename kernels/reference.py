@@ -14,6 +14,7 @@ and prefilling ones (a chunk each) are separate groups, so a long chunk never pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,17 @@ def write_kv(
         slots, key, value = slots[keep], key[keep], value[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+class CascadePlan(NamedTuple):
+    """Groups of a step's sequences whose block tables begin with the same blocks, as the kernels take them (the
+    native CPU kernels' lp_cascade, cpu_kernels.h): group g's members are ``members[group_starts[g]:group_starts[g +
+    1]]`` (batch indices), whose first ``shared_lens[g]`` keys (whole blocks, before each member's first query of the
+    step) lie in the same blocks. Attention reads those keys once for the whole group. All int32."""
+
+    group_starts: torch.Tensor  # [G + 1], from 0
+    members: torch.Tensor  # [group_starts[-1]]
+    shared_lens: torch.Tensor  # [G] keys
 
 
 @dataclass

@@ -96,4 +96,5 @@ class NativeDecode:
         """The final hidden states ``[B, hidden]`` of a decode step (one token per sequence), as ``model(...)`` gives."""
         cos, sin = self.model.rotary_emb(positions)
         x = self.model.embed_tokens(input_ids)
-        return cpu.llama_decode(self.weights, x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens)
+        tables, lens = meta.block_tables, meta.context_lens
+        return cpu.llama_decode(self.weights, x, cos, sin, meta.slot_mapping, tables, lens, meta.cascade)

@@ -65,6 +65,11 @@ class KVCacheManager:
         salt = getattr(seq.params, "cache_salt", b"") or b""
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, salt)
 
+    def first_block_hash(self, seq: Sequence) -> bytes | None:
+        """The hash of ``seq``'s first full block (None: it has none): sequences sharing a cached prefix share it."""
+        self._update_hashes(seq)
+        return seq.block_hashes[0] if seq.block_hashes else None
+
     def cached_prefix_blocks(self, token_ids: list[int]) -> list[int]:
         """Blocks that hold the cached prefix of ``token_ids`` (every full block, none locked)."""
         hashes: list[bytes] = []

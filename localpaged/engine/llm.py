@@ -73,6 +73,7 @@ class LLM:
             parts.kv_dtype,
             graph_batch_sizes=min(resolved.max_num_seqs, 512) if use_graphs else 0,
             max_model_len=resolved.max_model_len,
+            cascade=resolved.cascade_attention,
         )
         self.kv_disk = parts.kv_disk
         self.kv = KVCacheManager(self.pool, self.kv_disk, self.runner)

@@ -12,10 +12,12 @@ import mmap
 
 import torch
 
+from localpaged.engine import cascade as cascade_groups
 from localpaged.engine.cpu_decode import NativeDecode
 from localpaged.engine.cuda_graphs import DecodeGraphs
 from localpaged.engine.sampler import sample
 from localpaged.engine.scheduler import ScheduledBatch
+from localpaged.kernels.reference import CascadePlan
 from localpaged.layers.attention import Attention, AttentionMetadata
 
 
@@ -44,10 +46,19 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         graph_batch_sizes: int = 0,
         max_model_len: int = 0,
+        cascade: bool = False,
     ) -> None:
-        """``graph_batch_sizes`` > 0 captures CUDA graphs of decode steps up to that many sequences."""
+        """``graph_batch_sizes`` > 0 captures CUDA graphs of decode steps up to that many sequences. ``cascade``:
+        find the step's groups of sequences sharing leading blocks (``engine.cascade``) for the attention
+        kernels, where the path takes them; a plain attribute, so a benchmark can time both in one process."""
         self.model = model
         self.attention = attention
+        self.cascade = cascade and getattr(attention, "takes_cascade", False)
+        heads = model.config.num_attention_heads
+        heads_a_kv_head = heads // (getattr(model.config, "num_key_value_heads", None) or heads)
+        # the least group that pays (engine/cascade.py); attributes, so a test can group small batches
+        self.cascade_min_members = max(cascade_groups.MIN_MEMBERS, -(-cascade_groups.MIN_ROWS // heads_a_kv_head))
+        self.cascade_min_blocks = cascade_groups.MIN_BLOCKS
         self.block_size = block_size
         self.device = device
         cfg = model.config
@@ -150,9 +161,30 @@ class ModelRunner:
             max_q_len=max(batch.num_new_tokens),
             block_size=bs,
         )
+        if self.cascade and len(batch.seqs) > 1:
+            meta.cascade = self.cascade_plan(batch)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos, meta, to_sample, logit_rows
+
+    def cascade_plan(self, batch: ScheduledBatch) -> CascadePlan | None:
+        """The step's shared-prefix groups as the kernels take them, or None where there is none. A member shares
+        only whole blocks of what it computed before this step, so no query of the step is masked from them."""
+        limits = [seq.num_computed_tokens // self.block_size for seq in batch.seqs]
+        tables = [seq.block_table for seq in batch.seqs]
+        groups = cascade_groups.find_groups(tables, limits, self.cascade_min_blocks, self.cascade_min_members)
+        if not groups:
+            return None
+        starts = [0]
+        for group in groups:
+            starts.append(starts[-1] + len(group.members))
+        return CascadePlan(
+            group_starts=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            members=torch.tensor([i for g in groups for i in g.members], dtype=torch.int32, device=self.device),
+            shared_lens=torch.tensor(
+                [g.shared_blocks * self.block_size for g in groups], dtype=torch.int32, device=self.device
+            ),
+        )
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | Exception | None]:
@@ -162,7 +194,7 @@ class ModelRunner:
         a failure of the batch as a whole (the forward pass) raises.
         """
         ids, pos, meta, to_sample, logit_rows = self.prepare(batch)
-        if self.graphs is not None and self.graphs.can_run(meta, len(batch.seqs)):
+        if self.graphs is not None and meta.cascade is None and self.graphs.can_run(meta, len(batch.seqs)):
             hidden = self.graphs.run(ids, pos, meta)
         elif self.native_decode is not None and meta.max_q_len == 1:
             hidden = self.native_decode.run(ids, pos, meta)

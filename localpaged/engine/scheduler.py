@@ -5,15 +5,24 @@ served first, then running prefills continue chunk by chunk, then waiting reques
 first come, first served. A long prompt therefore never stalls the decodes: it takes what budget
 is left. When the pool runs dry, the newest running sequence is preempted: its blocks go back
 (staying in the prefix cache) and it is recomputed later.
+
+Admission keeps shared-prefix groups together where that costs nothing: if the first waiting request
+shares no running sequence's first block but one of the next few does, that one goes first (it joins
+its group's shared-prefix attention, and most of its prompt is cached). A request passed over
+``MAX_PASSES`` times goes first regardless, and a preempted one is never passed over, so none starves.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 from localpaged.engine.kv_cache_manager import KVCacheManager
 from localpaged.engine.sequence import Sequence, SequenceStatus
+
+LOOKAHEAD = 8  # waiting requests admission looks at for one that joins a running group
+MAX_PASSES = 4  # times a request may be passed over for such a one
 
 
 @dataclass
@@ -73,12 +82,12 @@ class Scheduler:
             counts.append(n)
             budget -= n
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_admission()
             computed = self.kv.get_computed_blocks(seq)
             n = min(seq.num_tokens - len(computed) * self.kv.block_size, budget)
             if not self.kv.can_allocate(seq, n, computed):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             if seq.num_preemptions == 0:
                 self.kv.record_admission(seq, computed)
             self.kv.allocate(seq, n, computed)
@@ -88,6 +97,22 @@ class Scheduler:
             counts.append(n)
             budget -= n
         return ScheduledBatch(seqs, counts)
+
+    def _next_admission(self) -> Sequence:
+        """The first waiting request, or the first of the next LOOKAHEAD - 1 that shares a running sequence's first
+        block where the first shares none (each request it passes counts one pass; see the module docstring)."""
+        head = self.waiting[0]
+        if head.num_passes >= MAX_PASSES or head.num_preemptions or not self.running:
+            return head
+        running = {s.block_hashes[0] for s in self.running if s.block_hashes}
+        if not running or self.kv.first_block_hash(head) in running:
+            return head
+        for i, seq in enumerate(islice(self.waiting, 1, LOOKAHEAD), start=1):
+            if seq.num_preemptions == 0 and self.kv.first_block_hash(seq) in running:
+                for passed in islice(self.waiting, i):
+                    passed.num_passes += 1
+                return seq
+        return head
 
     def preempt(self, seq: Sequence) -> None:
         """Give a running sequence's blocks back and queue it first for recompute."""

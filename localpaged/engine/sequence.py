@@ -34,6 +34,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_disk_tokens: int = 0  # of which read from the disk tier
     num_preemptions: int = 0
+    num_passes: int = 0  # times admission took a later request that joins a running group first (scheduler)
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

@@ -27,6 +27,7 @@ class AttentionMetadata:
     max_q_len: int
     block_size: int
     plan: reference.GatherPlan | None = None  # torch path only
+    cascade: reference.CascadePlan | None = None  # groups sharing leading blocks (runner.cascade_plan); None: none
 
 
 class TorchAttention:
@@ -40,6 +41,11 @@ class TorchAttention:
     """
 
     name = "torch"
+
+    @property
+    def takes_cascade(self) -> bool:
+        """Whether this path's kernels read a step's ``AttentionMetadata.cascade`` (the native ones do)."""
+        return self.native_decode or self.native_prefill
 
     def __init__(self, native: bool = False, prefill_products: str = "float32") -> None:
         self.native_decode = native
@@ -61,16 +67,22 @@ class TorchAttention:
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self._use_native_decode(meta):
-            return cpu.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+            return cpu.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.cascade)
         if self.native_prefill:
             tables, cu_seqlens_q, lens = meta.block_tables, meta.cu_seqlens_q, meta.context_lens
-            return cpu.paged_prefill(q, k_cache, v_cache, tables, cu_seqlens_q, lens, scale, self.prefill_products)
+            products = self.prefill_products
+            # int16 products round the softmax weights to bfloat16 against each pass's running max, so splitting a
+            # member's keys into a shared and an own pass moves them enough to change greedy tokens on long shared
+            # prompts: a faster path never changes a greedy token, so those prefills read the shared blocks per member.
+            cascade = meta.cascade if products == "float32" else None
+            return cpu.paged_prefill(q, k_cache, v_cache, tables, cu_seqlens_q, lens, scale, products, cascade)
         assert meta.plan is not None, "prepare() was not called for this step"
         return reference.paged_attention(q, k_cache, v_cache, meta.plan, scale)
 
 
 class TritonAttention:
     name = "triton"
+    takes_cascade = True  # a step with groups goes through paged_prefill.cascade_prefill, decode rows and chunks alike
 
     def __init__(self) -> None:
         from localpaged.kernels import kv_write, paged_decode, paged_prefill
@@ -78,6 +90,7 @@ class TritonAttention:
         self._write = kv_write.write_kv
         self._decode = paged_decode.paged_decode
         self._prefill = paged_prefill.paged_prefill
+        self._cascade = paged_prefill.cascade_prefill
 
     def prepare(self, meta: AttentionMetadata) -> None:
         pass
@@ -87,6 +100,9 @@ class TritonAttention:
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         q = q.contiguous()
+        if meta.cascade is not None:
+            tables, cu, lens = meta.block_tables, meta.cu_seqlens_q, meta.context_lens
+            return self._cascade(q, k_cache, v_cache, tables, cu, lens, scale, meta.cascade, meta.max_q_len)
         if meta.max_q_len == 1:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         return self._prefill(

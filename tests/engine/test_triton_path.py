@@ -27,3 +27,23 @@ def test_tiny_llama_greedy_through_triton_matches_hf(tiny_llm, tiny_model_path):
     for i, (out, prompt) in enumerate(zip(got + [again], prompts + prompts[1:2])):
         want, gaps = hf_greedy(hf, prompt, 12)
         assert_same_greedy(out.token_ids, want, gaps, f"triton prompt {i}")
+
+
+def test_cascade_through_triton_gives_the_tokens_of_the_plain_kernels(tiny_llm):
+    """Sequences sharing a cached prompt, with shared-prefix attention through paged_prefill.cascade_prefill (decode
+    steps and chunks) and without it: the same greedy tokens, and every block back."""
+    llm = tiny_llm(attention="triton", max_num_batched_tokens=48, kv_disk=False)
+    assert llm.runner.cascade
+    llm.runner.cascade_min_members, llm.runner.cascade_min_blocks = 2, 4  # group this small batch
+    prompt = [(37 * i) % 900 + 10 for i in range(80)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(max_tokens=1))
+    plans = []
+    real = llm.runner.cascade_plan
+    llm.runner.cascade_plan = lambda batch: plans.append(p := real(batch)) or p
+    prompts = [prompt + [1000 + 7 * i + j for j in range(1 + 3 * i)] for i in range(3)]
+    with_cascade = [o.token_ids for o in llm.generate(prompts, params)]
+    assert any(p is not None and len(p.members) == 3 for p in plans)
+    llm.runner.cascade = False
+    assert [o.token_ids for o in llm.generate(prompts, params)] == with_cascade
+    assert llm.stats().blocks_used == 0

@@ -175,7 +175,7 @@ static void check_paged_decode(int kv_dtype) {
             reference_attention(q + (b * H + h) * D, h / G, tables[b], lens[b], k, v, KVH, D, scale, ref + (b * H + h) * D);
     const void *kc = kv_dtype == LP_KV_F32 ? (const void *)k : k16, *vc = kv_dtype == LP_KV_F32 ? (const void *)v : v16;
     const int status =
-        lp_paged_decode(q, kc, vc, kv_dtype, &tables[0][0], lens, B, H, KVH, D, MAX_BLOCKS, BLOCKS, scale, out);
+        lp_paged_decode(q, kc, vc, kv_dtype, &tables[0][0], lens, B, H, KVH, D, MAX_BLOCKS, BLOCKS, scale, NULL, out);
     if (status != LP_OK) printf("FAIL paged_decode status %d\n", status), failures++;
     expect_close("paged_decode (kv type, D)", kv_dtype, D, out, ref, B * H * D, 1e-5);
 }
@@ -202,7 +202,7 @@ static void check_paged_prefill(int kv_dtype) {
             }
     const void *kc = kv_dtype == LP_KV_F32 ? (const void *)k : k16, *vc = kv_dtype == LP_KV_F32 ? (const void *)v : v16;
     const int status = lp_paged_prefill(q, kc, vc, kv_dtype, &tables[0][0], cu, lens, NUM_Q, B, H, KVH, D, MAX_BLOCKS,
-                                        BLOCKS, scale, out);
+                                        BLOCKS, scale, NULL, out);
     if (status != LP_OK) printf("FAIL paged_prefill status %d\n", status), failures++;
     expect_close("paged_prefill (kv type, D)", kv_dtype, D, out, ref, NUM_Q * H * D, 1e-5);
 }
@@ -243,7 +243,7 @@ static void check_kv_conversions(int kv_dtype) {
     }
     for (long i = 0; i < ALL; i++) values[i / D * 16 * D + i % D] = (uint16_t)i; /* token 0 of block i / D */
     for (long b = 0; b < SEQS; b++) tables[b] = (int32_t)b, lens[b] = 1;
-    status |= lp_paged_decode(q, zeros, values, kv_dtype, tables, lens, SEQS, 1, 1, D, 1, SEQS, 1.0f, out);
+    status |= lp_paged_decode(q, zeros, values, kv_dtype, tables, lens, SEQS, 1, 1, D, 1, SEQS, 1.0f, NULL, out);
     for (long i = 0; i < ALL; i++) {
         const float want = ref_widen(kv_dtype, (uint16_t)i);
         if (!(out[i] == want || (isnan(out[i]) && isnan(want))) && wrong++ < 3)

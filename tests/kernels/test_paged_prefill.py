@@ -39,3 +39,32 @@ def test_paged_prefill_matches_reference(
     ref = reference.paged_prefill(q.double(), k_ref, v_ref, block_tables, cu_seqlens_q, lens, scale)
     assert_close(out, ref)
     assert paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale).dtype == dtype
+
+
+# (groups, loners, num_kv_heads, gqa, head_dim, dtype): as tests/kernels/test_cpu_cascade.py's make_batch takes them
+CASCADE_CASES = [
+    ([(4, [(3, 3), (17, 1), (40, 16)]), (2, [(9, 2), (30, 1)])], [(50, 7), (3, 1)], 1, 3, 64, F32),
+    ([(3, [(2, 1)] * 40)], [(33, 2)], 1, 2, 64, F32),  # 40 members: two tiles of BLOCK_M rows
+    ([(2, [(11, 9), (4, 1)]), (1, [(1, 1), (2, 2)])], [(5, 5)], 2, 2, 64, BF16),
+]
+
+
+@pytest.mark.parametrize("groups,loners,num_kv_heads,gqa,head_dim,dtype", CASCADE_CASES)
+def test_cascade_prefill_matches_reference(
+    groups, loners, num_kv_heads, gqa, head_dim, dtype, device, assert_close, nan_empty
+):
+    """Shared-prefix attention through the Triton kernel: several groups (decode rows and chunks) beside sequences
+    in none, each group's shared keys unmasked for all its rows, merged with each member's own by log-sum-exp."""
+    from localpaged.kernels.paged_prefill import cascade_prefill
+    from tests.kernels.test_cpu_cascade import make_batch
+
+    gen = torch.Generator().manual_seed(len(groups) + head_dim)
+    k, v, tables, lens, q_lens, plan, k_ref, v_ref = make_batch(groups, loners, num_kv_heads, head_dim, dtype, gen)
+    q = torch.randn(sum(q_lens), num_kv_heads * gqa, head_dim, generator=gen).to(dtype)
+    cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    scale = head_dim**-0.5
+    ref = reference.paged_prefill(q.double(), k_ref, v_ref, tables, cu, lens, scale)
+    to = {"device": device}
+    plan = reference.CascadePlan(*(t.to(**to) for t in plan))
+    out = cascade_prefill(q.to(**to), k.to(**to), v.to(**to), tables.to(**to), cu.to(**to), lens.to(**to), scale, plan)
+    assert_close(out.cpu(), ref)

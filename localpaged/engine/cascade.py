@@ -1,0 +1,121 @@
+"""Shared-prefix ("cascade") groups of a step: the sequences whose block tables begin with the same blocks.
+
+A sequence that hit the prefix cache holds the very blocks of its cached prefix that every other sequence
+with that prefix holds (the pool shares them by reference count), so sequences sharing a system prompt,
+the forks of one chat and the n samples of one prompt all begin their tables with the same block ids. The
+attention kernels then read those blocks once a step for the whole group instead of once per sequence
+(kernels/cpu_cascade.h), and merge with each sequence's own keys by their log-sum-exp.
+
+``find_groups`` runs once a step in ``ModelRunner.prepare``, torch-free: the candidates are bucketed by
+their first block id, each bucket's tables packed as bytes and sorted, and each neighbour's common run of
+blocks found by bisection on slice equality (memcmp). A bucket splits where a sub-group shares enough more to pay for it (two system
+prompts whose first block happens to agree, forks deep into one chat): see ``_best``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+# Below these a group does not pay on the CPU kernels: its shared pass computes the same products as its members'
+# own decode would (decode attention here is near this CPU's FMA rate already, not only bound by memory), in tiles
+# of 16 query rows (a member brings one row for each query head of a KV head, G), so it gains only where reading
+# the shared blocks once saves more than a tile's padding and the merge cost. Best of 10 calls, the default
+# model's decode attention (G = 3, fp16 KV), this project's 2-core EPYC when idle, off/on time:
+#   shared keys     2 members  4     8     12    16
+#   256             0.55       0.71  0.84  0.91  1.01
+#   1,024           0.61       0.92  1.10  1.19  1.37
+#   8,000           0.66       1.13  1.11  1.26  1.50     (64 members: 1.85-2.2)
+# So a group needs MIN_ROWS query rows (8 members on the default model; ModelRunner turns rows into members for
+# its model) and MIN_BLOCKS shared blocks (1,024 keys).
+MIN_BLOCKS = 64
+MIN_MEMBERS = 2
+MIN_ROWS = 24
+
+
+@dataclass(frozen=True)
+class Group:
+    shared_blocks: int  # leading blocks every member's table holds, the same ids, all before its first new token
+    members: tuple[int, ...]  # batch indices, ascending
+
+
+def common_blocks(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading entries ``a`` and ``b`` share."""
+    return _common(_packed(a), _packed(b))
+
+
+def _packed(table: Sequence[int]) -> bytes:
+    """A table as bytes, 8 to an entry: slices compare by memcmp, and sorting them groups common prefixes as
+    sorting the lists would. (Comparing the lists themselves cost ~120 us a pair at 500 blocks.)"""
+    return array("q", table).tobytes()
+
+
+def _common(a: bytes, b: bytes) -> int:
+    """Leading entries two packed tables share (bisection: prefix equality only ever stops holding)."""
+    lo, hi = 0, min(len(a), len(b)) // 8
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[: 8 * mid] == b[: 8 * mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def find_groups(
+    tables: Sequence[Sequence[int]],
+    limits: Sequence[int],
+    min_blocks: int = MIN_BLOCKS,
+    min_members: int = MIN_MEMBERS,
+) -> list[Group]:
+    """Disjoint groups of at least ``min_members`` sequences whose ``tables`` begin with the same ``shared_blocks``
+    (>= ``min_blocks``) block ids. ``limits[i]`` caps sequence i's shared blocks: the whole blocks of its tokens
+    computed before this step (``num_computed_tokens // block_size``), so that no query of the step is masked
+    from any shared key."""
+    buckets: dict[int, list[int]] = {}
+    for i, (table, limit) in enumerate(zip(tables, limits)):
+        if min(limit, len(table)) >= max(min_blocks, 1):
+            buckets.setdefault(table[0], []).append(i)
+    groups: list[Group] = []
+    for bucket in buckets.values():
+        if len(bucket) < min_members:
+            continue
+        prefix = {i: _packed(tables[i][: min(limits[i], len(tables[i]))]) for i in bucket}
+        order = sorted(bucket, key=prefix.__getitem__)
+        runs = [_common(prefix[a], prefix[b]) for a, b in pairwise(order)]
+        for positions, shared in _best(runs, 0, len(order) - 1, min_blocks, min_members)[1]:
+            groups.append(Group(shared, tuple(sorted(order[p] for p in positions))))
+    return groups
+
+
+def _best(
+    runs: list[int], lo: int, hi: int, min_blocks: int, min_members: int
+) -> tuple[int, list[tuple[list[int], int]]]:
+    """The grouping of the sorted members lo .. hi (``runs[j]``: the blocks members j and j + 1 share) that saves the
+    most block reads (a group of n sharing s blocks saves (n - 1) x s), and its saving; each group as its members'
+    positions and shared blocks. The least run L among them cuts them into parts that each share more; each part
+    either joins one group at L (its members then save L each) or keeps its own best grouping, whichever saves more
+    (so a deep fork of two stays in its prompt's group unless its extra blocks outweigh its users' share of L)."""
+    if hi - lo + 1 < max(min_members, 2):
+        return 0, []
+    level = min(runs[lo:hi])
+    cuts = [j for j in range(lo, hi) if runs[j] == level]
+    parts = list(zip([lo] + [j + 1 for j in cuts], cuts + [hi]))
+    bests = [_best(runs, a, b, min_blocks, min_members) for a, b in parts]
+    apart = (sum(v for v, _ in bests), [g for _, groups in bests for g in groups])
+    if level < min_blocks:
+        return apart
+    size = [b - a + 1 for a, b in parts]
+    joined = {i for i in range(len(parts)) if size[i] * level >= bests[i][0]}
+    for i in sorted(range(len(parts)), key=lambda i: bests[i][0] - size[i] * level):  # least loss first
+        if sum(size[j] for j in joined) >= min_members:
+            break
+        joined.add(i)
+    kept = [i for i in range(len(parts)) if i not in joined]
+    saving = (sum(size[i] for i in joined) - 1) * level + sum(bests[i][0] for i in kept)
+    if saving <= apart[0]:
+        return apart
+    members = [m for i in sorted(joined) for m in range(parts[i][0], parts[i][1] + 1)]
+    return saving, [(members, level)] + [g for i in kept for g in bests[i][1]]
