@@ -20,16 +20,12 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 # Below these a group does not pay on the CPU kernels: its shared pass computes the same products as its members'
-# own decode would (decode attention here is near this CPU's FMA rate already, not only bound by memory), in tiles
-# of 16 query rows (a member brings one row for each query head of a KV head, G), so it gains only where reading
-# the shared blocks once saves more than a tile's padding and the merge cost. Best of 10 calls, the default
-# model's decode attention (G = 3, fp16 KV), this project's 2-core EPYC when idle, off/on time:
-#   shared keys     2 members  4     8     12    16
-#   256             0.55       0.71  0.84  0.91  1.01
-#   1,024           0.61       0.92  1.10  1.19  1.37
-#   8,000           0.66       1.13  1.11  1.26  1.50     (64 members: 1.85-2.2)
-# So a group needs MIN_ROWS query rows (8 members on the default model; ModelRunner turns rows into members for
-# its model) and MIN_BLOCKS shared blocks (1,024 keys).
+# own decode would (a 2-core CPU's decode attention is bound by arithmetic as much as by memory), in tiles of 16
+# query rows (a member brings one row for each query head of a KV head, G), so it gains only where reading the
+# shared blocks once saves more than a tile's padding and the merge cost. Timing the default model's decode
+# attention with and without groups over shared lengths and member counts, two members never paid, and groups
+# paid from about eight members (24 query rows; ModelRunner turns rows into members for its model) over 1,024
+# shared keys (64 blocks). benchmarks/shared_prompt.py measures the whole engine on and off.
 MIN_BLOCKS = 64
 MIN_MEMBERS = 2
 MIN_ROWS = 24

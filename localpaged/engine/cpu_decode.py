@@ -2,8 +2,8 @@
 
 The CPU counterpart of ``cuda_graphs``: a decode step of a small model is hundreds of small kernel
 calls, and through the model's modules each costs Python (module dispatch, argument checks, ctypes,
-output tensors) on top of its arithmetic. Measured on the default model, one chat, this project's
-2-core Xeon: a 19 ms step held ~5 ms of it (~18 us a call, ~270 calls). ``NativeDecode`` hands
+output tensors) on top of its arithmetic: a sizeable share of a small model's step
+(``benchmarks/cpu_kernel_bench.py --decode-step`` times both). ``NativeDecode`` hands
 ``kernels/cpu.py``'s ``lp_llama`` (each layer's packed weights, norms and KV cache slices) to
 ``lp_llama_decode``, which runs the same kernels in the same order as ``models/llama.py``: the hidden
 states are bit for bit the module path's. Embedding, the RoPE tables' lookup and the head stay in

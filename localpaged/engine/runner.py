@@ -24,10 +24,10 @@ from localpaged.layers.attention import Attention, AttentionMetadata
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor. Zeroed, not empty: the torch path reads padding from block 0, and a
     NaN there would leak through the masked softmax (0 * NaN). On the CPU the memory is an anonymous
-    mmap, whose pages the OS zeroes on first touch: a 2 GiB pool then costs nothing at start-up
-    instead of 0.8 s of memset. Not numpy's calloc: numpy asks for transparent huge pages on large
-    arrays, and then the first KV block of each layer cost 2 MiB of RSS (+127 MiB after one short
-    chat on the default model, 30 layers of K and V); 4 KiB pages grow with the blocks used."""
+    mmap, whose pages the OS zeroes on first touch: a large pool then costs nothing at start-up
+    instead of a memset of all of it. Not numpy's calloc: numpy asks for transparent huge pages on
+    large arrays, and then the first KV block of each layer took a whole huge page of memory; 4 KiB
+    pages grow with the blocks used."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -97,11 +97,10 @@ class ModelRunner:
 
         On the CPU these are the pool's own memory, one slice per layer's K and V (a block is
         2 x layers runs of ``block_size * kv heads * head dim`` values there), so a block file is read
-        straight into place with one ``preadv``. Measured on the coding prompt in a new process (157
-        blocks, 115 MB, page cache warm): 216 ms through a bytes object, a staging tensor and an
-        indexed copy; 171 ms read in place on one thread, 62-87 ms on the disk tier's reader threads
-        (first-touch page faults of the pool and the CRC run in parallel). Elsewhere they are one row
-        each of a pinned host staging tensor that ``commit_blocks`` copies to the device.
+        straight into place with one ``preadv``, on the disk tier's reader threads (first-touch page
+        faults of the pool and the checksums run in parallel), with no bytes object, staging tensor or
+        indexed copy between (benchmarks/kv_disk.py times the reads). Elsewhere they are one row each
+        of a pinned host staging tensor that ``commit_blocks`` copies to the device.
         """
         if self.device.type == "cpu":
             two, layers, num_blocks, *_ = self.kv_cache.shape

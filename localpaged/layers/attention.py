@@ -35,8 +35,8 @@ class TorchAttention:
     else torch over the block pool.
 
     The native prefill reads the prefix in place through the block tables; torch gathers each sequence's
-    whole context out of the pool and widens it to float32 first (~40 of the ~70 ms of a new question's
-    first token after a cached 2,500-token system prompt). ``native_prefill`` is a plain attribute, so a
+    whole context out of the pool and widens it to float32 first, most of a new question's first token after
+    a long cached system prompt. ``native_prefill`` is a plain attribute, so a
     benchmark can time both in one process.
     """
 
