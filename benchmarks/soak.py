@@ -13,10 +13,18 @@
    moments before a kill is counted apart: replies are saved every ``SAVE_EVERY_S`` (0.5 s) while
    they stream, so up to that much of a reply's tail can be lost to SIGKILL by design.
 
+3. ``--hostile`` (on by default; 0 skips): ``--clients`` (32) clients stream from ``localpaged serve`` for
+   ``--hostile-seconds`` (20) alone, then as long again while one more client sends the worst requests it can,
+   in turn: a body just under the server's limit, the most and longest stop strings allowed on a long prompt,
+   and a prompt at the context's limit. The others' inter-token latency p99 with the hostile client must stay
+   within 2x of the p99 without it; blocks left used once the server drains, and streams of the others that
+   failed (their replies lost), must both be 0.
+
 The model is a tiny random Llama on the default model's tokenizer (fast enough to churn many turns
 on a laptop CPU) unless ``--model`` names another. Not part of ``make test``::
 
-    python benchmarks/soak.py [--minutes 1] [--sessions 200] [--kills 20] [--model PATH] [--device cpu]
+    python benchmarks/soak.py [--minutes 1] [--sessions 200] [--kills 20] [--hostile 1] [--clients 32]
+        [--hostile-seconds 20] [--model PATH] [--device cpu]
 """
 
 from __future__ import annotations
@@ -306,6 +314,120 @@ def soak_kills(model: str, kills: int, seed: int, folder: Path) -> dict:
     }
 
 
+# -- 3. one hostile client among many ---------------------------------------------------------------
+
+
+async def hostile_check(url: str, model: str, clients: int, seconds: float) -> dict:
+    """Inter-token gaps of ``clients`` streams without, then with, a client sending the worst requests it can."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    from localpaged.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
+    from localpaged.server.guard import MAX_BODY_BYTES
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    gaps: dict[str, list[float]] = {"alone": [], "hostile": []}
+    phase, failed, hostile_sent = ["alone"], [], [0]
+    stop = time.monotonic() + 2 * seconds
+
+    async def stream(index: int) -> None:
+        while time.monotonic() < stop:
+            messages = [{"role": "user", "content": f"{WORDS[index % len(WORDS)]} number {index}: say more"}]
+            try:
+                chunks = await client.chat.completions.create(
+                    model=model, messages=messages, max_tokens=48, stream=True, extra_body={"ignore_eos": True}
+                )
+                last = None
+                async for chunk in chunks:
+                    now = time.perf_counter()
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        if last is not None:
+                            gaps[phase[0]].append(now - last)
+                        last = now
+            except openai.APIError as exc:
+                failed.append(f"client {index}: {exc}")
+
+    async def hostile() -> None:
+        worst = [
+            ("/v1/completions", {"model": model, "prompt": "x" * (MAX_BODY_BYTES - 4096), "max_tokens": 8}),
+            (
+                "/v1/completions",
+                {
+                    "model": model,
+                    "prompt": "paging " * 1500,
+                    "stop": [f"{i}" * MAX_STOP_CHARS for i in range(MAX_STOP_STRINGS)],
+                    "max_tokens": 48,
+                },
+            ),
+            ("/v1/completions", {"model": model, "prompt": "word " * (MAX_MODEL_LEN - 2), "max_tokens": 1}),
+        ]
+
+        def post(path: str, body: dict) -> None:
+            request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(), method="POST")
+            request.add_header("Content-Type", "application/json")
+            try:
+                urllib.request.urlopen(request, timeout=120).read()
+            except urllib.error.HTTPError as refused:  # the 400s it earns: what matters is what the others see
+                refused.read()
+
+        while time.monotonic() < stop:
+            for path, body in worst:
+                await asyncio.to_thread(post, path, body)
+                hostile_sent[0] += 1
+
+    async def switch() -> None:
+        await asyncio.sleep(seconds)
+        phase[0] = "hostile"
+        await hostile()
+
+    await asyncio.gather(switch(), *(stream(i) for i in range(clients)))
+    await client.close()
+
+    def p99(values: list[float]) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
+
+    return {"p99_alone_s": p99(gaps["alone"]), "p99_hostile_s": p99(gaps["hostile"]), "failed": failed,
+            "hostile_requests": hostile_sent[0], "gaps": {k: len(v) for k, v in gaps.items()}}  # fmt: skip
+
+
+def soak_hostile(model: str, clients: int, seconds: float, folder: Path) -> dict:
+    """``localpaged serve`` (its own home and KV folder) under ``hostile_check``; then the blocks left used."""
+    import urllib.request
+
+    env = {**os.environ, "LOCALPAGED_HOME": str(folder / "serve-home"), "LOCALPAGED_KV_CACHE": str(folder / "kv")}
+    (folder / "serve-home").mkdir(exist_ok=True)
+    (folder / "serve-home" / "config.toml").write_text(f"[engine]\nmax_model_len = {MAX_MODEL_LEN}\n")
+    command = [sys.executable, "-m", "localpaged.cli", "serve", "--port", "0", "--model", model]
+    command += ["--max-num-seqs", str(clients + 4), "--no-kv-disk"]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in server.stderr:  # "serving NAME at http://127.0.0.1:PORT/v1 (...)"
+            if line.startswith("serving "):
+                break
+        else:
+            raise RuntimeError("localpaged serve did not start")
+        name, url = line.split()[1], line.split(" at ", 1)[1].split("/v1", 1)[0]
+        result = asyncio.run(hostile_check(url, name, clients, seconds))
+        deadline = time.monotonic() + 60
+        while True:
+            metrics = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+            used = next(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("localpaged_kv_blocks_used"))
+            running = next(
+                float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("localpaged_requests_running")
+            )
+            if running == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        return {**result, "blocks_leaked": int(used)}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=1.0, help="how long the sessions run (part 1)")
@@ -314,11 +436,15 @@ def main() -> None:
     ap.add_argument("--model", help="HF folder or .gguf (default: a tiny random Llama on the default tokenizer)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hostile", type=int, default=1, help="part 3: one hostile client among many (0 skips)")
+    ap.add_argument("--clients", type=int, default=32, help="streaming clients beside the hostile one (part 3)")
+    ap.add_argument("--hostile-seconds", type=float, default=20.0, help="each half of part 3, without and with it")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="localpaged-soak-") as tmp:
         model = args.model or str(write_tiny_model(Path(tmp) / "tiny"))
         first = soak_sessions(model, args.device, args.sessions, args.minutes, args.seed)
         second = soak_kills(model, args.kills, args.seed, Path(tmp)) if args.kills else None
+        third = soak_hostile(model, args.clients, args.hostile_seconds, Path(tmp)) if args.hostile else None
     print(
         f"sessions {first['sessions']}  turns {first['turns']}  (completed {first['completed']}, aborted "
         f"{first['aborted']}, walked away {first['walked_away']}, cancelled {first['cancelled']})  "
@@ -336,10 +462,21 @@ def main() -> None:
         )
         for problem in second["messages_lost"]:
             print(f"  lost: {problem}")
+    if third:
+        ratio = third["p99_hostile_s"] / third["p99_alone_s"]
+        print(
+            f"hostile client: {args.clients} streams, inter-token p99 {third['p99_alone_s'] * 1e3:.1f} ms alone, "
+            f"{third['p99_hostile_s'] * 1e3:.1f} ms beside {third['hostile_requests']} hostile requests "
+            f"({ratio:.2f}x; goal <= 2x)  gaps {third['gaps']}  blocks leaked {third['blocks_leaked']}  "
+            f"streams failed (replies lost) {len(third['failed'])}"
+        )
+        for problem in third["failed"][:10]:
+            print(f"  failed: {problem}")
     failed = (
         first["blocks_leaked"]
         or first["errors"]
         or (second and (second["messages_lost"] or second["integrity"] != "ok"))
+        or (third and (third["blocks_leaked"] or third["failed"] or third["p99_hostile_s"] > 2 * third["p99_alone_s"]))
     )
     sys.exit(1 if failed else 0)
 
