@@ -1,9 +1,10 @@
 /* lp_llama_decode, plain C: a Llama decode step's decoder layers in one call from Python, built into every path's
  * library (it only calls that library's own kernels, in the order models/llama.py composes them).
  *
- * Why: a decode step of one chat on the default model (30 layers) is ~270 kernel calls, and each one through the
- * model's modules costs ~18 us of Python (module dispatch, argument checks, ctypes, output tensors): ~5 of a 19 ms
- * step on this project's 2-core Xeon. Here the pointers and sizes of every layer are prepared once
+ * Why: a decode step of one chat on the default model (30 layers) is hundreds of kernel calls, and each one through
+ * the model's modules costs Python (module dispatch, argument checks, ctypes, output tensors) on top of its
+ * arithmetic, a sizeable share of a small model's step (benchmarks/cpu_kernel_bench.py --decode-step times both
+ * ways). Here the pointers and sizes of every layer are prepared once
  * (engine/cpu_decode.py builds the lp_llama below when the runner binds the KV cache), and one call runs them all,
  * the CPU counterpart of a CUDA graph. Each step is the very kernel the module path calls, on the same inputs, so
  * the hidden states are bit for bit the same.

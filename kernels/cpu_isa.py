@@ -7,11 +7,9 @@ machine that reports no flags, gets the portable path, which every 64-bit CPU wi
 ``LOCALPAGED_CPU_KERNELS=avx512|avx2|portable`` forces one (``auto``, or unset, chooses).
 
 The AVX-512 path is the portable source built with AVX-512 flags (each 16-float tile column one register);
-no hand-written AVX-512 kernel is kept, only F16C's conversions for fp16 KV (cpu_kernels_avx512.c). Measured
-on this project's 2-core AMD EPYC (Zen 4, whose 512-bit instructions run as two 256-bit halves), one thread,
-best of 3 (benchmarks/cpu_kernel_bench.py), against the hand-written AVX2 kernels: one row of a Q4_1
-projection 0.96x, of the Q8_0 head 1.33x, 16 rows 1.00x, paged decode 0.95-1.09x; the engine on the default
-model, one chat 55.0 against 55.7 tok/s, 16 sessions 194 against 191: even here, within the machine's noise.
+no hand-written AVX-512 kernel is kept, only F16C's conversions for fp16 KV (cpu_kernels_avx512.c). Even on a
+CPU whose 512-bit instructions run as two 256-bit halves (Zen 4) it keeps up with the hand-written AVX2 kernels,
+kernel by kernel and in the engine (``benchmarks/cpu_kernel_bench.py`` and its ``--engine`` compare the paths).
 It is the default where the CPU has it: CPUs with full-width AVX-512 units have more to gain, and the path
 costs no kernel source of its own.
 """
@@ -53,9 +51,9 @@ class KernelPath:
     cpu_flags: frozenset[str]
     includes: tuple[Path, ...] = ()  # other sources the kernels' file includes
     # Whether float16 KV decodes at least as fast as float32 here, so that "auto" KV takes it: the AVX
-    # paths convert with F16C. The portable path converts with integer operations, and on x86 the engine
-    # ran one chat at 25.4 tok/s against 28.8 with float32 KV, 16 sessions at 42.9 against 60.0 (ARM's
-    # native conversion is unmeasured here).
+    # paths convert with F16C. The portable path converts with integer operations, which on x86 made the
+    # engine slower with float16 KV than with float32 (``benchmarks/cpu_kernel_bench.py --engine
+    # --kv-cache-dtype``); ARM's native conversion is untimed, so it keeps float32 too.
     fast_float16_kv: bool = True
 
     @property

@@ -2,7 +2,7 @@
  *
  * qgemm: Y[M, N] = X[M, K] @ W[N, K]^T where W is kept as a GGUF file stores it, in runs ("groups")
  * of 32 weights along each row (16 for Q6_K, whose sub-blocks are that short): w = scale * q + min,
- * q a small integer. Torch's fp32 GEMM reads 4 bytes per weight and reaches ~40 % of this CPU's
+ * q a small integer. Torch's fp32 GEMM reads 4 bytes per weight and reaches well under the CPU's
  * peak on 16-row batches; here q takes 4 bits (Q4_0, Q4_1, Q4_K), 5 (Q5_0, Q5_1, Q5_K) or 8 (Q8_0,
  * Q6_K), plus 8 bytes of scale and min per group. For 5 or more rows of X each tile of 16 weight
  * rows is expanded once into an fp32 panel in L1/L2, then swept by a 6x16 register kernel over all
@@ -39,9 +39,9 @@ static __thread long panel_floats = 0;
 /* Columns k and k + 1 of a tile (k even): their 16 q values each as two vectors of 8 floats (rows 0-7 and 8-15),
  * w[c][0] and w[c][1] for column k + c. 4-bit values with no offset (Q4_1, Q4_K: 0..15) widen straight from their
  * nibbles. Otherwise each column's 16 values are first put together as bytes (the fifth bits spread by a byte
- * shuffle, the offset taken off), then widened the same way for every width. The 4-bit shortcut measured 84 -> 68
- * us on the default model's down_proj (1 row x 1536 -> 576, Q4_1, one thread): the generic path's unpack and
- * sign-widening cost that much per column. */
+ * shuffle, the offset taken off), then widened the same way for every width. The 4-bit shortcut skips the generic
+ * path's unpack and sign-widening, a large share of each column's cost in a one-row projection (the one-row qgemm
+ * timings of benchmarks/cpu_kernel_bench.py). */
 static inline __attribute__((always_inline)) void load_columns(
     const int BITS, const int HAS_OFFSET, const int8_t *q, long K, long k, __m128i offset, __m256 w[2][2]) {
     __m128i v[2];
@@ -126,8 +126,8 @@ static inline float sum_floats(const float *x, const int n) {
 /* R rows of X (R <= 4, a constant after inlining) times one tile, expanding each column of 16 q values in
  * registers as it goes: with so few rows, writing and rereading a panel costs more than the FMAs. Within a group
  * the weights share a scale and a min, so a row's share of the group is scale * sum(x q) + min * sum(x), as in
- * cpu_kernels_portable.c (the measured reason is there): two multiply-adds a group instead of a multiply and an
- * add for every weight. */
+ * cpu_kernels_portable.c (the reason and its benchmark are there): two multiply-adds a group instead of a multiply
+ * and an add for every weight. */
 static inline __attribute__((always_inline)) void rows_times_tile(
     const int BITS, const int HAS_OFFSET, const int GROUP, const int HAS_MIN, const int R, const float *X, long K,
     const int8_t *q, __m128i offset, const float *scale, const float *min, float *Y, long ldy) {
@@ -203,8 +203,8 @@ static inline __attribute__((always_inline)) int qgemm_tile(
 
 /* One function per (bits, offset or not, group, min or not), its OpenMP loop written where those are literals.
  * GCC outlines a parallel region before it inlines, so a region inside an inlined function would see them as
- * variables: the inner loops lose their constant bounds and unrolling. Measured on the default model's down_proj
- * (1 row x 1536 -> 576, Q4_1, one thread): 94.5 us with the region in the inlined function, 67 us here. */
+ * variables: the inner loops lose their constant bounds and unrolling, and a one-row projection runs markedly
+ * slower (benchmarks/cpu_kernel_bench.py times the default model's one-row projections). */
 #define QGEMM_FN(BITS, HAS_OFFSET, GROUP, HAS_MIN)                                                                   \
     static int qgemm_##BITS##_##HAS_OFFSET##_##GROUP##_##HAS_MIN(const float *X, long M, long K, const int8_t *q,     \
                                                                  int q_offset, const float *scale, const float *min,  \
@@ -271,9 +271,8 @@ static inline __attribute__((always_inline)) void store_kv8(const int KV, void *
 
 /* How many query heads of a KV head one walk over its keys serves, each K and V row widened once for all of them:
  * three heads' accumulators (3 x 4 keys' dot products, or 3 x 4 vectors of V columns) and their operands fill
- * AVX2's 16 registers. Measured with this file forced (LOCALPAGED_CPU_KERNELS=avx2) on this project's AMD EPYC,
- * 2 threads, 9 heads over 3 KV heads of 64, fp16 KV, best of 0.5 s, old and new alternating twice: one sequence of
- * 300 keys 20.2 -> 18.0 us, 16 of 400 keys 208 -> 158 us, 64 of 400 keys 873-888 -> 661-675 us. */
+ * AVX2's 16 registers. Against one head a walk it is faster for one sequence and more so for a batch of them
+ * (benchmarks/cpu_kernel_bench.py's paged_decode timings, avx2 column). */
 #define HEADS_A_WALK 3
 
 /* scores[g][j] (rows n apart) = scale * q_g . K row of key first + j, for GB heads (q_g at qh + g D): 4 keys at a
@@ -471,7 +470,7 @@ static inline __attribute__((always_inline)) void widen_rows(const int KV, const
 
 /* s[j][v0 * 8 ..] for the KEY_GROUP keys from k (rows k_stride apart) and VECS vectors of rows from v0 * 8 on: 12
  * accumulators, 3 vectors of q and a broadcast key value fill the 16 registers. (One vector of rows and 8 keys at a
- * time, as the portable file does, measured 10% slower here.) */
+ * time, as the portable file does, ran slower here.) */
 static inline __attribute__((always_inline)) void keys_times_row_vectors(const int VECS, const float *k, long k_stride,
                                                                          const float *qt, long rows, long v0, long D,
                                                                          float *s) {

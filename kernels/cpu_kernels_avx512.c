@@ -1,8 +1,8 @@
 /* The "avx512" path of kernels/cpu_isa.py: the portable kernels (cpu_kernels_portable.c) built with AVX-512 flags,
  * where each 16-float vector is one register, with one change: fp16 KV values are converted by F16C's instructions,
  * which every AVX-512 CPU has. GCC 12 converts _Float16 vectors a lane at a time on x86, and the portable integer
- * conversion made the paged decode of an fp16 cache 4-8x slower than the AVX2 kernels' (9 query / 3 KV heads of 64,
- * 512 tokens, 16 sequences, one thread: 3866 against 479 us; 585 with F16C).
+ * conversion made the paged decode of an fp16 cache several times slower than the AVX2 kernels', where F16C brings
+ * it close to them (benchmarks/cpu_kernel_bench.py's paged_decode timings over a float16 cache).
  */
 #include <immintrin.h>
 

@@ -21,7 +21,7 @@
 #error "cpu_kernels_portable.c needs GCC 12 or later (for __builtin_assoc_barrier, shufflevector, convertvector)"
 #endif
 /* ROUNDED(x): x as computed, never fused with what consumes it. GCC 12 splits 64-byte vectors around its barrier
- * builtin into single lanes when AVX-512VL is on (10x slower qgemm, measured), so there an empty asm holding the
+ * builtin into single lanes when AVX-512VL is on (a qgemm many times slower), so there an empty asm holding the
  * value in a vector register ("v") does the same job; x86 without FMA has nothing to fuse. */
 #if defined(__AVX512F__)
 #define ROUNDED(x) __extension__({ __typeof__(x) rounded_ = (x); __asm__("" : "+v"(rounded_)); rounded_; })
@@ -62,7 +62,7 @@ int lp_abi_version(void) { return LP_ABI_VERSION; }
 static __thread float *panel = NULL; /* one per OpenMP thread, grown to the widest K seen */
 static __thread long panel_floats = 0;
 
-/* 16 signed bytes as 32-bit integers, written the way GCC 12 turns into vector code on each target (measured in
+/* 16 signed bytes as 32-bit integers, written the way GCC 12 turns into vector code on each target (as read in
  * its output): its direct conversion goes one byte at a time, and each other form is good on one target only. */
 static ALWAYS_INLINE ints16 widen(bytes16 v) {
 #if defined(__AVX512F__) /* one vpmovsxbd */
@@ -82,8 +82,8 @@ static ALWAYS_INLINE ints16 widen(bytes16 v) {
  * shifted for the second column; a fifth bit comes from its column's 16-bit word, bit j for row j. No lane crosses
  * another. With AVX-512 each value's float (offset taken off) is looked up in a table of 16 or 32 floats by one
  * vpermps or vpermt2ps, which read only the low 4 or 5 bits of their index: no mask and no conversion where 4 bits
- * otherwise take a shift, a mask and a conversion a column (one row: gate_up 61 -> 39 us, down 33 -> 22 us, 2 threads
- * on an AMD EPYC, Zen 4; the same floats, so the same sums). */
+ * otherwise take a shift, a mask and a conversion a column, a large share of a one-row projection's time (the one-row
+ * qgemm timings of benchmarks/cpu_kernel_bench.py); the same floats, so the same sums. */
 static ALWAYS_INLINE void load_columns(const int BITS, const int HAS_OFFSET, const int8_t *q, long K, long k,
                                        int8_t offset, floats16 w[2]) {
     if (BITS == 8) {
@@ -152,12 +152,10 @@ static ALWAYS_INLINE float sum_floats(const float *x, const int n) {
  * weights share a scale and a min, so a row's share of the group is scale * sum(x q) + min * sum(x): two
  * multiply-adds a group instead of a multiply and an add for every weight. Each weight's product is still with
  * q exactly, the result the same float32 dot product summed in another order (a one-hot row still reads back
- * exactly scale * q + min). Measured on one row, 2 threads (cpu_kernel_bench.py), AVX-512 / AVX2: the default
- * model's gate_up (576 -> 3072, Q4_1) 75.9 -> 60.1 / 73.1 -> 61.9 us, down (1536 -> 576) 40.4 -> 32.5 /
- * 38.6 -> 32.8 us, the Q8_0 head (576 -> 49152) 571 -> 490 / 975 -> 802 us; one chat's decode on the engine
- * 87-91 -> 95-99 tok/s (three interleaved runs each). Four chains for one row instead of two bought nothing. With
- * one or two rows each row sums even and odd columns apart: a single chain waits out every FMA's latency (one
- * row of the head, one thread, AVX-512: 1970 -> 1720 us). */
+ * exactly scale * q + min). It made every one-row projection of the default model faster on both the AVX-512 and
+ * the AVX2 path, and one chat's decode with them (benchmarks/cpu_kernel_bench.py, and its --engine for the decode).
+ * Four chains for one row instead of two bought nothing. With one or two rows each row sums even and odd columns
+ * apart: a single chain waits out every FMA's latency. */
 static ALWAYS_INLINE void rows_times_tile(const int BITS, const int HAS_OFFSET, const int GROUP, const int HAS_MIN,
                                           const int R, const float *X, long K, const int8_t *q, int8_t offset,
                                           const float *scale, const float *min, float *Y, long ldy) {
@@ -348,9 +346,8 @@ static ALWAYS_INLINE void store_kv8(const int KV, void *p, long i, floats8 x) {
 /* How many query heads of a KV head one walk over its keys serves: each K and V row is widened once for all of them,
  * and each 8 keys' dot products are summed across lanes together (sum8x8) instead of one by one. Three heads'
  * accumulators (3 x 8 vectors of 8) fit AVX-512's 32 registers; elsewhere one head a walk (cpu_kernels.c does three
- * heads with 4 keys at a time in AVX2's 16). Measured on this AMD EPYC
- * (2 threads, the default model's 9 heads over 3 KV heads of 64, fp16 KV, best of 0.5 s, old and new alternating
- * twice): 16 sequences of 400 keys 230-253 -> 154-175 us, 64 of 400 keys 963-1655 -> 656-912 us. */
+ * heads with 4 keys at a time in AVX2's 16). Against one head a walk it decodes a batch of sequences faster
+ * (benchmarks/cpu_kernel_bench.py's paged_decode timings of 16 sequences, avx512 column). */
 #if defined(__AVX512F__)
 #define HEADS_A_WALK 3
 #else
@@ -521,7 +518,7 @@ static ALWAYS_INLINE void rope_write_row(const int KV, long n, long slot, const 
  * key by key, ROW_LANES rows to a vector, so that the softmax's max and sum run down the keys, lane by lane, with no
  * reduction across a vector. A vector is one register: 16 floats on AVX-512, where a step takes two blocks (32 keys)
  * and the scores 8 keys at a time; elsewhere 8 floats (two NEON or SSE registers: wider vectors, which GCC splits,
- * ran the weighted sum of V 6x slower on SSE2), one block a step and the scores 4 keys at a time. */
+ * ran the weighted sum of V several times slower on SSE2), one block a step and the scores 4 keys at a time. */
 #if defined(__AVX512F__)
 typedef floats16 lanes;
 typedef ints16 lane_ints;
@@ -580,8 +577,8 @@ static ALWAYS_INLINE void widen_rows(const int KV, const void *cache, long row0,
 }
 
 /* s[j][r0 ..] for the KEY_GROUP keys from k (rows k_stride apart) and the ROW_LANES rows from r0: KEY_GROUP
- * accumulators, each k[j][d] broadcast. Several vectors of rows a pass measured no faster on AVX-512 and, with
- * GCC's 8-float vectors on SSE2, 5x slower. */
+ * accumulators, each k[j][d] broadcast. Several vectors of rows a pass ran no faster on AVX-512 and, with
+ * GCC's 8-float vectors on SSE2, several times slower. */
 static ALWAYS_INLINE void keys_times_row_vector(const float *k, long k_stride, const float *qt, long rows, long r0,
                                                 long D, float *s) {
     lanes a[KEY_GROUP];

@@ -17,8 +17,8 @@
 
 /* How many parts sequence b's context is split into, a task each, combined after: enough tasks for four a thread
  * where the batch has few (sequences x KV heads), parts of at least 64 keys, and of at most DECODE_SPAN keys however
- * many tasks there are. With one task per (sequence, KV head), one chat's 3 KV heads on 2 threads kept one thread
- * idle a third of the time. A context of one part is computed as it always was. */
+ * many tasks there are. With one task per (sequence, KV head), one chat's few KV heads left threads idle wherever
+ * the thread count does not divide them. A context of one part is computed as it always was. */
 #define DECODE_SPAN 512
 
 static inline long decode_span(long ctx, long B, long KVH, long threads) {
@@ -103,9 +103,9 @@ static inline __attribute__((always_inline)) int decode_task(const int KV, long 
 /* Asks for the K and V rows of keys first .. end - 1 of KV head kvh (each D values of size bytes) to be brought
  * into this core's L2. A decode step's KV comes from memory (the layer's weights, streamed in between, push it out of
  * every cache), its rows 16 at a time from blocks anywhere in the pool, and without this each part waited out one
- * miss after another: the paged decode of one chat (3 KV heads, ~200 keys, fp16) took 46 us a layer inside a decode
- * step against 11 us with its KV already in cache; with this, 36 us, and one short chat's decode 130.6 -> 137.1
- * tok/s (medians of 8 runs, with and without, alternating in one process). */
+ * miss after another: inside a decode step the paged decode took several times as long as with its KV already in
+ * cache. Prefetching wins back part of that and speeds up one chat's decode (benchmarks/cpu_kernel_bench.py
+ * --engine). */
 static inline void prefetch_rows(const void *k_cache, const void *v_cache, long size, const int32_t *table, long first,
                                  long end, long kvh, long KVH, long D) {
     for (long j = first; j < end; j++) {
@@ -181,13 +181,12 @@ int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const
  *   accumulate_values(p, rows, R, v, v_stride, n, D, alpha, acc): acc[r] = alpha[r] acc[r] + sum over j < n of
  *     p[j][r] V_j, key j's V row at v[j / 16] + j % 16 * v_stride.
  * Keys by rows puts the softmax's max and sum down the keys, lane by lane. Rows by keys (each row's scores one or two
- * vectors, as this kernel had them before) took a reduction across vectors for each row's max and sum: on this
- * project's 2-core Zen 4 (avx512 path, the default model's heads, 9 query and 3 KV of 64, a 512-token chunk after
- * 3,584 cached tokens, fp16 KV, best of 30 calls) the softmax was 6 of the chunk's 28.2 ms, measured by leaving it
- * out. Keys by rows with exp2 (q scaled by log2 e, exp2's polynomial cheaper than exp's) took it to 25.2 ms (avx2:
- * 28.9 to 25.3), where the two products run at about this CPU's fp32 FMA peak (117 GFLOP/s a thread, measured with
- * 12 independent FMA chains) and the softmax takes about 3 ms. Tiles of 32 positions measured the same as 16 and
- * leave half the tasks to share among the threads. */
+ * vectors, as this kernel had them before) took a reduction across vectors for each row's max and sum, which made
+ * the softmax a large share of a long chunk's time (timed by leaving it out). Keys by rows with exp2 (q scaled by
+ * log2 e, exp2's polynomial cheaper than exp's) cuts that share on both the avx512 and the avx2 path, leaving the
+ * two products running at about the CPU's fp32 FMA peak (benchmarks/cpu_kernel_bench.py times the default model's
+ * heads on a 512-token chunk after 3,584 cached tokens). Tiles of 32 positions ran no faster than 16 and leave half
+ * the tasks to share among the threads. */
 #define PREFILL_TILE 16
 
 static __thread float *prefill_scratch = NULL; /* per OpenMP thread: acc, s, qt, m, l, alpha, pos, kb, vb */

@@ -10,8 +10,9 @@ static inline int value(const int8_t *q, int64_t N, int64_t K, long t, long k, i
 }
 
 /* q [N, K] int8, row-major (a GGUF tensor's rows, unpacked) -> out: the tiles of the layout in cpu_kernels.c, 2 * bits
- * bytes per tile column. One pass, in place of a dozen torch ops over the whole weight (measured on a busy 2-core
- * machine, a Q4_K_M file's 121 projections: 3.6 s -> 0.5 s). 4 and 5 bits need an even K (columns go in pairs). */
+ * bytes per tile column. One pass, in place of a dozen torch ops over the whole weight, which made packing a large
+ * share of a model's load (benchmarks/gguf_load.py times a start). 4 and 5 bits need an even K (columns go in
+ * pairs). */
 int lp_pack_q(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out) {
     if ((bits != 4 && bits != 5 && bits != 8) || N < 0 || K < 0 || (bits != 8 && K % 2)) return LP_BAD_ARGUMENT;
     const long tiles = (N + TILE - 1) / TILE;

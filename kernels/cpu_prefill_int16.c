@@ -2,8 +2,8 @@
  * where the CPU has AVX-512 VNNI and BF16; elsewhere it is lp_paged_prefill itself. Built into every path's library,
  * compiled for those instruction sets alone and chosen at run time, as lp_qgemm_int16 is.
  *
- * Why: a long prompt's prefill is bound by attention's two products (at 4,000 tokens, 138 MFLOP a token against the
- * rest of the model's ~0.84 ms), which the float32 kernel runs at about this CPU's FMA peak, 16 products an
+ * Why: a long prompt's prefill is bound by attention's two products (they grow with the context, the rest of the
+ * model's work a token does not), which the float32 kernel runs at about the CPU's FMA peak, 16 products an
  * instruction. vpdpwssd (int16 pairs into int32) and vdpbf16ps (bfloat16 pairs into float32) make 32.
  *   - Scores: each K row is rounded to int16 within +-K_LIMIT and each row of q (times scale and log2 e) within
  *     +-q_limit (Q_LIMIT, less for heads of over 128 values), each with its fp32 scale, so that a score is one exact
@@ -15,11 +15,9 @@
  * Each call first rounds every sequence's context, K rows to int16 and V rows to bfloat16 pairs (round_context);
  * then tiles of TILE_POSITIONS positions (all G query heads of a KV head) walk it STEP_KEYS keys a step.
  *
- * Measured on this project's 2-core AMD EPYC (Zen 4), the default model's heads (9 query, 3 KV of 64), float16 KV:
- * a 512-token chunk after 3,584 cached tokens took 13.8-16 ms against the float32 kernel's 26-27 ms (14.9 against
- * 16.2 ms once its context was rounded once a call rather than once a tile); in the engine a 4,000-token prompt's
- * attention took 1.94-1.98 s against 3.57 s, with tiles of 64 positions (32: 2.20 s, 128: 2.09-2.17 s; a step's
- * rounding was shared by fewer rows, or a tile's scores and sums leave L1).
+ * benchmarks/cpu_kernel_bench.py times it against the float32 kernel on the default model's heads (a 512-token
+ * chunk after 3,584 cached tokens, float16 KV). Tiles of 64 positions: with fewer, a step's rounding is shared by
+ * fewer rows; with more, a tile's scores and sums leave L1.
  */
 #include <math.h>
 #include <omp.h>
@@ -216,7 +214,7 @@ static inline __attribute__((always_inline)) VNNI_BF16 void step_value_columns(c
  * block table (entry e < B: sequence b's keys, after its cascade group's shared ones where it has one; entry B + g:
  * group g's shared keys, rounded once for all its members) is rows first_key[e] + kvh * padded(e) + (key - begin[e])
  * of kq [][D], kscale [] and, by pairs of keys, vp [][D]; each range padded to whole steps. Each tile reads them:
- * rounding a step for each tile instead took 13% of a 512-token chunk after 3,584 cached tokens. */
+ * rounding a step for each tile instead rounds every key once per tile, a sizeable share of a long chunk's time. */
 typedef struct {
     long entries;
     long *first_key, *begin, *end;

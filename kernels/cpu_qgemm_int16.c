@@ -4,20 +4,19 @@
  * alone and chosen at run time where the CPU has it.
  *
  * Why: for a batch of decode rows the float32 kernel is bound by its FMAs, 16 products an instruction; vpdpwssd
- * makes 32 in the same time (both one a cycle on this project's AMD EPYC, Zen 4), and a weight's small integer is an
+ * makes 32 in the same time (on Zen 4 both issue one a cycle), and a weight's small integer is an
  * int16 as it is. Each run ("group") of 32 or 16 values of a row of X becomes int16 with one fp32 scale
  * (amax / 32767, values rounded to nearest even), and a group's dot product is exact integer arithmetic:
  *   sum_k w_k x_k ~= w_scale * x_scale * (sum_k u_k xq_k - offset * sum_k xq_k) + w_min * sum_k x_k
  * (u the stored value, q + offset; the last term in fp32 from X itself). The only rounding added is X's to 16 bits,
  * a relative error under 2^-16 of each group's largest value, where a float16 KV cache rounds every value to 11
- * bits (engine/setup.py says when a model runs this way, and what its greedy output measured against the exact path).
+ * bits (engine/setup.py says when a model runs this way, and how its greedy output compares with the exact path).
  *
  * The VNNI kernel puts a tile's row j in lane j, as the int16 pair of its values at columns 2p and 2p + 1, so one
  * vpdpwssd against a row of X's pair (2p, 2p + 1) broadcast adds 2 columns x 16 rows. The plain C kernel computes
  * the same integers, scales and fused multiply-adds; only each run's float sum (the min term's) is added in another
- * order. Measured against lp_qgemm on the default model's shapes (AVX-512 path, 2 threads, best of 0.3 s each),
- * 16 rows: gate_up 292 -> 181 us, down 147 -> 105, qkv 95 -> 64, o 59 -> 43, the Q8_0 head 5849 -> 3746; one row:
- * gate_up 39 -> 29 us, the head 590 -> 538.
+ * order. Against lp_qgemm it is faster on every projection of the default model, most on 16-row batches, where the
+ * float32 kernel is bound by its FMAs (benchmarks/cpu_kernel_bench.py's qgemm timings, "int16 x" rows).
  */
 #include <math.h>
 #include <stdint.h>
@@ -57,7 +56,7 @@ static void quantize_group_plain(const float *x, long G, int16_t *xq, float *sca
 
 /* The same with AVX-512, a group in one or two registers: the same ints and scale (the same divisions, and the
  * conversion rounds to nearest even as nearbyintf does), the float sum in another order. A plain C loop here was
- * most of a 16-row matmul's time (down_proj 1536 -> 576: +31 us). */
+ * most of a 16-row matmul's time. */
 static VNNI16 void quantize_group_avx512(const float *x, long G, int16_t *xq, float *scale, float *sum,
                                          int32_t *qsum) {
     const __m512 a = _mm512_loadu_ps(x), b = G == 32 ? _mm512_loadu_ps(x + 16) : _mm512_setzero_ps();

@@ -9,7 +9,7 @@
  * stays the small unsigned integer the file stores, and a group's dot product is exact integer arithmetic:
  *   sum_k w_k x_k ~= w_scale * x_scale * (sum_k u_k xq_k - offset * sum_k xq_k) + w_min * sum_k x_k
  * (u = q + offset >= 0; the last term in fp32 from X itself). The only rounding added is X's to 8 bits, so the
- * values differ from the exact path's (engine/setup.py says when a model runs this way, and what it measured).
+ * values differ from the exact path's (engine/setup.py says when a model runs this way, and how far they differ).
  *
  * Packed layout ("quads", lp_pack_quads): tile t of 16 weight rows, quad c = columns 4c .. 4c + 3, j = row within
  * the tile, u as above:
