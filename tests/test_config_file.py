@@ -102,7 +102,7 @@ def test_flag_beats_file_beats_built_in(config: Path) -> None:
         ("[sampling]\ntop_k = -1\n", ["line 2", "[sampling] top_k", "0 (off) or more"]),
         ("[sampling]\nmax_tokens = 0\n", ["line 2", "[sampling] max_tokens", "at least 1"]),
         ("[sampling]\nmax_tokens = 2.5\n", ["line 2", "[sampling] max_tokens", "not float"]),
-        ("[sampling]\nseed = -3\n", ["line 2", "[sampling] seed", "seed=-3"]),
+        ("[sampling]\nseed = 18446744073709551616\n", ["line 2", "[sampling] seed", "64-bit seed"]),
         ("\n\n[engine]\nmax_num_seqs = 0\n", ["line 4", "[engine] max_num_seqs", "at least 1"]),
         ('[engine]\nmax_model_len = "8k"\n', ["line 2", "[engine] max_model_len", "whole number"]),
         ('[engine]\nkv_cache_memory = "lots"\n', ["line 2", "[engine] kv_cache_memory", "'2GiB'"]),

@@ -118,7 +118,7 @@ def test_the_server_answers_400_to_text_that_is_not_unicode(front_end: AsyncLLM)
 
     from localpaged.server.app import build_app
 
-    client = TestClient(build_app(front_end), raise_server_exceptions=False)
+    client = TestClient(build_app(front_end), base_url="http://localhost", raise_server_exceptions=False)
     escaped = json.dumps({"messages": [{"role": "user", "content": LONE}], "max_tokens": 3})  # "\udce9" in the JSON
     assert "\\udce9" in escaped
     for path, body in (

@@ -100,7 +100,7 @@ def test_regenerate_and_forks_use_the_chats_settings(engine: AsyncLLM, fake: Rec
 
 
 @pytest.mark.parametrize(
-    "bad", [{"temperature": -1}, {"top_p": 0}, {"top_k": 1.5}, {"max_tokens": 0}, {"seed": -2}, {"colour": 1}]
+    "bad", [{"temperature": -1}, {"top_p": 0}, {"top_k": 1.5}, {"max_tokens": 0}, {"seed": 2**64}, {"colour": 1}]
 )
 def test_bad_settings_are_refused_and_not_stored(engine: AsyncLLM, db, bad: dict) -> None:
     with ChatStore(db) as store:

@@ -50,7 +50,7 @@ def test_blocks_round_trip_through_private_files_and_a_rescan(tmp_path):
     assert stat.S_IMODE(tier.folder.stat().st_mode) == 0o700
     files = sorted(tier.folder.iterdir())
     assert len(files) == 5 and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
-    assert tier.stats().disk_blocks == 5
+    assert tier.stats()["disk_blocks"] == 5
     again = KVDiskTier(tmp_path, LAYOUT, 1 << 30)  # a restart: the index comes from the folder
     assert all(again.contains(block(i)[0]) for i in range(5))
     assert bytes(read(again, block(3)[0]) or b"") == bytes(block(3)[1])
@@ -102,7 +102,7 @@ def test_a_damaged_or_foreign_file_is_a_miss_and_is_deleted(tmp_path, damage, ca
         assert read(tier, block(1)[0]) is None and read(tier, block(2)[0]) is None
         assert bytes(read(tier, block(3)[0]) or b"") == bytes(block(3)[1])
     assert not tier.path(block(1)[0]).exists() and not tier.contains(block(1)[0])
-    assert tier.stats().disk_files_rejected == 2
+    assert tier.stats()["disk_files_rejected"] == 2
     assert len([r for r in caplog.records if "corrupt" in r.getMessage()]) == 1  # a warning at most once
 
 
@@ -130,7 +130,7 @@ def test_the_size_limit_evicts_the_least_recently_used(tmp_path):
     tier.save([block(i) for i in range(4, 8)])
     tier.flush()
     on_disk = sum(f.stat().st_size for f in tier.folder.iterdir())
-    assert on_disk <= EVICT_TO * 6 * size and tier.stats().disk_bytes == on_disk  # 5 files of the 8
+    assert on_disk <= EVICT_TO * 6 * size and tier.stats()["disk_bytes"] == on_disk  # 5 files of the 8
     assert tier.contains(block(0)[0]) and not tier.contains(block(1)[0])
     assert all(tier.contains(block(i)[0]) for i in range(5, 8))
 
@@ -148,7 +148,7 @@ def test_the_writer_rescans_the_folder_only_when_over_its_limit_or_after_a_while
     monkeypatch.setattr("localpaged.engine.kv_disk.RESCAN_S", 0.0)
     tier.save([block(3)])
     tier.flush()
-    assert len(scans) == 1 and tier.stats().disk_blocks == 4
+    assert len(scans) == 1 and tier.stats()["disk_blocks"] == 4
 
 
 def test_the_writer_never_rewrites_what_is_stored_or_pending(tmp_path):
@@ -158,7 +158,7 @@ def test_the_writer_never_rewrites_what_is_stored_or_pending(tmp_path):
     tier.save([block(3)])
     assert tier.missing(hashes) == [4]  # block 3 is being written
     tier.flush()
-    assert tier.stats().disk_blocks_written == 4
+    assert tier.stats()["disk_blocks_written"] == 4
 
 
 WRITER = """
@@ -202,4 +202,4 @@ def test_a_writer_too_far_behind_keeps_the_chains_first_blocks_and_drops_the_res
     tier = KVDiskTier(tmp_path, LAYOUT, 1 << 30)
     hashes = [block(i)[0] for i in range(5)]
     assert tier.missing(hashes) == [0, 1, 2]
-    assert tier.stats().disk_blocks_dropped == 2
+    assert tier.stats()["disk_blocks_dropped"] == 2

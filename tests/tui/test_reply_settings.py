@@ -79,7 +79,7 @@ async def test_a_picked_theme_is_remembered(engine, store) -> None:
             engine_factory=lambda progress: engine, store=store, clock=lambda: NOW, settings=load_settings()
         )
 
-    config = config_file_path()
+    config = config_file_path(create=True)  # the folder made, as saving a setting makes it
     config.write_text("[sampling]\ntemperature = 0.2\n")
     app = make()
     async with app.run_test(size=(120, 40)) as pilot:
