@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -36,6 +38,41 @@ from localpaged.server.protocol import ChatCompletionRequest, CompletionRequest,
 from localpaged.server.state import ServerState
 from localpaged.server.streaming import EventStream, chat_chunks, completion_chunks, usage
 
+# What every refusal's body is (server/errors.py), in place of FastAPI's 422 that this server never sends.
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def openapi_document(app: FastAPI) -> dict:
+    """FastAPI's document, saying what the server answers a bad request: a 400 with OpenAI's error body."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operation in (op for path in schema["paths"].values() for op in path.values()):
+            responses = operation.setdefault("responses", {})
+            if responses.pop("422", None) is not None:
+                content = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+                responses["400"] = {"description": "A bad request: OpenAI's error body", "content": content}
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
+        schemas["Error"] = ERROR_SCHEMA
+        app.openapi_schema = schema
+    return app.openapi_schema
+
 
 def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts: Iterable[str] = ()) -> FastAPI:
     """The HTTP app over ``engine``; with ``api_key`` every path but /health and /metrics needs ``Bearer KEY``,
@@ -43,6 +80,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts
     state = ServerState(engine)
     # /openapi.json: the request bodies as the pydantic models declare them, for client generators and API testers.
     app = FastAPI(title="localpaged", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = partial(openapi_document, app)  # type: ignore[method-assign]
     app.state.localpaged = state
     app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts)
 

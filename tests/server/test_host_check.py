@@ -58,3 +58,6 @@ def test_the_openapi_document_describes_every_route(keyless: str) -> None:
     assert status == 200
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}"} <= set(spec["paths"])
     assert "max_tokens" in spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    chat = spec["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert "422" not in chat and chat["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/Error")
+    assert "HTTPValidationError" not in spec["components"]["schemas"]  # what the server sends, and nothing else
