@@ -105,3 +105,44 @@ def test_off_builds_no_plan(native_llama):
     generate(llm, [PROMPT + q for q in QUESTIONS[:2]], 3)
     assert members == []
     llm.close()
+
+
+@pytest.mark.model
+def test_the_default_model_on_its_defaults_gives_the_same_tokens_with_groups():
+    """The default model with the CPU's defaults (float16 KV, int16 activations where VNNI runs) and the engine's own
+    group thresholds: 16 users on a shared prompt of over 64 blocks decode in one group, and every greedy token is
+    the one cascade attention off gives, batched and alone."""
+    from tests.conftest import DEFAULT_MODEL, DEVICE
+
+    llm = LLM(DEFAULT_MODEL, device=DEVICE, kv_cache_memory="512MiB", max_model_len=2048, kv_disk=False)
+    words = [
+        "the",
+        "paged",
+        "cache",
+        "keeps",
+        "every",
+        "block",
+        "of",
+        "a",
+        "shared",
+        "system",
+        "prompt",
+        "once",
+        "for",
+        "all",
+        "of",
+        "its",
+        "users;",
+    ]
+    shared = llm.tokenizer.encode(" ".join(words[i % len(words)] for i in range(1200)), add_special_tokens=False)
+    shared = shared[: 64 * 16 + 40]
+    prompts = [shared + llm.tokenizer.encode(f" Question {j}: what is block {7 * j}?") for j in range(16)]
+    generate(llm, [shared], 1)  # the shared prompt into the prefix cache, as a first user leaves it
+    members = counting_plans(llm)
+    batched = generate(llm, prompts, 16)
+    assert max(members) == len(prompts), "the engine's thresholds formed no group of all the users"
+    llm.runner.cascade = False
+    assert generate(llm, prompts, 16) == batched
+    assert [generate(llm, [p], 16)[0] for p in prompts[:4]] == batched[:4]
+    assert llm.stats().blocks_used == 0
+    llm.close()
