@@ -40,11 +40,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, salt: bytes = b"") -> None:
+def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int) -> None:
     """Append to ``hashes`` the chained hash of every full block of ``token_ids`` not yet hashed."""
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt))
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size]))
 
 
 class KVCacheManager:
@@ -62,8 +62,7 @@ class KVCacheManager:
         self.disk_hits = 0  # of which read from the disk tier
 
     def _update_hashes(self, seq: Sequence) -> None:
-        salt = getattr(seq.params, "cache_salt", b"") or b""
-        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, salt)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size)
 
     def first_block_hash(self, seq: Sequence) -> bytes | None:
         """The hash of ``seq``'s first full block (None: it has none): sequences sharing a cached prefix share it."""
