@@ -412,17 +412,17 @@ def soak_hostile(model: str, clients: int, seconds: float, folder: Path) -> dict
             raise RuntimeError("localpaged serve did not start")
         name, url = line.split()[1], line.split(" at ", 1)[1].split("/v1", 1)[0]
         result = asyncio.run(hostile_check(url, name, clients, seconds))
+
+        def metric(lines: list[str], name: str) -> float:
+            return next(float(line.split()[-1]) for line in lines if line.startswith(name))
+
         deadline = time.monotonic() + 60
         while True:
-            metrics = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-            used = next(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("localpaged_kv_blocks_used"))
-            running = next(
-                float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("localpaged_requests_running")
-            )
-            if running == 0 or time.monotonic() > deadline:
+            lines = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode().splitlines()
+            if metric(lines, "localpaged_requests_running") == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        return {**result, "blocks_leaked": int(used)}
+        return {**result, "blocks_leaked": int(metric(lines, "localpaged_kv_blocks_used"))}
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -161,7 +161,11 @@ class LocalpagedApp(App[None]):
             return  # old news: an engine already replaced, or already explained
         self.engine_lost = True
         self.engine_remote = event.remote  # what a failed restart's screen offers: restart, or connect again
-        self.push_screen(EngineDeadScreen(str(event.error), remote=event.remote), self._restart_chosen)
+        self._show_engine_dead(event.error)
+
+    def _show_engine_dead(self, error: LocalpagedError) -> None:
+        """Say why the engine is gone, and offer to start (or connect) again."""
+        self.push_screen(EngineDeadScreen(str(error), remote=self.engine_remote), self._restart_chosen)
 
     def _restart_chosen(self, restart: bool | None) -> None:
         if restart:
@@ -190,7 +194,7 @@ class LocalpagedApp(App[None]):
         only until it is back."""
         if self.screen is loading:
             self.pop_screen()
-        self.push_screen(EngineDeadScreen(str(error), remote=self.engine_remote), self._restart_chosen)
+        self._show_engine_dead(error)
 
     def _restarted(self, engine: EngineClient, loading: LoadingScreen) -> None:
         """Hand the new engine to the chat screen (and through it to every open chat), then show it."""

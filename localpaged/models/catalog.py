@@ -120,13 +120,9 @@ def _describe(source: str, name: str, path: Path) -> LocalModel:
         return LocalModel(name, path, source, size, architecture, "safetensors")
     from gguf import LlamaFileType
 
-    from localpaged.errors import InvalidModelError
     from localpaged.models.gguf_file import GGUFFile
 
-    try:
-        file = GGUFFile(path)
-    except InvalidModelError:
-        return LocalModel(name, path, source, path.stat().st_size, "?", "?")
+    file = GGUFFile(path)  # a broken file is listed with "?" by _describe_or_unknown
     file_type = file.metadata.get("general.file_type")
     try:
         quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")

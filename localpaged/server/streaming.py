@@ -65,12 +65,17 @@ async def completion_chunks(state: ServerState, run: Run, include_usage: bool) -
     """``text_completion`` events: text deltas, the finish reason, usage if asked, [DONE]."""
     head = {"id": run.request_id, "object": "text_completion", "created": run.created, "model": state.model_name}
     extra = {"usage": None} if include_usage else {}
+
+    def chunk(text: str, finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return sse({**head, "choices": [choice], **extra})
+
     try:
         async for out in run:
-            for text, finish_reason in ((out.delta, None), ("", out.finish_reason if out.finished else None)):
-                if text or finish_reason:  # the finish in a chunk of its own, as OpenAI sends it
-                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-                    yield sse({**head, "choices": [choice], **extra})
+            if out.delta:
+                yield chunk(out.delta)
+            if out.finished:  # in a chunk of its own, as OpenAI sends it
+                yield chunk("", out.finish_reason)
         if include_usage and run.last is not None:
             yield sse({**head, "choices": [], "usage": usage(run.last)})
         yield DONE
