@@ -8,6 +8,7 @@ a ConfigError naming the field at the caller, never found deep inside an engine 
 
 from __future__ import annotations
 
+import json as _json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -30,6 +31,90 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # in one stop string
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 64  # parallel samples of one prompt; more are a batch of separate requests
+MAX_LOGPROBS = 20  # top_logprobs, as OpenAI bounds it
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias; a larger set belongs in a grammar
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, 100 all but forces it
+MAX_GRAMMAR_CHARS = 100_000  # the text of one schema, regex or grammar
+MAX_CHOICES = 256  # strings of one ``choice``
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's reply must match; exactly one field set (vLLM's ``structured_outputs``).
+
+    ``json``: a JSON schema (a dict, or its JSON text); ``json_object``: any JSON object; ``regex``: a
+    regular expression; ``choice``: one of these strings; ``grammar``: an EBNF grammar (GBNF-style, as
+    xgrammar reads it, with ``root`` its start rule). The engine compiles it with xgrammar before the
+    request is queued, and a spec it cannot compile is a RequestError naming what it refused.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ConfigError(
+                f"structured outputs take exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                f"got {', '.join(given) if given else 'none'}"
+            )
+        if not isinstance(self.json_object, bool):
+            raise ConfigError(f"json_object={self.json_object!r}: use True or False")
+        if self.json is not None:
+            if isinstance(self.json, dict):
+                try:
+                    text = _json.dumps(self.json, sort_keys=True, ensure_ascii=False)
+                except (TypeError, ValueError) as exc:
+                    raise ConfigError(f"json schema: not JSON ({exc}); use a dict of JSON values") from None
+            elif isinstance(self.json, str):
+                text = self.json
+                try:
+                    parsed = _json.loads(text)
+                except ValueError as exc:
+                    raise ConfigError(f"json schema: not valid JSON text ({exc})") from None
+                if not isinstance(parsed, (dict, bool)):
+                    raise ConfigError("json schema: a schema is a JSON object, e.g. {'type': 'object'}")
+            else:
+                raise ConfigError(f"json={_brief(self.json)}: use a JSON schema as a dict or as JSON text")
+            _check_size("json schema", text)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise ConfigError(f"{name}={_brief(value)}: use a non-empty string")
+                _check_size(name, value)
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ConfigError(f"choice={_brief(self.choice)}: use a non-empty list of strings")
+            if len(self.choice) > MAX_CHOICES:
+                raise ConfigError(f"choice has {len(self.choice)} strings: use at most {MAX_CHOICES}")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise ConfigError(f"choice={_brief(self.choice)}: every choice is a non-empty string")
+            _check_size("choice", "".join(self.choice))
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what a compiled grammar is cached by; equal specs share one compile."""
+        kind = self.kind
+        if kind == "json":
+            text = self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+        elif kind == "json_object":
+            text = ""
+        elif kind == "choice":
+            text = _json.dumps(self.choice)
+        else:
+            text = getattr(self, kind)
+        return kind, text
 
 
 @dataclass
@@ -42,6 +127,14 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # strings that end the reply (not included in it)
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to EOS and end-of-turn
     ignore_eos: bool = False  # keep going past EOS/end-of-turn (benchmarks)
+    n: int = 1  # parallel samples of the prompt, sharing its KV blocks; each its own output (``index``)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from every token already in the reply
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token is already in the reply
+    repetition_penalty: float = 1.0  # HF's and llama.cpp's: divides (or multiplies) prompt and reply tokens' logits
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logprobs: int | None = None  # None: none; 0: each chosen token's; k: and the k likeliest (the model's own)
+    structured: StructuredOutputs | None = None  # a schema, regex, choice or grammar the reply must match
 
     def __post_init__(self) -> None:
         self.max_tokens = _whole("max_tokens", self.max_tokens, "a whole number of tokens")
@@ -70,11 +163,44 @@ class SamplingParams:
         self.stop_token_ids = _token_ids(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ConfigError(f"ignore_eos={self.ignore_eos!r}: use True or False")
+        self.n = _whole("n", self.n, f"a whole number of samples from 1 to {MAX_N}")
+        if not 1 <= self.n <= MAX_N:
+            raise ConfigError(f"n={self.n}: ask for 1 to {MAX_N} samples of one prompt")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name), "a number in [-2, 2]; 0 turns it off")
+            if not -2 <= value <= 2:
+                raise ConfigError(f"{name}={value!r}: must be in [-2, 2]; 0 turns it off")
+            setattr(self, name, value)
+        self.repetition_penalty = _real(
+            "repetition_penalty", self.repetition_penalty, "a number in (0, 10]; 1 turns it off"
+        )
+        if not 0 < self.repetition_penalty <= 10:
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty!r}: must be in (0, 10]; 1 turns it off")
+        self.min_p = _real("min_p", self.min_p, "a number in [0, 1]; 0 turns it off")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p={self.min_p!r}: must be in [0, 1]; 0 turns it off")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.logprobs is not None:
+            self.logprobs = _whole("logprobs", self.logprobs, f"0 to {MAX_LOGPROBS} top tokens, or none")
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ConfigError(f"logprobs={self.logprobs}: ask for 0 to {MAX_LOGPROBS} top tokens, or none")
+        if isinstance(self.structured, dict):  # as it crosses to the engine core
+            self.structured = StructuredOutputs(**self.structured)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            raise ConfigError(
+                f"structured={_brief(self.structured)}: use StructuredOutputs(json=...), (regex=...), "
+                "(choice=[...]), (grammar=...) or (json_object=True)"
+            )
 
     @property
     def greedy(self) -> bool:
         """Argmax decoding: temperature 0 (or below GREEDY_TEMPERATURE), or top_k 1."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Any of the penalties or a logit bias is set: the row's logits change before it is sampled."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
 
 
 def _whole(name: str, value: object, use: str) -> int:
@@ -127,6 +253,31 @@ def _token_ids(ids: object) -> list[int]:
             f"stop_token_ids={_brief(ids)}: use a list of token ids (whole numbers from 0 to {MAX_TOKEN_ID})"
         )
     return [int(t) for t in ids]
+
+
+def _logit_bias(bias: object) -> dict[int, float]:
+    """Token id -> bias in [-100, 100]; ids may come as strings (JSON object keys are strings)."""
+    if not isinstance(bias, dict):
+        raise ConfigError(f"logit_bias={_brief(bias)}: use a dict of token id -> bias, e.g. {{50256: -100}}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ConfigError(f"logit_bias has {len(bias)} tokens: bias at most {MAX_LOGIT_BIAS}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= token <= MAX_TOKEN_ID:
+            raise ConfigError(f"logit_bias key {key!r}: use token ids (whole numbers from 0 to {MAX_TOKEN_ID})")
+        number = _real("logit_bias", value, f"a bias from -{LOGIT_BIAS_RANGE:g} to {LOGIT_BIAS_RANGE:g}")
+        if not -LOGIT_BIAS_RANGE <= number <= LOGIT_BIAS_RANGE:
+            raise ConfigError(
+                f"logit_bias[{key!r}]={value!r}: must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
+            )
+        out[int(token)] = number
+    return out
+
+
+def _check_size(name: str, text: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ConfigError(f"the {name} has {len(text)} characters: use at most {MAX_GRAMMAR_CHARS}")
 
 
 def _brief(value: object) -> str:

@@ -39,6 +39,23 @@ from localpaged.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
+def _refuse_unbuilt(params: SamplingParams) -> None:
+    """The SamplingParams fields this engine does not apply yet: refused, never ignored."""
+    unbuilt = {
+        "n": params.n != 1,
+        "presence_penalty": params.presence_penalty != 0,
+        "frequency_penalty": params.frequency_penalty != 0,
+        "repetition_penalty": params.repetition_penalty != 1,
+        "min_p": params.min_p != 0,
+        "logit_bias": bool(params.logit_bias),
+        "logprobs": params.logprobs is not None,
+        "structured": params.structured is not None,
+    }
+    for name, asked in unbuilt.items():
+        if asked:
+            raise RequestError(f"{name} is not supported by this engine yet; leave it at its default")
+
+
 @dataclass
 class _RequestState:
     detokenizer: IncrementalDetokenizer
@@ -109,6 +126,7 @@ class LLM:
             raise RequestError(
                 f"stop_token_ids={params.stop_token_ids}: token ids must be below {vocab}, the model's vocabulary size"
             )
+        _refuse_unbuilt(params)
         seq = Sequence(request_id, ids, params)
         seq.extra = _RequestState(
             IncrementalDetokenizer(self.tokenizer, ids, params.stop), make_generator(params, self.device)

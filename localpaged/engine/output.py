@@ -21,6 +21,17 @@ class RequestMetrics:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log-probability and the likeliest alternatives, from the model's own distribution
+    (log-softmax of its logits, before penalties, bias, temperature, top-k/p and any grammar mask, as vLLM's
+    default)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the ``logprobs`` likeliest (token id, log-probability), likeliest first
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -31,6 +42,8 @@ class RequestOutput:
     finish_reason: FinishReason | None  # None until it finishes; "error": ``error`` says why
     metrics: RequestMetrics
     error: str | None = None  # why this request alone failed; every other request goes on
+    index: int = 0  # which of the request's ``n`` samples this is
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asked for them
 
 
 class IncrementalDetokenizer:
