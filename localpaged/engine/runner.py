@@ -204,8 +204,6 @@ class ModelRunner:
         if not logit_rows:
             return sampled
         logits = self.model.compute_logits(hidden[logit_rows])
-        params = [batch.seqs[i].params for i in to_sample]
-        generators = [batch.seqs[i].extra.generator for i in to_sample]
-        for i, token in zip(to_sample, sample(logits, params, generators)):
+        for i, token in zip(to_sample, sample(logits, [batch.seqs[i] for i in to_sample])):
             sampled[i] = token
         return sampled

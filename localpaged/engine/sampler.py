@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from localpaged.engine.sequence import Sequence
 from localpaged.sampling import SamplingParams
 
 
@@ -23,18 +24,18 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return g
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int | Exception]:
-    """One token per row of ``logits`` ``[S, vocab]``: greedy rows in one argmax, others row by row.
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
+    """One token per row of ``logits`` ``[S, vocab]``, row i for ``seqs[i]`` (its params, its generator in
+    ``seq.extra``): greedy rows in one argmax, others row by row.
 
     A non-greedy row that fails gets its exception instead of a token: it concerns that request only.
     """
     out: list[int | Exception] = logits.argmax(dim=-1).tolist()
-    for i, (p, g) in enumerate(zip(params, generators)):
+    for i, seq in enumerate(seqs):
+        p: SamplingParams = seq.params
         if not p.greedy:
             try:
-                out[i] = _sample_row(logits[i].float(), p, g)
+                out[i] = _sample_row(logits[i].float(), p, seq.extra.generator)
             except Exception as exc:  # noqa: BLE001 -- handed to the row's request, which fails alone
                 out[i] = exc
     return out
