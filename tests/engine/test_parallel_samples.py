@@ -221,3 +221,24 @@ def test_async_llm_streams_every_sample(tiny_model_path, llm, engine_process):
         assert engine.stats().blocks_used == 0
     finally:
         engine.shutdown()
+
+
+def test_a_failed_step_before_the_fork_ends_every_sample(tiny_llm, monkeypatch):
+    llm = tiny_llm()
+    run = llm.runner.run
+    calls = 0
+
+    def fail_first(batch):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("the device fell over")
+        return run(batch)
+
+    monkeypatch.setattr(llm.runner, "run", fail_first)
+    rid = llm.add_request(PROMPT, with_n(SEEDED, 3))
+    outs = llm.step()
+    assert sorted(o.index for o in outs) == [0, 1, 2] and {o.request_id for o in outs} == {rid}
+    assert all(o.finished and o.finish_reason == "error" and "the device fell over" in o.error for o in outs)
+    assert_clean(llm)
+    assert len(llm.generate(PROMPT, with_n(SEEDED, 3))) == 3
