@@ -116,6 +116,13 @@ def test_chunked_prefill_then_fork(tiny_llm):
     assert_clean(small_budget)
 
 
+def test_samples_without_the_prefix_cache(tiny_llm):
+    llm = tiny_llm(enable_prefix_caching=False)
+    alone = llm.generate(PROMPT, GREEDY)[0].token_ids
+    assert [o.token_ids for o in llm.generate(PROMPT, with_n(GREEDY, 4))] == [alone] * 4
+    assert_clean(llm)
+
+
 def test_preempted_samples_recompute_to_the_same_tokens(tiny_llm):
     params = with_n(SEEDED, 6, max_tokens=60)
     roomy = tiny_llm().generate(PROMPT, params)
