@@ -32,6 +32,7 @@ from starlette.responses import Response
 
 from localpaged.engine.protocol import EngineClient
 from localpaged.errors import LocalpagedError, RequestError
+from localpaged.server.anthropic import messages_router
 from localpaged.server.errors import APIError, bad_request, error_response, json_response, validation_error
 from localpaged.server.guard import Guard
 from localpaged.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -83,24 +84,25 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts
     app.openapi = partial(openapi_document, app)  # type: ignore[method-assign]
     app.state.localpaged = state
     app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts)
+    app.include_router(messages_router(state))  # Anthropic's Messages API (server/anthropic.py)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
-        return error_response(exc)
+        return error_response(exc, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(validation_error(exc))
+        return error_response(validation_error(exc), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), type=kind), exc.headers)
+        return error_response(APIError(exc.status_code, str(exc.detail), type=kind), exc.headers, path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         message = f"the server failed on this request ({type(exc).__name__}: {exc}); other requests go on"
-        return error_response(APIError(500, message, type="server_error"))
+        return error_response(APIError(500, message, type="server_error"), path=request.url.path)
 
     @app.get("/health")
     async def health() -> Response:

@@ -81,8 +81,11 @@ class ServerState:
         """What the engine gets for a chat request: the conversation, or with continue_final_message
         token ids: the chat template up to the final message's turn, then that message's text with its
         turn left open (as vLLM renders it), so the reply goes on where the message stops."""
-        conversation = body.conversation()
-        if not body.continue_final_message:
+        return await self.conversation_prompt(body.conversation(), body.continue_final_message)
+
+    async def conversation_prompt(self, conversation: list[dict], continue_final_message: bool) -> Prompt:
+        """``conversation`` as the engine gets it; with ``continue_final_message`` as chat_prompt says."""
+        if not continue_final_message:
             return conversation
         try:
             head = await asyncio.to_thread(self.engine.encode_chat, conversation[:-1])
@@ -103,14 +106,14 @@ class ServerState:
                 return []
             return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=literal))
 
-    def decode(self, tokens: list[int]) -> str:
+    def decode(self, tokens: list[int], *, skip_special_tokens: bool = False) -> str:
         tokenizer = self._need_tokenizer()
         vocab = len(tokenizer)
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"tokens must be ids in [0, {vocab}); got {bad[:5]}", "tokens")
         with self._tokenizer_lock:
-            return tokenizer.decode(tokens, skip_special_tokens=False)
+            return tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     def _need_tokenizer(self) -> Any:
         if self._tokenizer is None:
