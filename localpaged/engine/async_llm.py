@@ -185,14 +185,14 @@ class AsyncLLM:
 
     # ----- what the front ends read ----------------------------------------------------
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn.
 
         Checked first (RequestError naming the message); encoded here, never in the core.
         """
         messages = check_messages(messages)
         with self._tokenizer_lock:
-            return encode_chat(self.tokenizer, messages)
+            return encode_chat(self.tokenizer, messages, tools)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         """``prompt`` as token ids, encoded and checked against the context here, before the core sees it.

@@ -100,9 +100,9 @@ class LLM:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn."""
-        return encode_chat(self.tokenizer, messages)
+        return encode_chat(self.tokenizer, messages, tools)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         ids = encode_prompt(self.tokenizer, prompt, self._max_prompt_chars)

@@ -94,11 +94,11 @@ class RemoteEngine:
 
     # ----- what the front ends read ----------------------------------------------------
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The server's token ids of ``messages`` ending with the assistant's turn (its /tokenize)."""
         if self._tokenize is None:
             raise RequestError(f"{self.url} has no /tokenize, so its token counts are unknown here")
-        return self._tokenize(check_messages(messages))
+        return self._tokenize(check_messages(messages), tools)
 
     def stats(self) -> EngineStats:
         """What is known here: the replies in flight and their tok/s; the server's pool is not visible."""
@@ -230,7 +230,7 @@ class RemoteEngine:
             found.append((extra.get("meta") or {}).get("n_ctx"))
         return next((n for n in found if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)
 
-    def _find_tokenizer(self) -> Callable[[list[dict]], list[int]] | None:
+    def _find_tokenizer(self) -> Callable[[list[dict], list[dict] | None], list[int]] | None:
         """How this server counts a conversation: /tokenize with messages (ours, vLLM), or rendered first
         by /apply-template (llama.cpp, whose /tokenize ignores messages and answers no tokens); else None."""
         probe = [{"role": "user", "content": "Hello"}]
@@ -241,11 +241,13 @@ class RemoteEngine:
             return self._tokenize_rendered
         return None
 
-    def _tokenize_messages(self, messages: list[dict]) -> list[int]:
-        return _token_list(self._post("/tokenize", {"model": self._model, "messages": messages})) or []
+    def _tokenize_messages(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        body = {"model": self._model, "messages": messages, **({"tools": tools} if tools else {})}
+        return _token_list(self._post("/tokenize", body)) or []
 
-    def _tokenize_rendered(self, messages: list[dict]) -> list[int]:
-        prompt = self._post("/apply-template", {"messages": messages})["prompt"]
+    def _tokenize_rendered(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        body = {"messages": messages, **({"tools": tools} if tools else {})}
+        prompt = self._post("/apply-template", body)["prompt"]
         return _token_list(self._post("/tokenize", {"content": prompt})) or []
 
     def _capabilities(self) -> EngineCapabilities:
