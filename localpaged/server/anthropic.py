@@ -17,9 +17,12 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from localpaged.chat.tool_calls import ToolFormat, ToolPlan, constraint, detect_format, render
 from localpaged.engine.output import RequestOutput
+from localpaged.engine.protocol import Prompt
 from localpaged.errors import RequestError
 from localpaged.server.anthropic_protocol import MessagesInput, MessagesRequest
+from localpaged.server.anthropic_tools import ReplyBlocks
 from localpaged.server.errors import APIError, bad_request, json_response
 from localpaged.server.state import Run, ServerState
 from localpaged.server.streaming import EventStream
@@ -30,36 +33,56 @@ _json = msgspec.json.Encoder()
 def messages_router(state: ServerState) -> APIRouter:
     """The Messages API's routes over ``state``'s engine."""
     router = APIRouter()
+    fmt = detect_format(getattr(getattr(state.engine, "tokenizer", None), "chat_template", None))
 
     @router.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
         state.check_model(body.model)
-        params = body.sampling_params(state.max_model_len)
-        prompt = await state.conversation_prompt(body.conversation(), body.prefilled)
-        run = await state.start(prompt, params, "msg", "messages")
+        plan = body.tool_plan()
+        params = body.sampling_params(state.max_model_len, constraint(plan, fmt) if plan is not None else None)
+        run = await state.start(await prompt(state, body, plan, fmt), params, "msg", "messages")
+        blocks = ReplyBlocks(plan, fmt)
+        stops = body.stop_sequences or []
         if body.stream:
-            return EventStream(message_events(state, run, body.stop_sequences or [], params.max_tokens))
+            return EventStream(message_events(state, run, blocks, stops, params.max_tokens))
         final = await run.final(request)
         if final is None:
             return Response(status_code=499)  # nobody is listening
-        reason, sequence = stop_reason(state, final, body.stop_sequences or [], params.max_tokens)
-        content = [{"type": "text", "text": final.text}]
+        content = blocks.whole(final.text)
+        reason, sequence = stop_reason(state, final, stops, params.max_tokens, blocks.made_calls)
         return json_response(message(state, run, content, reason, sequence, usage(final)))
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: MessagesInput) -> Response:
         """The prompt's tokens as /v1/messages would send them: ``{"input_tokens": N}``."""
         state.check_model(body.model)
-        body.check()
-        prompt = await state.conversation_prompt(body.conversation(), body.prefilled)
-        if not body.prefilled:  # else the prompt is token ids already
+        ids = await prompt(state, body, body.tool_plan(), fmt)
+        if ids and isinstance(ids[0], dict):  # a conversation, which the engine would encode
             try:
-                prompt = await asyncio.to_thread(state.engine.encode_chat, prompt)
+                ids = await asyncio.to_thread(state.engine.encode_chat, ids)
             except RequestError as exc:  # a message the template cannot take (text that is not Unicode)
                 raise bad_request(str(exc), "messages") from None
-        return json_response({"input_tokens": len(prompt)})
+        return json_response({"input_tokens": len(ids)})
 
     return router
+
+
+async def prompt(state: ServerState, body: MessagesInput, plan: ToolPlan | None, fmt: ToolFormat) -> Prompt:
+    """What the engine gets: the conversation (token ids after a prefill), or with tools or tool turns the
+    token ids of the tool layer's rendering of them (tool_calls.render)."""
+    conversation = body.conversation()
+    if plan is None and not any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
+        return await state.conversation_prompt(conversation, body.prefilled)
+    if body.prefilled:
+        raise bad_request(
+            "a final assistant message (a prefill) is not served with tools or tool turns; end with the user's turn",
+            "messages",
+        )
+    messages, definitions = render(conversation, plan, fmt)
+    try:
+        return await asyncio.to_thread(state.engine.encode_chat, messages, definitions)
+    except RequestError as exc:
+        raise bad_request(str(exc), "messages") from None
 
 
 def message(
@@ -91,8 +114,10 @@ def usage(out: RequestOutput) -> dict:
     }
 
 
-def stop_reason(state: ServerState, out: RequestOutput, stops: list[str], max_tokens: int) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished reply.
+def stop_reason(
+    state: ServerState, out: RequestOutput, stops: list[str], max_tokens: int, made_calls: bool = False
+) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished reply; ``made_calls``: it called tools.
 
     The engine says only "stop"; which stop string ended it is found in the reply's tokens decoded in
     full, where the stop string the text leaves out follows the text (one character of slack for
@@ -102,6 +127,8 @@ def stop_reason(state: ServerState, out: RequestOutput, stops: list[str], max_to
         if len(out.token_ids) < max_tokens:  # the context filled first
             return "model_context_window_exceeded", None
         return "max_tokens", None
+    if out.finish_reason == "stop" and made_calls:
+        return "tool_use", None
     if out.finish_reason == "stop" and stops:
         full = state.decode(out.token_ids, skip_special_tokens=True)
         start = max(0, len(out.text) - 1)
@@ -116,22 +143,24 @@ def event(name: str, payload: dict) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + _json.encode({"type": name, **payload}) + b"\n\n"
 
 
-async def message_events(state: ServerState, run: Run, stops: list[str], max_tokens: int) -> AsyncIterator[bytes]:
-    """The reply as Anthropic's stream: message_start, one text block (start, ping, deltas, stop),
-    message_delta with the stop reason and usage, message_stop; a failure on the way is an ``error`` event."""
+async def message_events(
+    state: ServerState, run: Run, blocks: ReplyBlocks, stops: list[str], max_tokens: int
+) -> AsyncIterator[bytes]:
+    """The reply as Anthropic's stream: message_start, ping, its content blocks (each started, its deltas,
+    stopped), message_delta with the stop reason and usage, message_stop; a failure on the way is an
+    ``error`` event."""
     try:
         first = run.last
         assert first is not None  # Run.start took the first output
         start_usage = {**usage(first), "output_tokens": 0}
         yield event("message_start", {"message": message(state, run, [], None, None, start_usage)})
-        yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
         yield event("ping", {})
         async for out in run:
-            if out.delta:
-                yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": out.delta}})
+            for chunk in blocks.events(out.delta, out.finished, event):
+                yield chunk
         final = run.last
-        yield event("content_block_stop", {"index": 0})
-        reason, sequence = stop_reason(state, final, stops, max_tokens)
+        assert final is not None
+        reason, sequence = stop_reason(state, final, stops, max_tokens, blocks.made_calls)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         yield event("message_delta", {"delta": delta, "usage": usage(final)})
         yield event("message_stop", {})

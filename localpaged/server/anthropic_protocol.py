@@ -1,19 +1,21 @@
-"""Anthropic's Messages API request bodies (``/v1/messages``) as pydantic models, and how each becomes a prompt
-and SamplingParams.
+"""Anthropic's Messages API request bodies (``/v1/messages``) as pydantic models, and how each becomes a
+conversation and SamplingParams.
 
 Checked as strictly as the OpenAI bodies (protocol.py): a wrong type is refused, not coerced. What
-would change the answer if ignored (tools, images) is refused with a 400 naming it; what does not
-(``metadata``, ``thinking``, ``output_config.effort``, ``cache_control``) is accepted and ignored.
+would change the answer if ignored (images, documents, Anthropic's server tools) is refused with a
+400 naming it; what does not (``metadata``, ``thinking``, ``output_config.effort``, ``cache_control``)
+is accepted and ignored.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import field_validator
+from pydantic import ValidationInfo, field_validator
 
 from localpaged.errors import ConfigError
 from localpaged.sampling import SamplingParams, StructuredOutputs
+from localpaged.server.anthropic_tools import AnthropicTools
 from localpaged.server.errors import bad_request
 from localpaged.server.protocol import Whole, _kind, _Strict
 
@@ -36,39 +38,70 @@ class AnthropicMessage(_Strict):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _blocks(cls, content: Any) -> list[dict]:
+    def _blocks(cls, content: Any, info: ValidationInfo) -> list[dict]:
         """A string, or a list of content blocks: as a list of blocks either way."""
         if isinstance(content, str):
             return [{"type": "text", "text": content}]
         if isinstance(content, list):
             for block in content:
-                _check_block(block)
+                _check_block(block, info.data.get("role"))
             return content
         raise ValueError(f"must be a string or a list of content blocks, not {_kind(content)}")
 
     def text(self) -> str:
-        return "".join(block["text"] for block in self.content)
+        return "".join(block["text"] for block in self.content if block["type"] == "text")
+
+    def blocks(self, kind: str) -> list[dict]:
+        return [block for block in self.content if block["type"] == kind]
 
 
-def _check_block(block: object) -> None:
+def _check_block(block: object, role: str | None) -> None:
     kind = block.get("type") if isinstance(block, dict) else None
     if kind in UNREADABLE:
         raise ValueError(f"{kind} blocks are not supported: the model here reads text only; send text blocks")
-    if kind in ("tool_use", "tool_result"):
-        raise ValueError(f"{kind} blocks are not supported: this server runs no tools yet; send text blocks")
+    if kind == "tool_use":
+        if role != "assistant":
+            raise ValueError("tool_use blocks belong in assistant messages (the calls the model made)")
+        if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)):
+            raise ValueError("a tool_use block needs its id and name (strings), as the reply gave them")
+        if not isinstance(block.get("input"), dict):
+            raise ValueError(
+                f"a tool_use block's input is an object of the tool's arguments, not {_kind(block.get('input'))}"
+            )
+        return
+    if kind == "tool_result":
+        if role != "user":
+            raise ValueError("tool_result blocks belong in user messages (the results of the calls)")
+        if not isinstance(block.get("tool_use_id"), str):
+            raise ValueError("a tool_result block needs tool_use_id, the id of the tool_use it answers")
+        result = block.get("content", "")
+        if isinstance(result, list):
+            for inner in result:
+                _check_block(inner, "tool_result")
+            return
+        if isinstance(result, str):
+            return
+        raise ValueError(f"a tool_result's content is a string or a list of text blocks, not {_kind(result)}")
     if kind != "text" or not isinstance(block.get("text"), str):
         shown = f"{_kind(block)} of type {kind!r}" if kind is not None else _kind(block)
-        raise ValueError(f"content blocks must be {{'type': 'text', 'text': ...}}, not {shown}")
+        raise ValueError(
+            f"content blocks are text ({{'type': 'text', 'text': ...}}), tool_use or tool_result, not {shown}"
+        )
 
 
-class MessagesInput(_Strict):
+def _result_text(block: dict) -> str:
+    """A tool_result's content as text; an error result says it failed, for the model to read."""
+    result = block.get("content", "")
+    text = result if isinstance(result, str) else "".join(inner["text"] for inner in result)
+    return f"Error: {text}" if block.get("is_error") else text
+
+
+class MessagesInput(AnthropicTools):
     """What ``/v1/messages/count_tokens`` takes: the prompt's fields alone."""
 
     model: str
     messages: list[AnthropicMessage]
     system: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     thinking: Any = None  # accepted and ignored: a reply without a thinking block is a reply Anthropic's API allows
 
     @field_validator("messages")
@@ -90,25 +123,33 @@ class MessagesInput(_Strict):
             return "".join(b["text"] for b in system)
         raise ValueError(f"must be a string or a list of {{'type': 'text', 'text': ...}} blocks, not {_kind(system)}")
 
-    def check(self) -> None:
-        """The refusals that need more than one field's type: APIError 400 naming the field."""
-        if self.tools:
-            raise bad_request("tools are not supported by this server yet; leave tools out", "tools")
-        if self.tool_choice not in (None, {"type": "none"}, {"type": "auto"}):
-            raise bad_request(
-                f"tool_choice={self.tool_choice!r} asks for a tool call, and this server runs no tools; leave it out",
-                "tool_choice",
-            )
-
     def conversation(self) -> list[dict]:
-        """The chat template's messages: the system prompt, then the turns, consecutive turns of one role joined
-        into one (as Anthropic's API combines them)."""
+        """The chat template's messages: the system prompt, then the turns, consecutive text turns of one role
+        joined into one (as Anthropic's API combines them). An assistant's tool_use blocks are its
+        ``tool_calls`` (arguments as objects, as HF templates take them); a user's tool_result blocks are
+        ``tool`` turns before the user's own text."""
         turns: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
-        for message in self.messages:
-            if turns and turns[-1]["role"] == message.role:
-                turns[-1]["content"] += "\n\n" + message.text()
+
+        def add(role: str, text: str, calls: list[dict] | None = None) -> None:
+            last = turns[-1] if turns else None
+            if last is not None and last["role"] == role and not calls and not last.get("tool_calls"):
+                last["content"] += "\n\n" + text
             else:
-                turns.append({"role": message.role, "content": message.text()})
+                turns.append({"role": role, "content": text, **({"tool_calls": calls} if calls else {})})
+
+        for message in self.messages:
+            if message.role == "assistant":
+                calls = [
+                    {"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": b["input"]}}
+                    for b in message.blocks("tool_use")
+                ]
+                add("assistant", message.text(), calls)
+                continue
+            results = message.blocks("tool_result")
+            for block in results:
+                turns.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": _result_text(block)})
+            if message.blocks("text") or not results:
+                add("user", message.text())
         return turns
 
     @property
@@ -127,9 +168,17 @@ class MessagesRequest(MessagesInput):
     stream: bool = False
     output_config: dict | None = None  # format: a JSON schema the reply must match; effort: ignored
 
-    def sampling_params(self, max_model_len: int) -> SamplingParams:
-        """The request's SamplingParams; APIError 400 naming the field when a value is out of range."""
-        self.check()
+    def sampling_params(self, max_model_len: int, tools: StructuredOutputs | None = None) -> SamplingParams:
+        """The request's SamplingParams; APIError 400 naming the field when a value is out of range.
+
+        tools: the grammar its tools hold the reply to (tool_calls.constraint), if any.
+        """
+        structured = self._structured()
+        if structured is not None and tools is not None:
+            raise bad_request(
+                "tools and output_config.format both say what the reply must be; send one, or tool_choice 'none'",
+                "output_config.format",
+            )
         fields: dict[str, Any] = {
             # Agents send the model's whole output budget (32k, 64k) as a matter of course: the reply is
             # bounded by the context instead, and says so (stop_reason model_context_window_exceeded).
@@ -138,7 +187,7 @@ class MessagesRequest(MessagesInput):
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": 0 if self.top_k is None else self.top_k,
             "stop": self.stop_sequences or [],
-            "structured": self._structured(),
+            "structured": structured or tools,
         }
         try:
             return SamplingParams(**fields)

@@ -140,13 +140,13 @@ def test_stream_events_come_in_anthropics_order(base_url: str, engine: AsyncLLM)
     assert status == 200
     pairs = events(text)
     names = [name for name, _ in pairs]
-    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(names[3:-3]) <= {"content_block_delta"}
     assert all(data["type"] == name for name, data in pairs)
     start = pairs[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["output_tokens"] == 0
-    assert pairs[1][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    assert pairs[2][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     assert all(data["delta"]["type"] == "text_delta" for name, data in pairs if name == "content_block_delta")
     assert pairs[-2][1]["delta"]["stop_reason"] in ("end_turn", "max_tokens")
     assert pairs[-2][1]["usage"]["output_tokens"] >= 1
@@ -277,7 +277,30 @@ TOO_LONG = [{"role": "user", "content": "paging " * 1500}]
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
-        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}, "tool_result"),
+        ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}, "user"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+            "assistant",
+        ),
+        (
+            {"messages": [*USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f"}]}]},
+            "input",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 3}]}]},
+            "tool_result",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}],
+                    }
+                ]
+            },
+            "image",
+        ),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "content blocks"),
         ({"messages": TOO_LONG}, "1024"),
         ({"messages": TOO_LONG, "stream": True}, "1024"),
@@ -288,8 +311,34 @@ TOO_LONG = [{"role": "user", "content": "paging " * 1500}]
         ({"top_k": -3}, "top_k"),
         ({"stop_sequences": "END"}, "stop_sequences"),
         ({"stop_sequences": ["x"] * 17}, "stop_sequences"),
-        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
-        ({"tool_choice": {"type": "any"}}, "tool_choice"),
+        ({"tools": [{"name": "web_search", "type": "web_search_20250305"}]}, "input_schema"),
+        ({"tools": [{"name": "web_search", "type": "web_search_20250305", "input_schema": {}}]}, "server tools"),
+        ({"tools": [{"name": "has space", "input_schema": {"type": "object"}}]}, "tool name"),
+        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}] * 2}, "two tools"),
+        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}] * 129}, "tools"),
+        (
+            {
+                "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                "tool_choice": {"type": "tool", "name": "g"},
+            },
+            "'g'",
+        ),
+        ({"tool_choice": {"type": "any"}}, "send the tools"),
+        ({"tool_choice": {"type": "sometimes"}}, "tool_choice"),
+        (
+            {
+                "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                "output_config": {"format": {"type": "json_schema", "schema": {}}},
+            },
+            "output_config.format",
+        ),
+        (
+            {
+                "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                "messages": [*USER, {"role": "assistant", "content": "I"}],
+            },
+            "prefill",
+        ),
         ({"output_config": {"format": {"type": "yaml"}}}, "output_config.format"),
         ({"stream": "yes"}, "stream"),
     ],
