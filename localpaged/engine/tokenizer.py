@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
+
 from localpaged.errors import RequestError
 from localpaged.unicode_text import not_unicode
 
@@ -107,9 +109,12 @@ def encode_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None =
     messages = check_messages(messages)
     specials = _special_strings(tokenizer)
     extra = {"tools": tools} if tools else {}
-    if not any(token in m["content"] for m in messages for token in specials):
-        return _apply_template(tokenizer, messages, extra)
-    return _encode_with_literal_content(tokenizer, messages, extra)
+    try:
+        if not any(token in m["content"] for m in messages for token in specials):
+            return _apply_template(tokenizer, messages, extra)
+        return _encode_with_literal_content(tokenizer, messages, extra)
+    except TemplateError as exc:  # the template's own raise_exception: an order of turns it does not take
+        raise RequestError(f"the model's chat template refused these messages: {exc}") from None
 
 
 # Roles the chat templates know; "developer" (the OpenAI API's newer name for "system", which the

@@ -17,7 +17,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from localpaged.chat.tool_calls import ToolFormat, ToolPlan, constraint, detect_format, render
+from localpaged.chat.tool_calls import ToolPlan, constraint
 from localpaged.engine.output import RequestOutput
 from localpaged.engine.protocol import Prompt
 from localpaged.errors import RequestError
@@ -33,21 +33,22 @@ _json = msgspec.json.Encoder()
 def messages_router(state: ServerState) -> APIRouter:
     """The Messages API's routes over ``state``'s engine."""
     router = APIRouter()
-    fmt = detect_format(getattr(getattr(state.engine, "tokenizer", None), "chat_template", None))
+    fmt = state.tool_format
 
     @router.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
         state.check_model(body.model)
         plan = body.tool_plan()
         params = body.sampling_params(state.max_model_len, constraint(plan, fmt) if plan is not None else None)
-        run = await state.start(await prompt(state, body, plan, fmt), params, "msg", "messages")
+        run = await state.start(await prompt(state, body, plan), params, "msg", "messages")
         blocks = ReplyBlocks(plan, fmt)
         stops = body.stop_sequences or []
         if body.stream:
             return EventStream(message_events(state, run, blocks, stops, params.max_tokens))
-        final = await run.final(request)
-        if final is None:
+        finals = await run.final(request)
+        if finals is None:
             return Response(status_code=499)  # nobody is listening
+        (final,) = finals  # one sample: the Messages API has no n
         content = blocks.whole(final.text)
         reason, sequence = stop_reason(state, final, stops, params.max_tokens, blocks.made_calls)
         return json_response(message(state, run, content, reason, sequence, usage(final)))
@@ -56,7 +57,7 @@ def messages_router(state: ServerState) -> APIRouter:
     async def count_tokens(body: MessagesInput) -> Response:
         """The prompt's tokens as /v1/messages would send them: ``{"input_tokens": N}``."""
         state.check_model(body.model)
-        ids = await prompt(state, body, body.tool_plan(), fmt)
+        ids = await prompt(state, body, body.tool_plan())
         if ids and isinstance(ids[0], dict):  # a conversation, which the engine would encode
             try:
                 ids = await asyncio.to_thread(state.engine.encode_chat, ids)
@@ -67,22 +68,15 @@ def messages_router(state: ServerState) -> APIRouter:
     return router
 
 
-async def prompt(state: ServerState, body: MessagesInput, plan: ToolPlan | None, fmt: ToolFormat) -> Prompt:
-    """What the engine gets: the conversation (token ids after a prefill), or with tools or tool turns the
-    token ids of the tool layer's rendering of them (tool_calls.render)."""
-    conversation = body.conversation()
-    if plan is None and not any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
-        return await state.conversation_prompt(conversation, body.prefilled)
-    if body.prefilled:
+async def prompt(state: ServerState, body: MessagesInput, plan: ToolPlan | None) -> Prompt:
+    """What the engine gets: the conversation (token ids after a prefill, or where tools or tool turns are
+    rendered by the tool layer: ServerState.conversation_prompt)."""
+    if body.prefilled and plan is not None and plan.choice != "none":  # as the OpenAI route refuses it
         raise bad_request(
-            "a final assistant message (a prefill) is not served with tools or tool turns; end with the user's turn",
+            "a final assistant message (a prefill) is not served with tools; end with the user's turn",
             "messages",
         )
-    messages, definitions = render(conversation, plan, fmt)
-    try:
-        return await asyncio.to_thread(state.engine.encode_chat, messages, definitions)
-    except RequestError as exc:
-        raise bad_request(str(exc), "messages") from None
+    return await state.conversation_prompt(body.conversation(), body.prefilled, plan)
 
 
 def message(

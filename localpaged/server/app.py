@@ -21,6 +21,7 @@ request at once, so its KV blocks go back to the pool for everyone else.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterable
 from functools import partial
 
@@ -30,9 +31,11 @@ from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from localpaged.chat.tool_calls import constraint
 from localpaged.engine.protocol import EngineClient
 from localpaged.errors import LocalpagedError, RequestError
 from localpaged.server.anthropic import messages_router
+from localpaged.server.choices import ChatChoice, CompletionChoice, ToolSetup
 from localpaged.server.errors import APIError, bad_request, error_response, json_response, validation_error
 from localpaged.server.guard import Guard
 from localpaged.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -142,28 +145,37 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         params = body.sampling_params(state.max_model_len)
-        run = await state.start(await state.chat_prompt(body), params, "chatcmpl", "messages")
+        plan = body.tool_plan()
+        tools = None if plan is None else ToolSetup(plan, state.tool_format, body.legacy_functions)
+        if tools is not None and (grammar := constraint(plan, tools.fmt)) is not None:
+            params = dataclasses.replace(params, structured=grammar)
+        state.check_params(params)
+        texts = state.token_texts if params.logprobs is not None else None
+        choices = [ChatChoice(i, tools if plan and plan.choice != "none" else None, texts) for i in range(params.n)]
+        run = await state.start(await state.chat_prompt(body, tools), params, "chatcmpl", "messages")
         if body.stream:
-            return EventStream(chat_chunks(state, run, body.include_usage))
-        final = await run.final(request)
-        if final is None:
+            return EventStream(chat_chunks(state, run, body.include_usage, choices))
+        finals = await run.final(request)
+        if finals is None:
             return Response(status_code=499)  # nobody is listening
-        message = {"role": "assistant", "content": final.text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": final.finish_reason}
-        return json_response(state.envelope(run, "chat.completion", choice, usage(final)))
+        whole = [choices[out.index].message(out) for out in finals]
+        return json_response(state.envelope(run, "chat.completion", whole, usage(run)))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         params = body.sampling_params(state.max_model_len)
+        state.check_params(params)
+        texts = state.token_texts if params.logprobs is not None else None
+        choices = [CompletionChoice(i, texts) for i in range(params.n)]
         run = await state.start(body.prompt, params, "cmpl", "prompt")
         if body.stream:
-            return EventStream(completion_chunks(state, run, body.include_usage))
-        final = await run.final(request)
-        if final is None:
+            return EventStream(completion_chunks(state, run, body.include_usage, choices))
+        finals = await run.final(request)
+        if finals is None:
             return Response(status_code=499)
-        choice = {"index": 0, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason}
-        return json_response(state.envelope(run, "text_completion", choice, usage(final)))
+        whole = [choices[out.index].whole(out) for out in finals]
+        return json_response(state.envelope(run, "text_completion", whole, usage(run)))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
