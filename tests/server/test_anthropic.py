@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import anthropic
+import jsonschema
 import pytest
 
 from localpaged import SamplingParams
@@ -375,3 +376,37 @@ def test_malformed_bodies_and_unknown_paths_answer_in_anthropics_shape(base_url:
     assert status == 400 and reply["type"] == "error"
     status, reply = post(base_url, "/v1/messages/batches", {})
     assert status == 404 and reply["error"]["type"] == "not_found_error"
+
+
+# ----- constrained replies on the tiny model ------------------------------------------------------------
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+WEATHER = {"name": "get_weather", "description": "The weather in a city.", "input_schema": CITY}
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_a_required_tool_call_is_a_tool_use_block_of_its_schema(
+    client: anthropic.Anthropic, engine, tool_choice
+) -> None:
+    """The grammar holds even a random model to a call of the tool, its input valid for the tool's schema."""
+    kwargs = {"model": engine.info.model_name, "messages": USER, "max_tokens": 200, "tools": [WEATHER]}
+    reply = client.messages.create(**kwargs, tool_choice=tool_choice, extra_body={"temperature": 0})
+    assert reply.stop_reason == "tool_use", reply
+    (call,) = [b for b in reply.content if b.type == "tool_use"]
+    assert call.name == "get_weather" and call.id.startswith("toolu_")
+    jsonschema.validate(call.input, CITY)
+    with client.messages.stream(**kwargs, tool_choice=tool_choice, extra_body={"temperature": 0}) as stream:
+        final = stream.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(call.name, call.input)]
+
+
+def test_output_config_format_holds_the_reply_to_its_schema(client: anthropic.Anthropic, engine: AsyncLLM) -> None:
+    reply = client.messages.create(
+        model=engine.info.model_name,
+        messages=USER,
+        max_tokens=200,
+        output_config={"format": {"type": "json_schema", "schema": CITY}},
+        extra_body={"temperature": 0},
+    )
+    assert reply.stop_reason == "end_turn", reply
+    jsonschema.validate(json.loads(reply.content[0].text), CITY)
