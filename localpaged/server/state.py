@@ -110,6 +110,10 @@ class ServerState:
             return conversation
         messages, definitions = render(conversation, plan, self.tool_format)
         head = messages[:-1] if continue_final_message else messages
+        if not head:  # a template renders no turn of its own to go on from
+            raise bad_request(
+                "the final assistant message has nothing before it to answer; send a user message first", "messages"
+            )
         try:
             ids = await asyncio.to_thread(self.engine.encode_chat, head, definitions)
         except RequestError as exc:

@@ -303,6 +303,7 @@ TOO_LONG = [{"role": "user", "content": "paging " * 1500}]
             "image",
         ),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "content blocks"),
+        ({"messages": [{"role": "assistant", "content": "Hi"}]}, "nothing before it"),  # a prefill of nothing
         ({"messages": TOO_LONG}, "1024"),
         ({"messages": TOO_LONG, "stream": True}, "1024"),
         ({"system": 7}, "system"),
