@@ -110,6 +110,17 @@ def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
+def _arguments(text: str) -> dict:
+    """A call's input. Arguments that are not whole JSON were cut off by the token limit (the grammar or the
+    parser's scanner vouch for the rest): the block stays, with no input, as Anthropic's API leaves a
+    truncated tool_use block, and stop_reason max_tokens says why."""
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 class ReplyBlocks:
     """The reply as Anthropic's content blocks: text, and tool_use when the request has tools.
 
@@ -132,7 +143,7 @@ class ReplyBlocks:
         self.made_calls = bool(calls)
         blocks = [{"type": "text", "text": said}] if said.strip() or not calls else []
         return blocks + [
-            {"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": json.loads(c.arguments or "{}")}
+            {"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": _arguments(c.arguments)}
             for c in calls
         ]
 

@@ -411,3 +411,12 @@ def test_output_config_format_holds_the_reply_to_its_schema(client: anthropic.An
     )
     assert reply.stop_reason == "end_turn", reply
     jsonschema.validate(json.loads(reply.content[0].text), CITY)
+
+
+@pytest.mark.parametrize("max_tokens", [6, 14])
+def test_a_call_cut_off_by_max_tokens_still_answers(client: anthropic.Anthropic, engine, max_tokens: int) -> None:
+    """Half a call is no call: the reply says max_tokens (ReplyBlocks' own test pins its blocks)."""
+    kwargs = {"model": engine.info.model_name, "messages": USER, "max_tokens": max_tokens, "tools": [WEATHER]}
+    reply = client.messages.create(**kwargs, tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == max_tokens
+    assert {b.type for b in reply.content} <= {"text", "tool_use"}

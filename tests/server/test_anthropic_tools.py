@@ -17,6 +17,7 @@ import pytest
 from localpaged.chat.tool_calls import ToolPlan, constraint
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.sampling import SamplingParams
+from localpaged.server.anthropic_tools import ReplyBlocks
 from tests.chat.fake_llm import FakeLLM
 from tests.server.running import running_server
 
@@ -188,3 +189,14 @@ def test_an_error_result_says_so(client: anthropic.Anthropic, llm: ScriptedLLM) 
         messages=[*ASK, {"role": "assistant", "content": [call.model_dump()]}, {"role": "user", "content": [result]}],
     )
     assert "Error: no such city" in llm.prompts[-1]
+
+
+def test_a_call_cut_off_keeps_its_block_without_input() -> None:
+    """A reply cut at its token limit inside a call's arguments: the call stays, its input empty, as Anthropic's API
+    leaves a truncated tool_use block."""
+    plan = ToolPlan([{"type": "function", "function": WEATHER_FUNCTION}], "auto")
+    cut = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Par'
+    (block,) = ReplyBlocks(plan, "generic").whole(cut)
+    assert (block["type"], block["name"], block["input"]) == ("tool_use", "get_weather", {})
+    whole = ReplyBlocks(plan, "generic").whole(TWO_CALLS)
+    assert [b["input"] for b in whole] == [{"city": "Paris"}, {"city": "Rome"}]
