@@ -36,6 +36,9 @@ GENERIC_INSTRUCTIONS = (
     'Reply with one JSON object: {call} to call {which}, or {{"response": "your answer"}} to answer the user.'
 )
 GENERIC_REQUIRED = "You must call one of these tools (JSON schemas of their arguments):\n{tools}\n\nReply with {call}."
+GENERIC_NAMED = (
+    "Call the tool {name} ({description}): reply with a JSON object of its arguments, of this schema:\n{schema}"
+)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,10 @@ def render(messages: list[dict], plan: ToolPlan | None, fmt: ToolFormat) -> tupl
         call, which = '{"tool_call": {"name": "tool name", "arguments": {...}}}', "a tool"
     if plan.choice == "auto":
         system = GENERIC_INSTRUCTIONS.format(tools=described, call=call, which=which)
+    elif plan.choice == "named":
+        function = next(f for f in plan.functions if f["name"] == plan.name)
+        schema = json.dumps(plan.parameters(plan.name), ensure_ascii=False)
+        system = GENERIC_NAMED.format(name=plan.name, description=function.get("description", ""), schema=schema)
     else:
         system = GENERIC_REQUIRED.format(tools=described, call='[{"name": "tool name", "arguments": {...}}]')
     if out and out[0]["role"] == "system":
@@ -340,12 +347,16 @@ class ToolCallParser:
 
     def finish(self) -> list[Delta]:
         out = self._run(final=True)
-        if self.scanner is not None and not self.scanner.done:
+        reply = self.reply
+        if self.scanner is not None and reply is not None and not self.scanner.done:
             try:
-                events = self.scanner.finish()
-                out += self.reply.handle(events, len(self.buffer))  # type: ignore[union-attr]
+                out += reply.handle(self.scanner.finish(), len(self.buffer))
             except ScanError:
                 pass
+            if reply.next_index == reply.first_index:  # cut off before it named a tool: it was text
+                start = self.call_start - (len(HERMES_OPEN) if self._tagged else 0)
+                out.append(ContentDelta(self.buffer[start:]))
+            self.scanner = None
         return out
 
     # ----- the modes -----------------------------------------------------------------------------
