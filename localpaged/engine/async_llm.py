@@ -32,7 +32,7 @@ import msgspec
 from localpaged.config import EngineConfig
 from localpaged.engine import messages as m
 from localpaged.engine.core_client import CoreProcess, CoreThread
-from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
+from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput, TokenLogprob
 from localpaged.engine.protocol import EngineInfo, EngineStats, Prompt
 from localpaged.engine.tokenizer import (
     check_messages,
@@ -63,6 +63,7 @@ class _Stream:
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     last: RequestOutput | None = None
 
     def update(self, out: m.Output) -> RequestOutput:
@@ -70,6 +71,8 @@ class _Stream:
             self.prompt_token_ids = out.prompt_token_ids
         self.token_ids.extend(out.new_token_ids)
         self.text += out.delta
+        if out.new_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.new_logprobs
         self.last = RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
@@ -80,6 +83,7 @@ class _Stream:
             finish_reason=out.finish_reason,
             metrics=out.metrics,
             error=out.error,
+            logprobs=self.logprobs,
         )
         return self.last
 

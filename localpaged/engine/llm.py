@@ -24,10 +24,10 @@ import torch
 from localpaged.config import EngineConfig
 from localpaged.engine.block_pool import BlockPool
 from localpaged.engine.kv_cache_manager import KVCacheManager
-from localpaged.engine.output import IncrementalDetokenizer, KVMap, RequestMetrics, RequestOutput
+from localpaged.engine.output import IncrementalDetokenizer, KVMap, RequestMetrics, RequestOutput, TokenLogprob
 from localpaged.engine.protocol import EngineInfo, EngineStats
 from localpaged.engine.runner import ModelRunner
-from localpaged.engine.sampler import make_generator
+from localpaged.engine.sampler import SampledToken, make_generator
 from localpaged.engine.scheduler import Scheduler
 from localpaged.engine.sequence import Sequence
 from localpaged.engine.setup import EngineParts, build_engine_parts
@@ -43,12 +43,6 @@ def _refuse_unbuilt(params: SamplingParams) -> None:
     """The SamplingParams fields this engine does not apply yet: refused, never ignored."""
     unbuilt = {
         "n": params.n != 1,
-        "presence_penalty": params.presence_penalty != 0,
-        "frequency_penalty": params.frequency_penalty != 0,
-        "repetition_penalty": params.repetition_penalty != 1,
-        "min_p": params.min_p != 0,
-        "logit_bias": bool(params.logit_bias),
-        "logprobs": params.logprobs is not None,
         "structured": params.structured is not None,
     }
     for name, asked in unbuilt.items():
@@ -56,10 +50,16 @@ def _refuse_unbuilt(params: SamplingParams) -> None:
             raise RequestError(f"{name} is not supported by this engine yet; leave it at its default")
 
 
+def _copy(logprobs: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+    """An output's own list, as ``token_ids`` is: later tokens do not grow an output already handed out."""
+    return None if logprobs is None else list(logprobs)
+
+
 @dataclass
 class _RequestState:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asks for them
 
 
 class LLM:
@@ -126,10 +126,17 @@ class LLM:
             raise RequestError(
                 f"stop_token_ids={params.stop_token_ids}: token ids must be below {vocab}, the model's vocabulary size"
             )
+        if any(t >= vocab for t in params.logit_bias):
+            raise RequestError(
+                f"logit_bias names token {max(params.logit_bias)}: token ids must be below {vocab}, "
+                "the model's vocabulary size"
+            )
         _refuse_unbuilt(params)
         seq = Sequence(request_id, ids, params)
         seq.extra = _RequestState(
-            IncrementalDetokenizer(self.tokenizer, ids, params.stop), make_generator(params, self.device)
+            IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+            make_generator(params, self.device),
+            [] if params.logprobs is not None else None,
         )
         return seq
 
@@ -222,11 +229,16 @@ class LLM:
             finish_reason="error",
             metrics=self._metrics(seq),
             error=f"request {seq.request_id!r} failed: {cause}; it was stopped, other requests go on",
+            logprobs=_copy(seq.extra.logprobs),
         )
 
-    def _on_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _on_token(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
+        """Append the token (a stop token too: ``token_ids`` ends with it, as ``logprobs`` does) and check the stops."""
+        token = sampled.token_id
         seq.append_token(token)
         state: _RequestState = seq.extra
+        if state.logprobs is not None:
+            state.logprobs.append(sampled.logprob)
         params: SamplingParams = seq.params
         reason = None
         if not params.ignore_eos and (token in self.stop_token_ids or token in params.stop_token_ids):
@@ -256,6 +268,7 @@ class LLM:
             finished=finished,
             finish_reason=seq.finish_reason,
             metrics=self._metrics(seq),
+            logprobs=_copy(state.logprobs),
         )
 
     @staticmethod

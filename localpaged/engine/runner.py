@@ -15,7 +15,7 @@ import torch
 from localpaged.engine import cascade as cascade_groups
 from localpaged.engine.cpu_decode import NativeDecode
 from localpaged.engine.cuda_graphs import DecodeGraphs
-from localpaged.engine.sampler import sample
+from localpaged.engine.sampler import SampledToken, sample
 from localpaged.engine.scheduler import ScheduledBatch
 from localpaged.kernels.reference import CascadePlan
 from localpaged.layers.attention import Attention, AttentionMetadata
@@ -186,8 +186,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | Exception | None]:
-        """One forward over the batch; a sampled token for each sequence that reached its end, else None.
+    def run(self, batch: ScheduledBatch) -> list[SampledToken | Exception | None]:
+        """One forward over the batch; a sampled token (and its logprobs) for each sequence that reached its end,
+        else None.
 
         A sequence whose own sampling failed gets the exception instead of a token (see ``sample``);
         a failure of the batch as a whole (the forward pass) raises.
@@ -200,7 +201,7 @@ class ModelRunner:
         else:
             self.attention.prepare(meta)
             hidden = self.model(ids, pos, meta)
-        sampled: list[int | Exception | None] = [None] * len(batch.seqs)
+        sampled: list[SampledToken | Exception | None] = [None] * len(batch.seqs)
         if not logit_rows:
             return sampled
         logits = self.model.compute_logits(hidden[logit_rows])
