@@ -18,6 +18,7 @@ import uuid
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,21 +30,25 @@ from localpaged.engine.protocol import EngineInfo, EngineStats
 from localpaged.engine.runner import ModelRunner
 from localpaged.engine.sampler import SampledToken, make_generator
 from localpaged.engine.scheduler import Scheduler
-from localpaged.engine.sequence import Sequence
+from localpaged.engine.sequence import Sequence, SequenceStatus
 from localpaged.engine.setup import EngineParts, build_engine_parts
 from localpaged.engine.tokenizer import Prompt, check_prompt_length, encode_chat, encode_prompt, max_prompt_chars
 from localpaged.errors import RequestError
 from localpaged.models.loader import ModelFiles
 from localpaged.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from localpaged.engine.structured import StructuredOutputManager, StructuredOutputRequest
+
 log = logging.getLogger(__name__)
+# How long an idle step waits for a grammar compile (nothing else to run): short, so that new commands are read soon.
+GRAMMAR_WAIT_S = 0.02
 
 
 def _refuse_unbuilt(params: SamplingParams) -> None:
     """The SamplingParams fields this engine does not apply yet: refused, never ignored."""
     unbuilt = {
         "n": params.n != 1,
-        "structured": params.structured is not None,
     }
     for name, asked in unbuilt.items():
         if asked:
@@ -60,6 +65,7 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asks for them
+    grammar: StructuredOutputRequest | None = None  # the sample's matcher, where the request has a grammar
 
 
 class LLM:
@@ -96,6 +102,8 @@ class LLM:
         self.kv = KVCacheManager(self.pool, self.kv_disk, self.runner)
         self.scheduler = Scheduler(self.kv, resolved.max_num_seqs, resolved.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
+        self._structured: StructuredOutputManager | None = None  # built on the first structured request
+        self._compiling: dict[str, Sequence] = {}  # requests waiting for their grammar (WAITING_FOR_FSM)
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
 
     # ---- requests -------------------------------------------------------------------------
@@ -137,8 +145,22 @@ class LLM:
             IncrementalDetokenizer(self.tokenizer, ids, params.stop),
             make_generator(params, self.device),
             [] if params.logprobs is not None else None,
+            self._grammar(params),
         )
         return seq
+
+    def _grammar(self, params: SamplingParams) -> StructuredOutputRequest | None:
+        """A sample's grammar matcher (None without ``structured``); a spec xgrammar refuses is a RequestError."""
+        if params.structured is None:
+            return None
+        if self._structured is None:
+            from localpaged.engine.structured import StructuredOutputManager
+
+            vocab = self.runner.model.config.vocab_size
+            self._structured = StructuredOutputManager(
+                self.tokenizer, vocab, self.stop_token_ids, self.resolved.max_num_seqs, self.device
+            )
+        return self._structured.request(params.structured)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request; it is checked in full first, so a bad one queues nothing. Returns its id."""
@@ -148,6 +170,9 @@ class LLM:
 
     def _enqueue(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
+        if seq.extra.grammar is not None:  # admitted once its grammar is compiled (see _start_grammars)
+            seq.status = SequenceStatus.WAITING_FOR_FSM
+            self._compiling[seq.request_id] = seq
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -155,6 +180,7 @@ class LLM:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             raise RequestError(f"no running request has id {request_id!r}")
+        self._compiling.pop(request_id, None)
         self.scheduler.finish(seq, "abort")
 
     def prefetch(self, prompt: Prompt) -> int:
@@ -180,17 +206,19 @@ class LLM:
         ``finish_reason="error"`` (see the module docstring). Exceptions that are not ``Exception``
         (KeyboardInterrupt) propagate; ``generate`` aborts its requests on the way out.
         """
+        outputs = self._start_grammars() if self._compiling else []
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            if self._compiling:  # only requests waiting for a grammar: wait for one rather than spin
+                self._structured.wait([s.extra.grammar for s in self._compiling.values()], GRAMMAR_WAIT_S)
+            return outputs
         try:
             sampled = self.runner.run(batch)
             self.scheduler.on_step_done(batch)
         except Exception as exc:  # not attributable to one request: the batch fails, the engine goes on
             log.exception("the model step failed; ending the %d requests of its batch", len(batch.seqs))
             cause = f"the model step for this request's batch failed ({type(exc).__name__}: {exc})"
-            return [self._fail(seq, cause) for seq in batch.seqs]
-        outputs = []
+            return outputs + [self._fail(seq, cause) for seq in batch.seqs]
         tokens = 0
         for seq, token in zip(batch.seqs, sampled):
             if isinstance(token, Exception):
@@ -206,6 +234,21 @@ class LLM:
                     outputs.append(self._fail(seq, cause))
         self._recent.append((time.perf_counter(), tokens))
         return outputs
+
+    def _start_grammars(self) -> list[RequestOutput]:
+        """Let the requests whose grammar has compiled be admitted; those whose compile failed end here."""
+        failed = []
+        for request_id, seq in list(self._compiling.items()):
+            try:
+                if not seq.extra.grammar.start():
+                    continue
+            except Exception as exc:  # noqa: BLE001 -- the compile's error ends this request alone
+                del self._compiling[request_id]
+                failed.append(self._fail(seq, f"its grammar could not be compiled ({exc})"))
+                continue
+            del self._compiling[request_id]
+            seq.status = SequenceStatus.WAITING
+        return failed
 
     def _fail(self, seq: Sequence, cause: str) -> RequestOutput:
         """End ``seq`` with an error, free its blocks and forget it; its final output, built without its detokenizer.
@@ -241,11 +284,13 @@ class LLM:
             state.logprobs.append(sampled.logprob)
         params: SamplingParams = seq.params
         reason = None
-        if not params.ignore_eos and (token in self.stop_token_ids or token in params.stop_token_ids):
+        # The grammar's end ends the reply, ignore_eos or not; a token it refuses fails the request.
+        ended = state.grammar is not None and state.grammar.accept(token)
+        if (not params.ignore_eos or ended) and (token in self.stop_token_ids or token in params.stop_token_ids):
             reason = "stop"
         else:
             state.detokenizer.add(token)
-            if state.detokenizer.stopped:
+            if state.detokenizer.stopped or ended:
                 reason = "stop"
             elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.resolved.max_model_len:
                 reason = "length"

@@ -17,6 +17,7 @@ from localpaged.engine.cpu_decode import NativeDecode
 from localpaged.engine.cuda_graphs import DecodeGraphs
 from localpaged.engine.sampler import SampledToken, sample
 from localpaged.engine.scheduler import ScheduledBatch
+from localpaged.engine.structured import apply_grammar_bitmask
 from localpaged.kernels.reference import CascadePlan
 from localpaged.layers.attention import Attention, AttentionMetadata
 
@@ -205,6 +206,8 @@ class ModelRunner:
         if not logit_rows:
             return sampled
         logits = self.model.compute_logits(hidden[logit_rows])
-        for i, token in zip(to_sample, sample(logits, [batch.seqs[i] for i in to_sample])):
+        rows = [batch.seqs[i] for i in to_sample]
+        apply_grammar_bitmask(logits, rows)  # constrained rows only: the others sample as they would alone
+        for i, token in zip(to_sample, sample(logits, rows)):
             sampled[i] = token
         return sampled
