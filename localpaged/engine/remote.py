@@ -310,6 +310,11 @@ class RemoteEngine:
 
     def _request(self, prompt: Prompt, params: SamplingParams) -> tuple[bool, dict, str | None]:
         """(chat?, the create() arguments, the prefix the server will echo) for ``prompt`` and ``params``."""
+        if params.n != 1:  # a reply here is one choice; the server's n choices would interleave in one stream
+            raise RequestError(
+                f"n={params.n}: a remote engine streams one sample per request; send n requests with n=1 "
+                "(with different seeds, if seeded)"
+            )
         body: dict[str, Any] = {
             "model": self._model,
             "stream": True,

@@ -120,6 +120,11 @@ class ModelRunner:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         self._by_block()[index] = self._staging[: len(block_ids)].to(self.device)
 
+    def copy_block(self, src: int, dsts: list[int]) -> None:
+        """Copy block ``src``'s K and V of every layer into each block of ``dsts``, in one indexed copy."""
+        index = torch.tensor(dsts, dtype=torch.int64, device=self.device)
+        self.kv_cache[:, :, index] = self.kv_cache[:, :, src : src + 1]
+
     @staticmethod
     def bytes_per_block(config, head_dim: int, block_size: int, kv_dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=kv_dtype).element_size()

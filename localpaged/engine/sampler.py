@@ -13,6 +13,7 @@ unchanged and its tokens are bit-identical to a step without any of them.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -31,12 +32,24 @@ class SampledToken:
     logprob: TokenLogprob | None = None
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """The request's own random stream, so its samples do not depend on what else runs; None when greedy."""
+def make_generator(params: SamplingParams, device: torch.device, index: int = 0) -> torch.Generator | None:
+    """Sample ``index``'s own random stream, so its tokens do not depend on what else runs; None when greedy.
+
+    Seeded, sample 0 draws from ``seed`` itself (so it is the stream of the same request with n = 1) and
+    sample i > 0 from a seed derived from (seed, i) by SHA-256: reproducible, and unrelated to the streams
+    of other seeds (seed + i would make sample 1 of seed s sample 0 of seed s + 1).
+    """
     if params.greedy:
         return None
+    if params.seed is None:
+        seed = int.from_bytes(os.urandom(8), "little") >> 1
+    elif index == 0:
+        seed = params.seed
+    else:
+        digest = hashlib.sha256(f"localpaged-sample:{params.seed}:{index}".encode()).digest()
+        seed = int.from_bytes(digest[:8], "little") >> 1
     g = torch.Generator(device=device)
-    g.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    g.manual_seed(seed)
     return g
 
 
