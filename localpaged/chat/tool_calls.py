@@ -136,23 +136,34 @@ def _generic_message(message: dict, parallel: bool, as_json: bool) -> dict:
 
 def constraint(plan: ToolPlan, fmt: ToolFormat) -> StructuredOutputs | None:
     """The grammar the reply must match: none for "auto" in a family's own format (the model writes calls
-    or text as it was trained to), a JSON schema of the calls otherwise."""
+    or text as it was trained to), the JSON schema of the calls otherwise (``call_schema``), as an EBNF
+    grammar of compact JSON: a small model given room for whitespace fills it, call after call."""
+    schema = call_schema(plan, fmt)
+    if schema is None:
+        return None
+    import xgrammar as xgr  # the front end imports it for any grammar; a request without tools never does
+
+    return StructuredOutputs(grammar=str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)))
+
+
+def call_schema(plan: ToolPlan, fmt: ToolFormat) -> dict | None:
+    """The JSON schema of the reply ``constraint`` holds it to; None where the reply is free."""
     if plan.choice == "none" or (plan.choice == "auto" and fmt != "generic"):
         return None
     if plan.choice == "named":
-        return StructuredOutputs(json=plan.parameters(plan.name))  # type: ignore[arg-type]
+        return plan.parameters(plan.name)  # type: ignore[arg-type]
     key = "parameters" if fmt == "llama3_json" else "arguments"
     one_call = {"anyOf": [_call_schema(f["name"], plan.parameters(f["name"]), key) for f in plan.functions]}
     if plan.choice == "required":
         calls = {"type": "array", "items": one_call, "minItems": 1}
         if not plan.parallel:
             calls["maxItems"] = 1
-        return StructuredOutputs(json=calls)
+        return calls
     if plan.parallel:
         call = _object({"tool_calls": {"type": "array", "items": one_call, "minItems": 1}})
     else:
         call = _object({"tool_call": one_call})
-    return StructuredOutputs(json={"anyOf": [call, _object({"response": {"type": "string"}})]})
+    return {"anyOf": [call, _object({"response": {"type": "string"}})]}
 
 
 def _call_schema(name: str, parameters: dict, key: str) -> dict:

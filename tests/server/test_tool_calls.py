@@ -173,8 +173,8 @@ def test_the_generic_format_describes_the_tools_in_the_system_message(tokenizer)
 
 def accepts(plan: ToolPlan, fmt: str, text: str) -> bool:
     spec = constraint(plan, fmt)
-    assert spec is not None and spec.kind == "json"
-    return xgr.testing._is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(spec.json)), text)
+    assert spec is not None and spec.kind == "grammar"
+    return xgr.testing._is_grammar_accept_string(xgr.Grammar.from_ebnf(spec.grammar), text)
 
 
 def test_auto_in_a_familys_own_format_is_not_constrained() -> None:
@@ -195,6 +195,12 @@ def test_required_and_named_hold_the_call_to_the_tools_schemas(fmt: str) -> None
     assert accepts(required, fmt, json.dumps(two)) and not accepts(serial, fmt, json.dumps(two))
     named = dataclasses.replace(PLAN, choice="named", name="get_weather")
     assert accepts(named, fmt, '{"city": "Oslo"}') and not accepts(named, fmt, '{"name": "get_weather"}')
+
+
+def test_the_grammar_allows_no_whitespace_of_the_models_choosing() -> None:
+    named = dataclasses.replace(PLAN, choice="named", name="get_weather")
+    assert accepts(named, "generic", '{"city": "Oslo"}')
+    assert not accepts(named, "generic", '{\t"city": "Oslo"}') and not accepts(named, "generic", '{"city":  "Oslo"}')
 
 
 def test_generic_auto_allows_a_call_or_an_answer_and_nothing_else() -> None:
