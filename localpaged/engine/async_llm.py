@@ -234,6 +234,15 @@ class AsyncLLM:
         check_prompt_length(len(ids), self.info.max_model_len)
         return ids
 
+    def _request_ids(self, prompt: Prompt, params: SamplingParams | None) -> list[int]:
+        """``_prompt_ids``, after checking what else the request carries that the core would refuse: a
+        grammar xgrammar cannot parse is a RequestError here, so the core never gets one."""
+        if isinstance(params, SamplingParams) and params.structured is not None:
+            from localpaged.engine.structured import check_structured
+
+            check_structured(params.structured)
+        return self._prompt_ids(prompt)
+
     def stats(self) -> EngineStats:
         """The engine's figures (blocks, prefix hit rate, queues, tok/s) as of the end of its last step."""
         return msgspec.convert(self._call("stats"), EngineStats)
@@ -266,7 +275,7 @@ class AsyncLLM:
                 return False
             return True
 
-        ids = await asyncio.to_thread(self._prompt_ids, prompt)  # off the event loop: other streams go on
+        ids = await asyncio.to_thread(self._request_ids, prompt, params)  # off the event loop: other streams go on
         consumer = self._open(ids, params, request_id, deliver)
         try:
             while not consumer.finished:
@@ -284,7 +293,7 @@ class AsyncLLM:
             items.put(item)
             return True
 
-        consumer = self._open(self._prompt_ids(prompt), params, request_id, deliver)
+        consumer = self._open(self._request_ids(prompt, params), params, request_id, deliver)
         try:
             while not consumer.finished:
                 yield consumer.take(items.get())
