@@ -19,6 +19,9 @@ from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
 from localpaged.engine.async_llm import AsyncLLM
+from localpaged.engine.remote import RemoteEngine
+from localpaged.errors import RequestError
+from localpaged.sampling import SamplingParams, StructuredOutputs
 from tests.server.running import running_server
 from tests.server.test_serve import call as http_call
 
@@ -398,3 +401,41 @@ def test_a_bad_agent_field_is_a_400_naming_it(base_url: str, change: dict, param
 def test_a_bad_completion_field_is_a_400_naming_it(base_url: str, change: dict, param: str) -> None:
     status, body = http_call(base_url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **change}, key=None)
     assert status == 400 and body["error"]["param"] == param, body
+
+
+# ----- RemoteEngine: the same fields over the wire ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=8, temperature=0, logit_bias={1000: 100}),
+        SamplingParams(
+            max_tokens=8, temperature=0, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.2
+        ),
+        SamplingParams(max_tokens=40, temperature=0, structured=StructuredOutputs(choice=["yes", "no"])),
+        SamplingParams(max_tokens=40, temperature=0, structured=StructuredOutputs(regex="[0-9]{3}")),
+        SamplingParams(max_tokens=60, temperature=0, structured=StructuredOutputs(json=Forecast.model_json_schema())),
+        SamplingParams(max_tokens=60, temperature=0, structured=StructuredOutputs(json_object=True)),
+    ],
+    ids=["logit_bias", "penalties", "choice", "regex", "json", "json_object"],
+)
+def test_a_remote_engine_sends_the_fields_and_gets_the_local_reply(
+    base_url: str, engine: AsyncLLM, params: SamplingParams
+) -> None:
+    remote = RemoteEngine(base_url)
+    try:
+        far = list(remote.iter_stream(USER, params))[-1]
+    finally:
+        remote.shutdown()
+    near = list(engine.iter_stream(USER, params))[-1]
+    assert far.text == near.text and far.finish_reason == near.finish_reason
+
+
+def test_a_remote_engine_refuses_logprobs_it_cannot_give(base_url: str) -> None:
+    remote = RemoteEngine(base_url)
+    try:
+        with pytest.raises(RequestError, match="logprobs: a remote engine"):
+            list(remote.iter_stream(USER, SamplingParams(logprobs=2)))
+    finally:
+        remote.shutdown()
