@@ -293,6 +293,21 @@ def render_kv_disk(data: dict) -> str:
     return out
 
 
+def render_parallel_samples(data: dict) -> str:
+    medians, ratios = data.get("medians", {}), data.get("ratios_n8_to_separate", {})
+    figures = ("peak_blocks", "prefill_tokens", "wall_s", "tok_s")
+    digits = {"peak_blocks": 0, "prefill_tokens": 0, "wall_s": 2, "tok_s": 1}
+    rows = [[c, *(num(m.get(f), digits[f]) for f in figures)] for c, m in medians.items()]
+    if ratios:
+        rows.append(["n=8 / 8 requests", *(f"**{ratios[f]:.2f}x**" if f in ratios else "-" for f in figures)])
+    out = (
+        f"{num(data.get('samples'), 0)} samples of a {num(data.get('prompt_tokens'), 0)}-token prompt, "
+        f"{num(data.get('new_tokens'), 0)} new tokens each, on {data.get('device', 'the CPU')}; medians of "
+        f"{num(data.get('rounds'), 0)} rounds (ratios: the median of each round's own).\n\n"
+    )
+    return out + table(["", "peak KV blocks", "prompt tokens computed", "wall (s)", "aggregate tok/s"], rows)
+
+
 def render_generic(data: object) -> str:
     """Any other results file: its figures as recorded, one row a value (lists as their median)."""
     rows: list[list[str]] = []
@@ -364,6 +379,14 @@ KNOWN: dict[str, Spec] = {
         "writer's speed, and decode with the tier on against off.",
         "`python benchmarks/kv_disk.py` (part of `make bench`).",
         render_kv_disk,
+    ),
+    "parallel_samples": Spec(
+        "Parallel samples: n = 8 against 8 requests",
+        "One request for 8 samples of a ~1,000-token prompt (prefilled once, its full KV blocks shared, its "
+        "partial block copied per sample) against 8 separate requests of the same prompt sent at once, prefix "
+        "caching on, each run on a prompt of its own (cold).",
+        "`python benchmarks/parallel_samples.py [--prompt-tokens 1000] [--new-tokens 64]` (part of `make bench`).",
+        render_parallel_samples,
     ),
 }
 

@@ -36,6 +36,9 @@ GENERIC_INSTRUCTIONS = (
     'Reply with one JSON object: {call} to call {which}, or {{"response": "your answer"}} to answer the user.'
 )
 GENERIC_REQUIRED = "You must call one of these tools (JSON schemas of their arguments):\n{tools}\n\nReply with {call}."
+GENERIC_NAMED = (
+    "Call the tool {name} ({description}): reply with a JSON object of its arguments, of this schema:\n{schema}"
+)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,10 @@ def render(messages: list[dict], plan: ToolPlan | None, fmt: ToolFormat) -> tupl
         call, which = '{"tool_call": {"name": "tool name", "arguments": {...}}}', "a tool"
     if plan.choice == "auto":
         system = GENERIC_INSTRUCTIONS.format(tools=described, call=call, which=which)
+    elif plan.choice == "named":
+        function = next(f for f in plan.functions if f["name"] == plan.name)
+        schema = json.dumps(plan.parameters(plan.name), ensure_ascii=False)
+        system = GENERIC_NAMED.format(name=plan.name, description=function.get("description", ""), schema=schema)
     else:
         system = GENERIC_REQUIRED.format(tools=described, call='[{"name": "tool name", "arguments": {...}}]')
     if out and out[0]["role"] == "system":
@@ -129,23 +136,34 @@ def _generic_message(message: dict, parallel: bool, as_json: bool) -> dict:
 
 def constraint(plan: ToolPlan, fmt: ToolFormat) -> StructuredOutputs | None:
     """The grammar the reply must match: none for "auto" in a family's own format (the model writes calls
-    or text as it was trained to), a JSON schema of the calls otherwise."""
+    or text as it was trained to), the JSON schema of the calls otherwise (``call_schema``), as an EBNF
+    grammar of compact JSON: a small model given room for whitespace fills it, call after call."""
+    schema = call_schema(plan, fmt)
+    if schema is None:
+        return None
+    import xgrammar as xgr  # the front end imports it for any grammar; a request without tools never does
+
+    return StructuredOutputs(grammar=str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)))
+
+
+def call_schema(plan: ToolPlan, fmt: ToolFormat) -> dict | None:
+    """The JSON schema of the reply ``constraint`` holds it to; None where the reply is free."""
     if plan.choice == "none" or (plan.choice == "auto" and fmt != "generic"):
         return None
     if plan.choice == "named":
-        return StructuredOutputs(json=plan.parameters(plan.name))  # type: ignore[arg-type]
+        return plan.parameters(plan.name)  # type: ignore[arg-type]
     key = "parameters" if fmt == "llama3_json" else "arguments"
     one_call = {"anyOf": [_call_schema(f["name"], plan.parameters(f["name"]), key) for f in plan.functions]}
     if plan.choice == "required":
         calls = {"type": "array", "items": one_call, "minItems": 1}
         if not plan.parallel:
             calls["maxItems"] = 1
-        return StructuredOutputs(json=calls)
+        return calls
     if plan.parallel:
         call = _object({"tool_calls": {"type": "array", "items": one_call, "minItems": 1}})
     else:
         call = _object({"tool_call": one_call})
-    return StructuredOutputs(json={"anyOf": [call, _object({"response": {"type": "string"}})]})
+    return {"anyOf": [call, _object({"response": {"type": "string"}})]}
 
 
 def _call_schema(name: str, parameters: dict, key: str) -> dict:
@@ -340,12 +358,16 @@ class ToolCallParser:
 
     def finish(self) -> list[Delta]:
         out = self._run(final=True)
-        if self.scanner is not None and not self.scanner.done:
+        reply = self.reply
+        if self.scanner is not None and reply is not None and not self.scanner.done:
             try:
-                events = self.scanner.finish()
-                out += self.reply.handle(events, len(self.buffer))  # type: ignore[union-attr]
+                out += reply.handle(self.scanner.finish(), len(self.buffer))
             except ScanError:
                 pass
+            if reply.next_index == reply.first_index:  # cut off before it named a tool: it was text
+                start = self.call_start - (len(HERMES_OPEN) if self._tagged else 0)
+                out.append(ContentDelta(self.buffer[start:]))
+            self.scanner = None
         return out
 
     # ----- the modes -----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from localpaged.engine import cascade as cascade_groups
 from localpaged.engine.cpu_decode import NativeDecode
 from localpaged.engine.cuda_graphs import DecodeGraphs
-from localpaged.engine.sampler import sample
+from localpaged.engine.sampler import SampledToken, sample
 from localpaged.engine.scheduler import ScheduledBatch
 from localpaged.engine.structured import apply_grammar_bitmask
 from localpaged.kernels.reference import CascadePlan
@@ -120,6 +120,11 @@ class ModelRunner:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         self._by_block()[index] = self._staging[: len(block_ids)].to(self.device)
 
+    def copy_block(self, src: int, dsts: list[int]) -> None:
+        """Copy block ``src``'s K and V of every layer into each block of ``dsts``, in one indexed copy."""
+        index = torch.tensor(dsts, dtype=torch.int64, device=self.device)
+        self.kv_cache[:, :, index] = self.kv_cache[:, :, src : src + 1]
+
     @staticmethod
     def bytes_per_block(config, head_dim: int, block_size: int, kv_dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=kv_dtype).element_size()
@@ -187,8 +192,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | Exception | None]:
-        """One forward over the batch; a sampled token for each sequence that reached its end, else None.
+    def run(self, batch: ScheduledBatch) -> list[SampledToken | Exception | None]:
+        """One forward over the batch; a sampled token (and its logprobs) for each sequence that reached its end,
+        else None.
 
         A sequence whose own sampling failed gets the exception instead of a token (see ``sample``);
         a failure of the batch as a whole (the forward pass) raises.
@@ -201,7 +207,7 @@ class ModelRunner:
         else:
             self.attention.prepare(meta)
             hidden = self.model(ids, pos, meta)
-        sampled: list[int | Exception | None] = [None] * len(batch.seqs)
+        sampled: list[SampledToken | Exception | None] = [None] * len(batch.seqs)
         if not logit_rows:
             return sampled
         logits = self.model.compute_logits(hidden[logit_rows])

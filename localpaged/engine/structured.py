@@ -168,11 +168,16 @@ class StructuredOutputManager:
         """Block until one of ``requests``' compiles is done, or ``timeout`` seconds (the step loop's idle wait)."""
         concurrent.futures.wait([r.future for r in requests], timeout, concurrent.futures.FIRST_COMPLETED)
 
-    def apply_bitmask(self, logits: torch.Tensor, rows: list[int], matchers: list[xgr.GrammarMatcher]) -> None:
+    def apply_bitmask(self, logits: torch.Tensor, rows: list[int], requests: list[StructuredOutputRequest]) -> None:
         """Mask ``logits[rows]`` to what each row's matcher allows next; the other rows are not touched."""
         if max(rows) >= self.bitmask.shape[0]:
             self.bitmask = self._allocate(max(rows) + 1)
-        self._batch.batch_fill_next_token_bitmask(matchers, self.bitmask, rows)
+        self._batch.batch_fill_next_token_bitmask([r.matcher for r in requests], self.bitmask, rows)
+        for i in (self.bitmask[rows] == 0).all(dim=1).nonzero().flatten().tolist():
+            # Text no token of this vocabulary spells (a byte without a token): the row samples a stop token
+            # instead of from no token at all, and the request fails on it with a message that says why.
+            requests[i].stuck = True
+            self.bitmask[rows[i], self._stops[0] // 32] = int(np.uint32(1 << self._stops[0] % 32).view(np.int32))
         bitmask = self.bitmask[: max(rows) + 1]
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
@@ -197,6 +202,7 @@ class StructuredOutputRequest:
         self.manager = manager
         self.future = future
         self.matcher: xgr.GrammarMatcher | None = None
+        self.stuck = False  # the grammar allowed no token of the vocabulary (see apply_bitmask)
 
     def start(self) -> bool:
         """Build the matcher once the grammar is compiled; False while it compiles. Raises the compile's RequestError."""
@@ -209,6 +215,11 @@ class StructuredOutputRequest:
     def accept(self, token: int) -> bool:
         """Advance by the sampled ``token``; True when the grammar has ended (nothing but a stop token may follow)."""
         assert self.matcher is not None, "start() comes first"
+        if self.stuck:
+            raise RequestError(
+                "its grammar requires text that no token of this model's vocabulary can write "
+                "(e.g. a character whose bytes have no token); change the schema, regex, choice or grammar"
+            )
         if not self.matcher.accept_token(token):
             raise RequestError(f"the sampled token {token} does not match the request's grammar")
         if self.matcher.is_terminated():
@@ -221,4 +232,4 @@ def apply_grammar_bitmask(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     rows = [i for i, seq in enumerate(seqs) if seq.extra.grammar is not None]
     if rows:
         grammars = [seqs[i].extra.grammar for i in rows]
-        grammars[0].manager.apply_bitmask(logits, rows, [g.matcher for g in grammars])
+        grammars[0].manager.apply_bitmask(logits, rows, grammars)

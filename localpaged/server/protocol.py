@@ -12,7 +12,16 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from localpaged.chat.tool_calls import ToolPlan
 from localpaged.errors import ConfigError
@@ -316,10 +325,26 @@ class ChatCompletionRequest(_Generation):
     logprobs: bool = False
     top_logprobs: Whole | None = None
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    tool_choice: Any = None  # "none", "auto", "required" or a NamedTool (see _choice)
     parallel_tool_calls: bool | None = None
     functions: list[FunctionDef] | None = Field(default=None, max_length=MAX_TOOLS)  # legacy tools
-    function_call: Literal["none", "auto"] | NamedFunction | None = None  # legacy tool_choice
+    function_call: Any = None  # legacy tool_choice: "none", "auto" or a NamedFunction
+
+    @field_validator("tool_choice", "function_call", mode="before")
+    @classmethod
+    def _choice(cls, choice: Any, info: ValidationInfo) -> Any:
+        """One of the words, or a named function; one error naming the field rather than each union member."""
+        words = ("none", "auto", "required") if info.field_name == "tool_choice" else ("none", "auto")
+        named = NamedTool if info.field_name == "tool_choice" else NamedFunction
+        if choice is None or choice in words:
+            return choice
+        example = "{'type': 'function', 'function': {'name': ...}}" if named is NamedTool else "{'name': ...}"
+        if isinstance(choice, dict):
+            try:
+                return named.model_validate(choice)
+            except ValidationError:
+                pass
+        raise ValueError(f"use {', '.join(map(repr, words))} or a named function, {example}; not {_brief(choice)}")
 
     @field_validator("messages")
     @classmethod
@@ -484,3 +509,8 @@ def _kind(value: Any) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return "a number"
     return names.get(type(value), type(value).__name__)
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
