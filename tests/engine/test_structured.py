@@ -404,7 +404,7 @@ def test_default_model_fills_a_schema(default_llm):
         "properties": {
             "city": {"type": "string", "maxLength": 40},
             "country": {"type": "string", "maxLength": 40},
-            "population": {"type": "integer", "minimum": 0},
+            "population": {"type": "integer", "minimum": 0, "maximum": 10**9},
         },
         "required": ["city", "country", "population"],
     }
