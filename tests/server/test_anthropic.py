@@ -7,10 +7,12 @@ is a 400 in Anthropic's error shape.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import anthropic
 import jsonschema
@@ -377,6 +379,16 @@ def test_malformed_bodies_and_unknown_paths_answer_in_anthropics_shape(base_url:
     assert status == 400 and reply["type"] == "error"
     status, reply = post(base_url, "/v1/messages/batches", {})
     assert status == 404 and reply["error"]["type"] == "not_found_error"
+    # A body announced over the cap is refused from its headers, before any of it is sent.
+    conn = http.client.HTTPConnection(urlsplit(base_url).hostname, urlsplit(base_url).port, timeout=60)
+    conn.putrequest("POST", "/v1/messages")
+    for name, value in (("Content-Type", "application/json"), ("Content-Length", str(9 << 20)), ("x-api-key", KEY)):
+        conn.putheader(name, value)
+    conn.endheaders()
+    response = conn.getresponse()
+    reply = json.loads(response.read())
+    conn.close()
+    assert response.status == 413 and reply["error"]["type"] == "request_too_large", reply
 
 
 # ----- constrained replies on the tiny model ------------------------------------------------------------
