@@ -349,6 +349,10 @@ class Session:
         turns = _replayable(self.history) + [{"role": "user", "content": text}]
         prompt, params = self._fit(turns, params)
         if form.structured is not None:
+            if params.structured not in (None, form.structured):
+                raise ConfigError(
+                    "the params carry a structured constraint of their own; pass it once, in params or schema="
+                )
             params = dataclasses.replace(params, structured=form.structured)
         self.store.add_message(self.id, "user", text)
         if not self.title:

@@ -132,6 +132,15 @@ def test_a_bad_format_is_refused_before_anything_is_stored(engine, store: ChatSt
     assert chat.history == []
 
 
+def test_a_second_constraint_in_params_is_refused(engine, store: ChatStore) -> None:
+    chat = Session.new(engine, store)
+    params = SamplingParams(structured=StructuredOutputs(regex="[a-z]+"))
+    with pytest.raises(ConfigError, match="pass it once"):
+        chat.send("Who?", params, schema=PERSON)
+    assert chat.history == []
+    assert chat.send("Who?", SamplingParams(structured=StructuredOutputs(json=PERSON)), schema=PERSON).parsed
+
+
 def test_a_reply_cut_at_its_limit_is_an_error_naming_max_tokens(engine, store: ChatStore) -> None:
     chat = Session.new(engine, store)
     with pytest.raises(RequestError, match="max_tokens"):
