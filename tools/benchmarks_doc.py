@@ -308,6 +308,36 @@ def render_parallel_samples(data: dict) -> str:
     return out + table(["", "peak KV blocks", "prompt tokens computed", "wall (s)", "aggregate tok/s"], rows)
 
 
+def render_structured_speed(data: dict) -> str:
+    one, many = data.get("one_chat_tok_s") or {}, data.get("sessions_tok_s") or {}
+    goals, ratios = data.get("goals") or {}, data.get("ratios") or {}
+    sessions = num(data.get("sessions"), 0)
+    rows = []
+    for key, label, rates in (("one_chat", "one chat", one), ("sessions", f"{sessions} chats at once", many)):
+        if rates:
+            got, goal = ratios.get(key), goals.get(key)
+            verdict = "-" if got is None or goal is None else ("met" if got >= goal else "missed")
+            goal_text = f"{goal:.2f}x ({verdict})" if goal is not None else "-"
+            rows.append(
+                [
+                    label,
+                    num(rates.get("free")),
+                    num(rates.get("schema")),
+                    ratio(rates.get("schema"), rates.get("free")),
+                    goal_text,
+                ]
+            )
+    out = f"Decode tok/s, {num(data.get('tokens'), 0)} tokens a reply, greedy; median of {num(data.get('rounds'), 0)} rounds.\n\n"
+    out += table(["", "free", "JSON schema", "schema / free", "goal"], rows)
+    c = data.get("compile_10_fields") or {}
+    if c:
+        out += (
+            f"\n\nA 10-field object schema: checked (parsed) in {num(c.get('check_ms'), 2)} ms, compiled cold in "
+            f"{num(c.get('cold_ms'), 1)} ms, cached in {num(c.get('cached_ms'), 3)} ms (medians of {num(c.get('schemas'), 0)} schemas)."
+        )
+    return out
+
+
 def render_generic(data: object) -> str:
     """Any other results file: its figures as recorded, one row a value (lists as their median)."""
     rows: list[list[str]] = []
@@ -371,6 +401,14 @@ KNOWN: dict[str, Spec] = {
         "by the HTTP layer alone. Every request shares one system prompt and generates exactly the same tokens.",
         "`python benchmarks/serve_speed.py [--clients 32] [--tokens 128]` (part of `make bench`).",
         render_serve_speed,
+    ),
+    "structured_speed": Spec(
+        "What a JSON schema costs",
+        "Decode under a JSON schema (xgrammar's token masks applied to the constrained rows) against free decode "
+        "of the same length, for one chat and for many at once, each with a schema of its own, on the default "
+        "model in one run; and the compile of a typical schema, cold and cached.",
+        "`python benchmarks/structured_speed.py [--tokens 128] [--sessions 16]` (part of `make bench`).",
+        render_structured_speed,
     ),
     "kv_disk": Spec(
         "The disk KV tier",

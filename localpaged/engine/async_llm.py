@@ -32,7 +32,7 @@ import msgspec
 from localpaged.config import EngineConfig
 from localpaged.engine import messages as m
 from localpaged.engine.core_client import CoreProcess, CoreThread
-from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
+from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput, TokenLogprob
 from localpaged.engine.protocol import EngineInfo, EngineStats, Prompt
 from localpaged.engine.tokenizer import (
     check_messages,
@@ -59,6 +59,7 @@ class _Sample:
 
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     last: RequestOutput | None = None
 
 
@@ -84,6 +85,8 @@ class _Stream:
         sample = self.samples.setdefault(out.index, _Sample())
         sample.token_ids.extend(out.new_token_ids)
         sample.text += out.delta
+        if out.new_logprobs is not None:
+            sample.logprobs = (sample.logprobs or []) + out.new_logprobs
         if out.finished:
             self.finished.add(out.index)
         sample.last = RequestOutput(
@@ -96,6 +99,7 @@ class _Stream:
             finish_reason=out.finish_reason,
             metrics=out.metrics,
             error=out.error,
+            logprobs=sample.logprobs,
             index=out.index,
         )
         return sample.last
@@ -211,14 +215,14 @@ class AsyncLLM:
 
     # ----- what the front ends read ----------------------------------------------------
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn.
 
         Checked first (RequestError naming the message); encoded here, never in the core.
         """
         messages = check_messages(messages)
         with self._tokenizer_lock:
-            return encode_chat(self.tokenizer, messages)
+            return encode_chat(self.tokenizer, messages, tools)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         """``prompt`` as token ids, encoded and checked against the context here, before the core sees it.
@@ -229,6 +233,15 @@ class AsyncLLM:
             ids = encode_prompt(self.tokenizer, prompt, self._max_prompt_chars)
         check_prompt_length(len(ids), self.info.max_model_len)
         return ids
+
+    def _request_ids(self, prompt: Prompt, params: SamplingParams | None) -> list[int]:
+        """``_prompt_ids``, after checking what else the request carries that the core would refuse: a
+        grammar xgrammar cannot parse is a RequestError here, so the core never gets one."""
+        if isinstance(params, SamplingParams) and params.structured is not None:
+            from localpaged.engine.structured import check_structured
+
+            check_structured(params.structured)
+        return self._prompt_ids(prompt)
 
     def stats(self) -> EngineStats:
         """The engine's figures (blocks, prefix hit rate, queues, tok/s) as of the end of its last step."""
@@ -262,7 +275,7 @@ class AsyncLLM:
                 return False
             return True
 
-        ids = await asyncio.to_thread(self._prompt_ids, prompt)  # off the event loop: other streams go on
+        ids = await asyncio.to_thread(self._request_ids, prompt, params)  # off the event loop: other streams go on
         consumer = self._open(ids, params, request_id, deliver)
         try:
             while not consumer.finished:
@@ -280,7 +293,7 @@ class AsyncLLM:
             items.put(item)
             return True
 
-        consumer = self._open(self._prompt_ids(prompt), params, request_id, deliver)
+        consumer = self._open(self._request_ids(prompt, params), params, request_id, deliver)
         try:
             while not consumer.finished:
                 yield consumer.take(items.get())

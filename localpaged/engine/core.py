@@ -136,6 +136,7 @@ class EngineCore:
             metrics=out.metrics,
             prompt_token_ids=out.prompt_token_ids if sent == 0 else None,
             error=out.error,
+            new_logprobs=out.logprobs[sent:] if out.logprobs is not None else None,
             index=out.index,
         )
 

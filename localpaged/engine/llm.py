@@ -23,47 +23,44 @@ import uuid
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from localpaged.config import EngineConfig
 from localpaged.engine.block_pool import BlockPool
 from localpaged.engine.kv_cache_manager import KVCacheManager
-from localpaged.engine.output import IncrementalDetokenizer, KVMap, RequestMetrics, RequestOutput
+from localpaged.engine.output import IncrementalDetokenizer, KVMap, RequestMetrics, RequestOutput, TokenLogprob
 from localpaged.engine.protocol import EngineInfo, EngineStats
 from localpaged.engine.runner import ModelRunner
-from localpaged.engine.sampler import make_generator
+from localpaged.engine.sampler import SampledToken, make_generator
 from localpaged.engine.scheduler import Scheduler
-from localpaged.engine.sequence import Sequence
+from localpaged.engine.sequence import Sequence, SequenceStatus
 from localpaged.engine.setup import EngineParts, build_engine_parts
 from localpaged.engine.tokenizer import Prompt, check_prompt_length, encode_chat, encode_prompt, max_prompt_chars
 from localpaged.errors import RequestError
 from localpaged.models.loader import ModelFiles
 from localpaged.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from localpaged.engine.structured import StructuredOutputManager, StructuredOutputRequest
+
 log = logging.getLogger(__name__)
+# How long an idle step waits for a grammar compile (nothing else to run): short, so that new commands are read soon.
+GRAMMAR_WAIT_S = 0.02
 
 
-def _refuse_unbuilt(params: SamplingParams) -> None:
-    """The SamplingParams fields this engine does not apply yet: refused, never ignored."""
-    unbuilt = {
-        "presence_penalty": params.presence_penalty != 0,
-        "frequency_penalty": params.frequency_penalty != 0,
-        "repetition_penalty": params.repetition_penalty != 1,
-        "min_p": params.min_p != 0,
-        "logit_bias": bool(params.logit_bias),
-        "logprobs": params.logprobs is not None,
-        "structured": params.structured is not None,
-    }
-    for name, asked in unbuilt.items():
-        if asked:
-            raise RequestError(f"{name} is not supported by this engine yet; leave it at its default")
+def _copy(logprobs: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+    """An output's own list, as ``token_ids`` is: later tokens do not grow an output already handed out."""
+    return None if logprobs is None else list(logprobs)
 
 
 @dataclass
 class _SampleState:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asks for them
+    grammar: StructuredOutputRequest | None = None  # the sample's matcher, where the request has a grammar
 
 
 class LLM:
@@ -100,13 +97,15 @@ class LLM:
         self.kv = KVCacheManager(self.pool, self.kv_disk, self.runner)
         self.scheduler = Scheduler(self.kv, resolved.max_num_seqs, resolved.max_num_batched_tokens)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its samples, by index
+        self._structured: StructuredOutputManager | None = None  # built on the first structured request
+        self._compiling: dict[str, Sequence] = {}  # first samples waiting for their grammar (WAITING_FOR_FSM)
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
 
     # ---- requests -------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn."""
-        return encode_chat(self.tokenizer, messages)
+        return encode_chat(self.tokenizer, messages, tools)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         ids = encode_prompt(self.tokenizer, prompt, self._max_prompt_chars)
@@ -131,7 +130,11 @@ class LLM:
             raise RequestError(
                 f"stop_token_ids={params.stop_token_ids}: token ids must be below {vocab}, the model's vocabulary size"
             )
-        _refuse_unbuilt(params)
+        if any(t >= vocab for t in params.logit_bias):
+            raise RequestError(
+                f"logit_bias names token {max(params.logit_bias)}: token ids must be below {vocab}, "
+                "the model's vocabulary size"
+            )
         if params.n > self.resolved.max_num_seqs:
             raise RequestError(
                 f"n={params.n} samples cannot run at once with max_num_seqs={self.resolved.max_num_seqs}; "
@@ -143,9 +146,25 @@ class LLM:
         """Sample ``index`` of a request with its own state: every per-sample thing is built here, and only here."""
         seq = Sequence(request_id, list(ids), params, index=index)
         seq.extra = _SampleState(
-            IncrementalDetokenizer(self.tokenizer, ids, params.stop), make_generator(params, self.device, index)
+            IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+            make_generator(params, self.device, index),
+            [] if params.logprobs is not None else None,
+            self._grammar(params),
         )
         return seq
+
+    def _grammar(self, params: SamplingParams) -> StructuredOutputRequest | None:
+        """A sample's grammar matcher (None without ``structured``); a spec xgrammar refuses is a RequestError."""
+        if params.structured is None:
+            return None
+        if self._structured is None:
+            from localpaged.engine.structured import StructuredOutputManager
+
+            vocab = self.runner.model.config.vocab_size
+            self._structured = StructuredOutputManager(
+                self.tokenizer, vocab, self.stop_token_ids, self.resolved.max_num_seqs, self.device
+            )
+        return self._structured.request(params.structured)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request; it is checked in full first, so a bad one queues nothing. Returns its id."""
@@ -157,6 +176,9 @@ class LLM:
         first, *rest = samples
         self.requests[first.request_id] = samples
         first.forks = rest  # they fork off the first once it has prefilled the prompt
+        if first.extra.grammar is not None:  # admitted once its grammar is compiled (see _start_grammars)
+            first.status = SequenceStatus.WAITING_FOR_FSM
+            self._compiling[first.request_id] = first
         self.scheduler.add(first)
 
     def abort(self, request_id: str) -> None:
@@ -164,6 +186,7 @@ class LLM:
         samples = self.requests.pop(request_id, None)
         if samples is None:
             raise RequestError(f"no running request has id {request_id!r}")
+        self._compiling.pop(request_id, None)
         for seq in samples:  # the first sample first: finishing it ends the samples still waiting to fork
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -197,17 +220,19 @@ class LLM:
         ``finish_reason="error"`` (see the module docstring). Exceptions that are not ``Exception``
         (KeyboardInterrupt) propagate; ``generate`` aborts its requests on the way out.
         """
+        outputs = self._start_grammars() if self._compiling else []
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            if self._compiling:  # only requests waiting for a grammar: wait for one rather than spin
+                self._structured.wait([s.extra.grammar for s in self._compiling.values()], GRAMMAR_WAIT_S)
+            return outputs
         try:
             sampled = self.runner.run(batch)
             self.scheduler.on_step_done(batch)
         except Exception as exc:  # not attributable to one request: the batch fails, the engine goes on
             log.exception("the model step failed; ending the %d requests of its batch", len(batch.seqs))
             cause = f"the model step for this request's batch failed ({type(exc).__name__}: {exc})"
-            return [out for seq in batch.seqs for out in self._fail(seq, cause)]
-        outputs = []
+            return outputs + [out for seq in batch.seqs for out in self._fail(seq, cause)]
         tokens = 0
         for seq, token in zip(batch.seqs, sampled):
             if isinstance(token, Exception):
@@ -223,6 +248,22 @@ class LLM:
                     outputs.extend(self._fail(seq, cause))
         self._recent.append((time.perf_counter(), tokens))
         return outputs
+
+    def _start_grammars(self) -> list[RequestOutput]:
+        """Let the requests whose grammar has compiled be admitted (every sample's matcher built); those whose
+        compile failed end here."""
+        failed = []
+        for request_id, seq in list(self._compiling.items()):
+            try:
+                if not all(sample.extra.grammar.start() for sample in self.requests[request_id]):
+                    continue
+            except Exception as exc:  # noqa: BLE001 -- the compile's error ends this request alone
+                del self._compiling[request_id]
+                failed.extend(self._fail(seq, f"its grammar could not be compiled ({exc})"))
+                continue
+            del self._compiling[request_id]
+            seq.status = SequenceStatus.WAITING
+        return failed
 
     def _fail(self, seq: Sequence, cause: str) -> list[RequestOutput]:
         """End ``seq`` with an error, free its blocks and forget it; its final output, built without its detokenizer,
@@ -251,19 +292,26 @@ class LLM:
             finish_reason="error",
             metrics=self._metrics(seq),
             error=f"request {seq.request_id!r} failed: {cause}; it was stopped, other requests go on",
+            logprobs=_copy(seq.extra.logprobs),
             index=seq.index,
         )
 
-    def _on_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _on_token(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
+        """Append the token (a stop token too: ``token_ids`` ends with it, as ``logprobs`` does) and check the stops."""
+        token = sampled.token_id
         seq.append_token(token)
         state: _SampleState = seq.extra
+        if state.logprobs is not None:
+            state.logprobs.append(sampled.logprob)
         params: SamplingParams = seq.params
         reason = None
-        if not params.ignore_eos and (token in self.stop_token_ids or token in params.stop_token_ids):
+        # The grammar's end ends the reply, ignore_eos or not; a token it refuses fails the request.
+        ended = state.grammar is not None and state.grammar.accept(token)
+        if (not params.ignore_eos or ended) and (token in self.stop_token_ids or token in params.stop_token_ids):
             reason = "stop"
         else:
             state.detokenizer.add(token)
-            if state.detokenizer.stopped:
+            if state.detokenizer.stopped or ended:
                 reason = "stop"
             elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.resolved.max_model_len:
                 reason = "length"
@@ -286,6 +334,7 @@ class LLM:
             finished=finished,
             finish_reason=seq.finish_reason,
             metrics=self._metrics(seq),
+            logprobs=_copy(state.logprobs),
             index=seq.index,
         )
 

@@ -21,7 +21,7 @@ import msgspec
 
 from localpaged import errors
 from localpaged.config import ResolvedConfig
-from localpaged.engine.output import FinishReason, RequestMetrics
+from localpaged.engine.output import FinishReason, RequestMetrics, TokenLogprob
 
 # ----- front end -> core ------------------------------------------------------------------
 
@@ -97,6 +97,7 @@ class Output(msgspec.Struct):
     metrics: RequestMetrics
     prompt_token_ids: list[int] | None = None  # sent with the sample's first output only
     error: str | None = None
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token id, when the request asked for logprobs
     index: int = 0  # which of the request's samples
 
 

@@ -15,8 +15,9 @@ import torch
 from localpaged.engine import cascade as cascade_groups
 from localpaged.engine.cpu_decode import NativeDecode
 from localpaged.engine.cuda_graphs import DecodeGraphs
-from localpaged.engine.sampler import sample
+from localpaged.engine.sampler import SampledToken, sample
 from localpaged.engine.scheduler import ScheduledBatch
+from localpaged.engine.structured import apply_grammar_bitmask
 from localpaged.kernels.reference import CascadePlan
 from localpaged.layers.attention import Attention, AttentionMetadata
 
@@ -191,8 +192,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | Exception | None]:
-        """One forward over the batch; a sampled token for each sequence that reached its end, else None.
+    def run(self, batch: ScheduledBatch) -> list[SampledToken | Exception | None]:
+        """One forward over the batch; a sampled token (and its logprobs) for each sequence that reached its end,
+        else None.
 
         A sequence whose own sampling failed gets the exception instead of a token (see ``sample``);
         a failure of the batch as a whole (the forward pass) raises.
@@ -205,10 +207,12 @@ class ModelRunner:
         else:
             self.attention.prepare(meta)
             hidden = self.model(ids, pos, meta)
-        sampled: list[int | Exception | None] = [None] * len(batch.seqs)
+        sampled: list[SampledToken | Exception | None] = [None] * len(batch.seqs)
         if not logit_rows:
             return sampled
         logits = self.model.compute_logits(hidden[logit_rows])
-        for i, token in zip(to_sample, sample(logits, [batch.seqs[i] for i in to_sample])):
+        rows = [batch.seqs[i] for i in to_sample]
+        apply_grammar_bitmask(logits, rows)  # constrained rows only: the others sample as they would alone
+        for i, token in zip(to_sample, sample(logits, rows)):
             sampled[i] = token
         return sampled

@@ -89,6 +89,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self._next_admission()
+            if seq is None:  # every waiting request's grammar is still compiling
+                break
             if seq.forks and len(self.running) + 1 + len(seq.forks) > self.max_num_seqs:
                 break  # its samples will need the room
             computed = self.kv.get_computed_blocks(seq)
@@ -130,18 +132,22 @@ class Scheduler:
                 self.running.append(fork)
         return preempted
 
-    def _next_admission(self) -> Sequence:
+    def _next_admission(self) -> Sequence | None:
         """The first waiting request, or the first of the next LOOKAHEAD - 1 that shares a running sequence's first
-        block where the first shares none (each request it passes counts one pass; see the module docstring)."""
-        head = self.waiting[0]
+        block where the first shares none (each request it passes counts one pass; see the module docstring).
+        Requests whose grammar still compiles are skipped (None when every one is)."""
+        ready = list(islice((s for s in self.waiting if s.status is SequenceStatus.WAITING), LOOKAHEAD))
+        if not ready:
+            return None
+        head = ready[0]
         if head.num_passes >= MAX_PASSES or head.num_preemptions or not self.running:
             return head
         running = {s.block_hashes[0] for s in self.running if s.block_hashes}
         if not running or self.kv.first_block_hash(head) in running:
             return head
-        for i, seq in enumerate(islice(self.waiting, 1, LOOKAHEAD), start=1):
+        for i, seq in enumerate(ready[1:], start=1):
             if seq.num_preemptions == 0 and self.kv.first_block_hash(seq) in running:
-                for passed in islice(self.waiting, i):
+                for passed in ready[:i]:
                     passed.num_passes += 1
                 return seq
         return head
@@ -160,7 +166,7 @@ class Scheduler:
         fork off it end with it."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_FSM):
             self.waiting.remove(seq)
         if seq.block_table:
             self.kv.free(seq)

@@ -22,6 +22,7 @@ from localpaged.engine.output import FinishReason
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
+    WAITING_FOR_FSM = "waiting_for_fsm"  # queued while its grammar compiles (vLLM's name); admission skips it
     RUNNING = "running"
     FINISHED = "finished"
 
