@@ -6,6 +6,8 @@ In one run, on the default model with its default settings (the disk tier off):
   at least 0.9x); the schema asks for an array of at least 100 objects, so both run to ``--tokens``;
 - 16 chats at once, each under a schema of its own (compiled before, as a server's clients' are after their
   first request), against 16 free ones: aggregate tok/s (the goal: at least 0.85x);
+- the grammar's own work a step (filling and applying the bitmask, advancing the matchers), timed inside the
+  schema runs, against the run's time: a figure that the machine's drift between runs does not blur;
 - the compile of a typical schema (an object of 10 fields): the check (xgrammar's parse, in the front end and
   before queueing), the compile cold (a schema not seen before, its token masks over the vocabulary) and
   cached (the same schema again), medians over distinct schemas.
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 from localpaged import LLM, SamplingParams
+from localpaged.engine import structured
 from localpaged.engine.structured import check_structured
 from localpaged.sampling import StructuredOutputs
 
@@ -64,6 +67,32 @@ def tok_s(outs) -> float:
     start = min(o.metrics.ttft_s for o in outs)
     end = max(o.metrics.ttft_s + (len(o.token_ids) - 1) / o.metrics.decode_tokens_per_s for o in outs)
     return tokens / (end - start)
+
+
+class GrammarClock:
+    """Time spent in the grammar's per-step work (bitmask and matchers)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        for cls, name in (
+            (structured.StructuredOutputManager, "apply_bitmask"),
+            (structured.StructuredOutputRequest, "accept"),
+        ):
+            setattr(cls, name, self._timed(getattr(cls, name)))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        return timed
+
+    def take(self) -> float:
+        taken, self.seconds = self.seconds, 0.0
+        return taken
 
 
 def run(llm: LLM, n: int, tokens: int, schemas: list[dict] | None) -> float:
@@ -111,18 +140,23 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "structured_speed.json")
     args = parser.parse_args()
     llm = LLM(kv_disk=False)
+    clock = GrammarClock()
     schemas = [many_people(f"s{i}") for i in range(args.sessions)]
     for s in schemas:  # compiled before the runs: the steady state of clients that come back
         llm._grammar(SamplingParams(structured=StructuredOutputs(json=s))).future.result()
     run(llm, 1, 8, None)  # warm-up
     one: dict[str, list[float]] = {"free": [], "schema": []}
     many: dict[str, list[float]] = {"free": [], "schema": []}
+    share: dict[str, list[float]] = {"one_chat": [], "sessions": []}  # grammar time / run time, schema runs
     for r in range(args.rounds):
         order = ["free", "schema"] if r % 2 == 0 else ["schema", "free"]
-        for kind in order:
-            one[kind].append(run(llm, 1, args.tokens, None if kind == "free" else schemas[:1]))
-        for kind in order:
-            many[kind].append(run(llm, args.sessions, args.tokens, None if kind == "free" else schemas))
+        for results, n, key in ((one, 1, "one_chat"), (many, args.sessions, "sessions")):
+            for kind in order:
+                clock.take()
+                t = time.perf_counter()
+                results[kind].append(run(llm, n, args.tokens, None if kind == "free" else schemas[:n]))
+                if kind == "schema":
+                    share[key].append(clock.take() / (time.perf_counter() - t))
         print(
             f"round {r + 1}: one {one['schema'][-1]:.1f} / {one['free'][-1]:.1f} tok/s, "
             f"{args.sessions} sessions {many['schema'][-1]:.1f} / {many['free'][-1]:.1f} tok/s (schema / free)"
@@ -144,10 +178,15 @@ def main() -> None:
         "ratios": ratio,
         "goals": {"one_chat": 0.9, "sessions": 0.85},
         "compile_10_fields": compiled,
+        "grammar_share_of_run": {k: statistics.median(v) for k, v in share.items()},
     }
     print(
         f"one chat: {ratio['one_chat']:.2f}x of free (goal 0.9x); {args.sessions} sessions: "
         f"{ratio['sessions']:.2f}x (goal 0.85x)"
+    )
+    print(
+        f"grammar work: {100 * result['grammar_share_of_run']['one_chat']:.1f}% of the time of one chat, "
+        f"{100 * result['grammar_share_of_run']['sessions']:.1f}% of {args.sessions} at once"
     )
     print(
         f"10-field schema: check {compiled['check_ms']:.2f} ms, compile cold {compiled['cold_ms']:.1f} ms, "

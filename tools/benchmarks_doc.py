@@ -329,6 +329,13 @@ def render_structured_speed(data: dict) -> str:
             )
     out = f"Decode tok/s, {num(data.get('tokens'), 0)} tokens a reply, greedy; median of {num(data.get('rounds'), 0)} rounds.\n\n"
     out += table(["", "free", "JSON schema", "schema / free", "goal"], rows)
+    shares = data.get("grammar_share_of_run") or {}
+    if shares:
+        out += (
+            f"\n\nThe grammar's own work (bitmask fill and apply, matcher advance) took "
+            f"{num(100 * shares.get('one_chat', 0), 1)}% of a schema run's time for one chat and "
+            f"{num(100 * shares.get('sessions', 0), 1)}% for {sessions} at once, timed inside the runs."
+        )
     c = data.get("compile_10_fields") or {}
     if c:
         out += (

@@ -12,6 +12,8 @@ import asyncio
 import gc
 import json
 import re
+import subprocess
+import sys
 import threading
 import weakref
 
@@ -455,3 +457,12 @@ def test_text_the_vocabulary_cannot_write_fails_that_request_alone(llm):
         assert out.finish_reason == "error" and "no token of this model's vocabulary can write" in out.error
     assert outs[2].finish_reason == "length" and len(outs[2].token_ids) == 8
     idle(llm)
+
+
+def test_an_engine_without_structured_requests_never_loads_xgrammar(tiny_model_path):
+    code = (
+        "import sys; from localpaged import LLM, SamplingParams; "
+        f"LLM({str(tiny_model_path)!r}, dtype='float32', device='cpu', kv_cache_memory='16MiB', max_model_len=256)"
+        ".generate(['hi'], SamplingParams(max_tokens=2)); sys.exit(1 if 'xgrammar' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False, capture_output=True).returncode == 0
