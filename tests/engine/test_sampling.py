@@ -26,7 +26,7 @@ def _seq(params: SamplingParams, prompt: list[int], output: list[int] = ()) -> S
     """A sequence as the sampler sees it at a step: the prompt, the reply so far, its generator."""
     seq = Sequence("r", list(prompt), params)
     seq.token_ids.extend(output)
-    seq.extra = SimpleNamespace(generator=make_generator(params, CPU))
+    seq.extra = SimpleNamespace(generator=make_generator(params, CPU), history=None)
     return seq
 
 
@@ -130,6 +130,24 @@ def test_penalties_and_bias_equal_a_plain_reference(data, vocab, rows):
         for t, c in Counter(seq.output_token_ids).items():
             row[t] -= p.presence_penalty + p.frequency_penalty * c
         torch.testing.assert_close(ours[i], torch.tensor(row), rtol=1e-5, atol=1e-4)
+
+
+def test_counts_kept_from_step_to_step_follow_the_reply():
+    """Each request's counts grow with its reply (one token a step, or several at once) and stay exact."""
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=0, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.5)
+    seq = _seq(params, [3, 3, 8])
+    for step in range(30):
+        logits = torch.randn(1, 12, generator=g)
+        ours = logits.clone()
+        apply_penalties(ours, [seq])
+        row = logits[0].tolist()
+        for t in set(seq.token_ids):
+            row[t] = row[t] * 1.5 if row[t] < 0 else row[t] / 1.5
+        for t, c in Counter(seq.output_token_ids).items():
+            row[t] -= 0.4 + 0.3 * c
+        torch.testing.assert_close(ours[0], torch.tensor(row), msg=f"step {step}")
+        seq.token_ids.extend(torch.randint(0, 12, (1 + step % 3,), generator=g).tolist())
 
 
 # ----- sample(): tokens and logprobs ---------------------------------------------------------------------
