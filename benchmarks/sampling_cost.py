@@ -15,7 +15,8 @@ order and the ratios are the medians of each round's own (these machines drift f
 Also, at 64 rows, three ways to apply presence and frequency penalties over each row's reply: (a) counts
 over the vocabulary built again each step (a scatter_add over the padded reply ids); (b) a count tensor
 over the vocabulary per request, grown by each accepted token and stacked each step; (c) the sampler's,
-each request's ids kept on the device and only the logits of its tokens touched. Writes
+each request's ids kept on the device and only the logits of its tokens touched: each the least of its
+repeats on one thread. Writes
 benchmarks/results/sampling_cost.json and prints Markdown tables.
 
     python benchmarks/sampling_cost.py [--requests 64] [--tokens 64] [--rounds 2] [--quick] [--out PATH]
@@ -145,23 +146,25 @@ def time_counts(rows: int, vocab: int, length: int, repeats: int) -> dict:
     def sampler() -> None:
         apply_penalties(logits.clone(), seqs)
 
-    out = {}
-    ways = (("rebuilt_ms", rebuilt), ("per_request_counts_ms", per_request), ("sampler_ms", sampler))
-    for label, fn in ways:
-        times = []
-        for _ in range(repeats + 1):  # the first makes the sampler's per-request ids: not timed
-            for seq in seqs:
-                seq.token_ids.append(int(torch.randint(0, vocab, (1,), generator=g)))
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        out[label] = 1e3 * statistics.median(times[1:])
-    clone = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    def clone() -> None:  # the copy all three include, for scale
         logits.clone()
-        clone.append(time.perf_counter() - start)
-    out["clone_ms"] = 1e3 * statistics.median(clone)  # the copy all three time, for scale
+
+    out = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: what each way costs, without waiting on a thread another process holds
+    try:
+        ways = (("rebuilt_ms", rebuilt), ("per_request_counts_ms", per_request), ("sampler_ms", sampler))
+        for label, fn in (*ways, ("clone_ms", clone)):
+            times = []
+            for _ in range(repeats + 1):  # the first makes the sampler's per-request ids: not timed
+                for seq in seqs:
+                    seq.token_ids.append(int(torch.randint(0, vocab, (1,), generator=g)))
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            out[label] = 1e3 * min(times[1:])  # the least disturbed by other processes
+    finally:
+        torch.set_num_threads(threads)
     return {"reply_tokens": length, **out}
 
 
