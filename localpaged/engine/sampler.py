@@ -42,10 +42,11 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | Exception]:
     """One token per row of ``logits`` ``[S, vocab]``, row i for ``seqs[i]`` (its params, its generator in
-    ``seq.extra``): greedy rows in one argmax, others row by row.
+    ``seq.extra``), with its logprobs where asked: logprobs, bias, penalties and min_p each in one batched
+    pass over the rows that ask, greedy rows in one argmax, others drawn row by row from their own generator.
 
     A non-greedy row that fails gets its exception instead of a token: it concerns that request only.
-    ``logits`` is the sampler's to change: the rows that ask for bias, penalties or min_p change in place.
+    ``logits`` is the sampler's to change: the rows that ask for bias, penalties or min_p may change in place.
     """
     params: list[SamplingParams] = [seq.params for seq in seqs]
     logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
