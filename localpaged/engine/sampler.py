@@ -14,6 +14,7 @@ unchanged and its tokens are bit-identical to a step without any of them.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,17 +41,23 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return g
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | Exception]:
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], mask: Callable[[torch.Tensor], None] | None = None
+) -> list[SampledToken | Exception]:
     """One token per row of ``logits`` ``[S, vocab]``, row i for ``seqs[i]`` (its params, its generator in
     ``seq.extra``), with its logprobs where asked: logprobs, bias, penalties and min_p each in one batched
     pass over the rows that ask, greedy rows in one argmax, others drawn row by row from their own generator.
 
+    ``mask`` (a grammar's bitmask) changes ``logits`` in place once the raw logprobs are taken, before
+    anything else: logprobs are the model's own distribution, and a masked token stays out whatever its bias.
     A non-greedy row that fails gets its exception instead of a token: it concerns that request only.
     ``logits`` is the sampler's to change: the rows that ask for bias, penalties or min_p may change in place.
     """
     params: list[SamplingParams] = [seq.params for seq in seqs]
     logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits[logprob_rows].float(), dim=-1) if logprob_rows else None
+    if mask is not None:
+        mask(logits)
     if any(p.penalized for p in params):
         logits = logits.contiguous()  # a copy only where the model's logits are a view: its rows are indexed flat
         apply_penalties(logits, seqs)

@@ -204,6 +204,27 @@ def test_logprobs_are_the_raw_distribution_whatever_changes_the_choice():
     assert got[2].logprob.top == [] and got[2].logprob.logprob == pytest.approx(float(raw[2].max()), abs=1e-6)
 
 
+def test_a_mask_comes_after_the_logprobs_and_before_the_bias():
+    """A grammar's mask limits the choice, never the logprobs, and no bias brings a masked token back."""
+    logits, _ = _random(2, 40, seed=6)
+    raw = torch.log_softmax(logits, dim=-1)
+    allowed = torch.zeros(40, dtype=torch.bool)
+    allowed[[3, 5, 11]] = True
+
+    def mask(work: torch.Tensor) -> None:
+        work.masked_fill_(~allowed, float("-inf"))
+
+    params = [
+        SamplingParams(temperature=0, logprobs=3, logit_bias={7: 100.0}),
+        SamplingParams(temperature=1.0, seed=1, logprobs=3, repetition_penalty=2.0),
+    ]
+    got = sample(logits.clone(), [_seq(p, [5, 7]) for p in params], mask=mask)
+    for i, out in enumerate(got):
+        assert out.token_id in (3, 5, 11)
+        assert out.logprob.logprob == pytest.approx(float(raw[i, out.token_id]), abs=1e-6)
+        assert [t for t, _ in out.logprob.top] == torch.topk(raw[i], 3).indices.tolist()
+
+
 def test_a_failing_row_fails_alone_with_logprobs_beside_it():
     logits, _ = _random(2, 30)
     logits[1] = float("nan")
