@@ -191,7 +191,10 @@ def main() -> None:
         rounds = []
         for r in range(args.rounds):
             order = names if r % 2 == 0 else names[::-1]
-            rounds.append({name: run_scenario(llm, name, args.requests, args.tokens, r) for name in order})
+            rounds.append({})
+            for name in order:
+                rounds[-1][name] = run_scenario(llm, name, args.requests, args.tokens, r)
+                print(f"round {r + 1}: {name} done", file=sys.stderr, flush=True)
         assert llm.stats().blocks_used == 0
         vocab = llm.runner.model.config.vocab_size
     scenarios = {
