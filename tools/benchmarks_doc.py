@@ -345,6 +345,27 @@ def render_structured_speed(data: dict) -> str:
     return out
 
 
+def render_sampling_cost(data: dict) -> str:
+    scenarios, ratios = data.get("scenarios", {}), data.get("ratios", {})
+    rows = []
+    for name, s in scenarios.items():
+        q = ratios.get(name, {})
+        rows.append([name, num(s.get("sampler_ms"), 2), f"{q.get('sampler', 0):.2f}x", num(s.get("step_ms"), 1)])
+        rows[-1].append(f"{q.get('step', 0):.2f}x")
+    out = (
+        f"{num(data.get('requests'), 0)} requests of {num(data.get('tokens'), 0)} tokens on {data.get('device', '?')}; "
+        "medians over the decode steps that run every request.\n\n"
+    )
+    out += table(["scenario", "sampler ms a step", "x none", "step ms", "x none"], rows)
+    counts = data.get("counts") or []
+    if counts:
+        header = ["reply tokens", "(a) counts rebuilt", "(b) counts per request", "(c) the sampler's", "a clone"]
+        keys = ("rebuilt_ms", "per_request_counts_ms", "sampler_ms", "clone_ms")
+        body = [[num(c.get("reply_tokens"), 0), *(num(c.get(k), 2) + " ms" for k in keys)] for c in counts]
+        out += "\n\nPresence and frequency penalties at the same number of rows, one thread:\n\n" + table(header, body)
+    return out
+
+
 def render_generic(data: object) -> str:
     """Any other results file: its figures as recorded, one row a value (lists as their median)."""
     rows: list[list[str]] = []
@@ -432,6 +453,14 @@ KNOWN: dict[str, Spec] = {
         "caching on, each run on a prompt of its own (cold).",
         "`python benchmarks/parallel_samples.py [--prompt-tokens 1000] [--new-tokens 64]` (part of `make bench`).",
         render_parallel_samples,
+    ),
+    "sampling_cost": Spec(
+        "What penalties and logprobs cost",
+        "The sampler's time and the whole step's with penalties, logit_bias and min_p, with logprobs=5, and with "
+        "half the requests asking for both, against none, at 64 running requests on the default model in one "
+        "run; and three ways to apply presence and frequency penalties over each row's reply.",
+        "`python benchmarks/sampling_cost.py [--requests 64] [--tokens 64]` (part of `make bench`).",
+        render_sampling_cost,
     ),
 }
 

@@ -33,7 +33,7 @@ from localpaged.engine.kv_cache_manager import KVCacheManager
 from localpaged.engine.output import IncrementalDetokenizer, KVMap, RequestMetrics, RequestOutput, TokenLogprob
 from localpaged.engine.protocol import EngineInfo, EngineStats
 from localpaged.engine.runner import ModelRunner
-from localpaged.engine.sampler import SampledToken, make_generator
+from localpaged.engine.sampler import SampledToken, TokenHistory, make_generator
 from localpaged.engine.scheduler import Scheduler
 from localpaged.engine.sequence import Sequence, SequenceStatus
 from localpaged.engine.setup import EngineParts, build_engine_parts
@@ -61,6 +61,7 @@ class _SampleState:
     generator: torch.Generator | None
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asks for them
     grammar: StructuredOutputRequest | None = None  # the sample's matcher, where the request has a grammar
+    history: TokenHistory | None = None  # its ids on the device for its penalties, made by the sampler
 
 
 class LLM:

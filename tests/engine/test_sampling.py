@@ -26,7 +26,7 @@ def _seq(params: SamplingParams, prompt: list[int], output: list[int] = ()) -> S
     """A sequence as the sampler sees it at a step: the prompt, the reply so far, its generator."""
     seq = Sequence("r", list(prompt), params)
     seq.token_ids.extend(output)
-    seq.extra = SimpleNamespace(generator=make_generator(params, CPU))
+    seq.extra = SimpleNamespace(generator=make_generator(params, CPU), history=None)
     return seq
 
 
@@ -132,6 +132,24 @@ def test_penalties_and_bias_equal_a_plain_reference(data, vocab, rows):
         torch.testing.assert_close(ours[i], torch.tensor(row), rtol=1e-5, atol=1e-4)
 
 
+def test_counts_kept_from_step_to_step_follow_the_reply():
+    """Each request's counts grow with its reply (one token a step, or several at once) and stay exact."""
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=0, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.5)
+    seq = _seq(params, [3, 3, 8])
+    for step in range(30):
+        logits = torch.randn(1, 12, generator=g)
+        ours = logits.clone()
+        apply_penalties(ours, [seq])
+        row = logits[0].tolist()
+        for t in set(seq.token_ids):
+            row[t] = row[t] * 1.5 if row[t] < 0 else row[t] / 1.5
+        for t, c in Counter(seq.output_token_ids).items():
+            row[t] -= 0.4 + 0.3 * c
+        torch.testing.assert_close(ours[0], torch.tensor(row), msg=f"step {step}")
+        seq.token_ids.extend(torch.randint(0, 12, (1 + step % 3,), generator=g).tolist())
+
+
 # ----- sample(): tokens and logprobs ---------------------------------------------------------------------
 
 
@@ -184,6 +202,27 @@ def test_logprobs_are_the_raw_distribution_whatever_changes_the_choice():
         assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-6)
         assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))  # likeliest first
     assert got[2].logprob.top == [] and got[2].logprob.logprob == pytest.approx(float(raw[2].max()), abs=1e-6)
+
+
+def test_a_mask_comes_after_the_logprobs_and_before_the_bias():
+    """A grammar's mask limits the choice, never the logprobs, and no bias brings a masked token back."""
+    logits, _ = _random(2, 40, seed=6)
+    raw = torch.log_softmax(logits, dim=-1)
+    allowed = torch.zeros(40, dtype=torch.bool)
+    allowed[[3, 5, 11]] = True
+
+    def mask(work: torch.Tensor) -> None:
+        work.masked_fill_(~allowed, float("-inf"))
+
+    params = [
+        SamplingParams(temperature=0, logprobs=3, logit_bias={7: 100.0}),
+        SamplingParams(temperature=1.0, seed=1, logprobs=3, repetition_penalty=2.0),
+    ]
+    got = sample(logits.clone(), [_seq(p, [5, 7]) for p in params], mask=mask)
+    for i, out in enumerate(got):
+        assert out.token_id in (3, 5, 11)
+        assert out.logprob.logprob == pytest.approx(float(raw[i, out.token_id]), abs=1e-6)
+        assert [t for t, _ in out.logprob.top] == torch.topk(raw[i], 3).indices.tolist()
 
 
 def test_a_failing_row_fails_alone_with_logprobs_beside_it():
