@@ -18,6 +18,7 @@ the tool's schema. "none" leaves the tools out of the prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Callable
@@ -57,6 +58,13 @@ class ToolPlan:
     def parameters(self, name: str) -> dict:
         function = next(f for f in self.functions if f["name"] == name)
         return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def for_format(plan: ToolPlan, fmt: ToolFormat) -> ToolPlan:
+    """The plan as the format serves it: the generic format makes one call a reply, parallel_tool_calls or
+    not. Its models were not trained to call tools, and given a list of calls a small one repeats its
+    call until max_tokens (SmolLM2-135M does, for nearly every prompt)."""
+    return dataclasses.replace(plan, parallel=False) if fmt == "generic" else plan
 
 
 def detect_format(chat_template: str | dict | None) -> ToolFormat:

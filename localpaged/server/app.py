@@ -31,7 +31,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from localpaged.chat.tool_calls import constraint
+from localpaged.chat.tool_calls import constraint, for_format
 from localpaged.engine.protocol import EngineClient
 from localpaged.errors import LocalpagedError, RequestError
 from localpaged.server.choices import ChatChoice, CompletionChoice, ToolSetup
@@ -143,13 +143,14 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         params = body.sampling_params(state.max_model_len)
-        plan = body.tool_plan()
-        tools = None if plan is None else ToolSetup(plan, state.tool_format, body.legacy_functions)
-        if tools is not None and (grammar := constraint(plan, tools.fmt)) is not None:
+        plan, fmt = body.tool_plan(), state.tool_format
+        tools = None if plan is None else ToolSetup(for_format(plan, fmt), fmt, body.legacy_functions)
+        if tools is not None and (grammar := constraint(tools.plan, fmt)) is not None:
             params = dataclasses.replace(params, structured=grammar)
         state.check_params(params)
         texts = state.token_texts if params.logprobs is not None else None
-        choices = [ChatChoice(i, tools if plan and plan.choice != "none" else None, texts) for i in range(params.n)]
+        calling = tools if tools is not None and tools.plan.choice != "none" else None
+        choices = [ChatChoice(i, calling, texts) for i in range(params.n)]
         run = await state.start(await state.chat_prompt(body, tools), params, "chatcmpl", "messages")
         if body.stream:
             return EventStream(chat_chunks(state, run, body.include_usage, choices))
