@@ -151,7 +151,9 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts
         texts = state.token_texts if params.logprobs is not None else None
         calling = tools if tools is not None and tools.plan.choice != "none" else None
         choices = [ChatChoice(i, calling, texts) for i in range(params.n)]
-        run = await state.start(await state.chat_prompt(body, tools), params, "chatcmpl", "messages")
+        grammar_param = ("functions" if body.legacy_functions else "tools") if calling else body.structured_field()
+        prompt = await state.chat_prompt(body, tools)
+        run = await state.start(prompt, params, "chatcmpl", "messages", grammar_param)
         if body.stream:
             return EventStream(chat_chunks(state, run, body.include_usage, choices))
         finals = await run.final(request)
@@ -167,7 +169,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts
         state.check_params(params)
         texts = state.token_texts if params.logprobs is not None else None
         choices = [CompletionChoice(i, texts) for i in range(params.n)]
-        run = await state.start(body.prompt, params, "cmpl", "prompt")
+        run = await state.start(body.prompt, params, "cmpl", "prompt", body.structured_field())
         if body.stream:
             return EventStream(completion_chunks(state, run, body.include_usage, choices))
         finals = await run.final(request)
