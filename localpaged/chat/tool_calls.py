@@ -18,6 +18,7 @@ the tool's schema. "none" leaves the tools out of the prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Callable
@@ -57,6 +58,13 @@ class ToolPlan:
     def parameters(self, name: str) -> dict:
         function = next(f for f in self.functions if f["name"] == name)
         return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def for_format(plan: ToolPlan, fmt: ToolFormat) -> ToolPlan:
+    """The plan as the format serves it: the generic format makes one call a reply, parallel_tool_calls or
+    not. Its models were not trained to call tools, and given a list of calls a small one repeats its
+    call until max_tokens (SmolLM2-135M does, for nearly every prompt)."""
+    return dataclasses.replace(plan, parallel=False) if fmt == "generic" else plan
 
 
 def detect_format(chat_template: str | dict | None) -> ToolFormat:
@@ -258,11 +266,11 @@ class _JsonReply:
     def _event(self, event: Event, out: list[Delta]) -> None:
         path = event.path
         if event.kind == "start" and self.whole_args is not None and path == ():
-            call = self._new((), out)
+            call = self._new(())
             call.name, call.args_start = self.whole_args, event.pos
             return
         if event.kind == "start" and event.text == "object" and self.call_at(path):
-            self._new(path, out)
+            self._new(path)
             return
         if event.kind == "chars" and self.content_at(path):
             out.append(ContentDelta(event.text))
@@ -294,7 +302,7 @@ class _JsonReply:
             if event.kind == "end":
                 owner.args_end = event.pos
 
-    def _new(self, path: Path, out: list[Delta]) -> _Call:
+    def _new(self, path: Path) -> _Call:
         call = _Call()
         self.calls[path] = call
         return call
@@ -450,7 +458,7 @@ class ToolCallParser:
             self.done += used
             out += reply.handle(events, self.done)
         except ScanError as exc:
-            self._failed(exc.pos, out)
+            self._failed(exc.pos)
             return
         if scanner.done:
             self.calls_seen = reply.next_index
@@ -458,7 +466,7 @@ class ToolCallParser:
             self.after_call = True
             self.strip_space = True
 
-    def _failed(self, pos: int, out: list[Delta]) -> None:
+    def _failed(self, pos: int) -> None:
         """Not a call after all: what was not handed on yet is content, and so is the rest."""
         reply = self.reply
         assert reply is not None

@@ -31,7 +31,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from localpaged.chat.tool_calls import constraint
+from localpaged.chat.tool_calls import constraint, for_format
 from localpaged.engine.protocol import EngineClient
 from localpaged.errors import LocalpagedError, RequestError
 from localpaged.server.anthropic import messages_router
@@ -145,14 +145,17 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         params = body.sampling_params(state.max_model_len)
-        plan = body.tool_plan()
-        tools = None if plan is None else ToolSetup(plan, state.tool_format, body.legacy_functions)
-        if tools is not None and (grammar := constraint(plan, tools.fmt)) is not None:
+        plan, fmt = body.tool_plan(), state.tool_format
+        tools = None if plan is None else ToolSetup(for_format(plan, fmt), fmt, body.legacy_functions)
+        if tools is not None and (grammar := constraint(tools.plan, fmt)) is not None:
             params = dataclasses.replace(params, structured=grammar)
         state.check_params(params)
         texts = state.token_texts if params.logprobs is not None else None
-        choices = [ChatChoice(i, tools if plan and plan.choice != "none" else None, texts) for i in range(params.n)]
-        run = await state.start(await state.chat_prompt(body, tools), params, "chatcmpl", "messages")
+        calling = tools if tools is not None and tools.plan.choice != "none" else None
+        choices = [ChatChoice(i, calling, texts) for i in range(params.n)]
+        grammar_param = ("functions" if body.legacy_functions else "tools") if calling else body.structured_field()
+        prompt = await state.chat_prompt(body, tools)
+        run = await state.start(prompt, params, "chatcmpl", "messages", grammar_param)
         if body.stream:
             return EventStream(chat_chunks(state, run, body.include_usage, choices))
         finals = await run.final(request)
@@ -168,7 +171,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts
         state.check_params(params)
         texts = state.token_texts if params.logprobs is not None else None
         choices = [CompletionChoice(i, texts) for i in range(params.n)]
-        run = await state.start(body.prompt, params, "cmpl", "prompt")
+        run = await state.start(body.prompt, params, "cmpl", "prompt", body.structured_field())
         if body.stream:
             return EventStream(completion_chunks(state, run, body.include_usage, choices))
         finals = await run.final(request)

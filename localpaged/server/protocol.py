@@ -280,6 +280,24 @@ class _Generation(_Strict):
 
     def structured(self) -> StructuredOutputs | None:
         """What the reply must match, from whichever one field carried it; 400 when two do, or it is malformed."""
+        sources = self._structured_sources()
+        if not sources:
+            return None
+        if len(sources) > 1:
+            names = " and ".join(name for name, _ in sources)
+            raise bad_request(f"{names} both say what the reply must match; send one of them", sources[1][0])
+        name, spec = sources[0]
+        try:
+            return StructuredOutputs(**spec)
+        except ConfigError as exc:
+            raise bad_request(f"{name}: {exc}", name) from None
+
+    def structured_field(self) -> str | None:
+        """The field that carried the request's grammar, which a grammar the engine refuses is blamed on."""
+        sources = self._structured_sources()
+        return sources[0][0] if sources else None
+
+    def _structured_sources(self) -> list[tuple[str, dict]]:
         sources: list[tuple[str, dict]] = []
         if self.response_format is not None and self.response_format.type != "text":
             fmt = self.response_format
@@ -300,16 +318,7 @@ class _Generation(_Strict):
         for name, kind in GUIDED.items():
             if getattr(self, name) is not None:
                 sources.append((name, {kind: getattr(self, name)}))
-        if not sources:
-            return None
-        if len(sources) > 1:
-            names = " and ".join(name for name, _ in sources)
-            raise bad_request(f"{names} both say what the reply must match; send one of them", sources[1][0])
-        name, spec = sources[0]
-        try:
-            return StructuredOutputs(**spec)
-        except ConfigError as exc:
-            raise bad_request(f"{name}: {exc}", name) from None
+        return sources
 
     def _refuse_unsupported(self) -> None:
         pass

@@ -27,6 +27,7 @@ from localpaged.server.protocol import ChatCompletionRequest, has_tool_turns
 from localpaged.unicode_text import not_unicode
 
 log = logging.getLogger(__name__)
+STRUCTURED_REFUSAL = "structured outputs:"  # how the engine's refusal of a grammar begins
 
 
 class ServerState:
@@ -58,11 +59,16 @@ class ServerState:
                 code="model_not_found",
             )
 
-    async def start(self, prompt: Prompt, params: SamplingParams, kind: str, param: str) -> Run:
-        """Submit a request and wait for its first output, so that a refusal is an HTTP error of its own."""
+    async def start(
+        self, prompt: Prompt, params: SamplingParams, kind: str, param: str, grammar_param: str | None = None
+    ) -> Run:
+        """Submit a request and wait for its first output, so that a refusal is an HTTP error of its own.
+
+        ``param``: the field a refused prompt is blamed on; ``grammar_param``: the one a refused grammar is."""
         if self.stopping:
             raise APIError(503, "the server is shutting down; send the request elsewhere", type="server_error")
         run = Run(self, prompt, params, f"{kind}-{uuid.uuid4().hex}", param)
+        run.grammar_param = grammar_param
         await run.start()
         return run
 
@@ -162,6 +168,7 @@ class Run:
         self.state = state
         self.request_id = request_id
         self.param = param  # the field a refused prompt is blamed on: "messages" or "prompt"
+        self.grammar_param: str | None = None  # the field that carried the grammar, if any
         self.created = int(time.time())
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
@@ -284,6 +291,8 @@ class Run:
         # Before the first output, a RequestError is the engine refusing the input (prompt too long or
         # empty, a token id out of range); a failure while generating names the request ("request '...' failed").
         if isinstance(exc, RequestError) and self.last is None and not text.startswith(f"request {self.request_id!r}"):
+            if text.startswith(STRUCTURED_REFUSAL) and self.grammar_param is not None:
+                return bad_request(text, self.grammar_param)
             return bad_request(text, _param_named(text) or self.param)
         return APIError(500, text, type="server_error")
 

@@ -374,6 +374,8 @@ BAD_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments"
         ({"structured_outputs": {"ebnf": "root ::= 'a'"}}, "structured_outputs.ebnf"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),  # refused by xgrammar, blamed on the field
+        ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
         ({"logprobs": 3}, "logprobs"),  # chat takes a boolean
@@ -396,7 +398,12 @@ def test_a_bad_agent_field_is_a_400_naming_it(base_url: str, change: dict, param
 
 @pytest.mark.parametrize(
     ("change", "param"),
-    [({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"), ({"guided_regex": ""}, "guided_regex")],
+    [
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, "response_format"),
+    ],
 )
 def test_a_bad_completion_field_is_a_400_naming_it(base_url: str, change: dict, param: str) -> None:
     status, body = http_call(base_url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **change}, key=None)

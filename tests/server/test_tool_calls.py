@@ -364,3 +364,10 @@ def test_the_scanner_stops_at_the_end_of_its_value() -> None:
     scanner = JsonScanner(offset=10)
     events, used = scanner.feed("[1] 2")
     assert used == 3 and scanner.done and scanner.end == 13 and events[-1].pos == 13
+
+
+def test_the_generic_format_makes_one_call_a_reply() -> None:
+    from localpaged.chat.tool_calls import for_format
+
+    assert for_format(PLAN, "generic").parallel is False
+    assert for_format(PLAN, "hermes") is PLAN
