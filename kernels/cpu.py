@@ -304,7 +304,7 @@ def _expect_attention(q: object, k_cache: object, v_cache: object) -> tuple[int,
 
 @dataclass(frozen=True)
 class PackedBlocks:
-    """A weight in the tile layout of cpu_kernels.c: ``q`` in 8, 4 or 5 bits a value, fp32 scale and min per group.
+    """A weight in the tile layout of cpu_qgemm.h: ``q`` in 8, 4 or 5 bits a value, fp32 scale and min per group.
 
     Checked once when made, so ``qgemm`` trusts its fields on every call.
     """

@@ -1,5 +1,5 @@
 /* The interface every build of the native CPU kernels exports (kernels/cpu.py binds it): the AVX2 source
- * (cpu_kernels.c), the portable one (cpu_kernels_portable.c, also built with AVX-512 flags through
+ * (cpu_kernels_avx2.c), the portable one (cpu_kernels_portable.c, also built with AVX-512 flags through
  * cpu_kernels_avx512.c) and the packer they share (cpu_pack.c). Declared once here, so a definition that drifts
  * from it fails to compile.
  *

@@ -1,4 +1,4 @@
-/* lp_paged_decode, lp_paged_prefill and lp_rope_write_kv, the same for every path: cpu_kernels.c and
+/* lp_paged_decode, lp_paged_prefill and lp_rope_write_kv, the same for every path: cpu_kernels_avx2.c and
  * cpu_kernels_portable.c each define the steps below, each inlined for KV a constant LP_KV_* type, then include this
  * file once:
  *   HEADS_A_WALK: how many query heads of a KV head one walk over its keys serves (each K and V row widened once);
