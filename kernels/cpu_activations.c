@@ -66,7 +66,9 @@ int lp_round_rows(const float *X, long M, long K, long G, int bits, lp_rounded_r
     r->sum = r->scale + groups;
     r->qsum = (int32_t *)(r->sum + groups);
     r->xq8 = (int8_t *)(r->qsum + groups);
+#if defined(__x86_64__)
     const int vector = bits == 16 && lp_has_vnni();
+#endif
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (long g = 0; g < groups; g++) {
 #if defined(__x86_64__)
