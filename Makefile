@@ -55,6 +55,8 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/serve_speed.py
 	$(PY) benchmarks/continue_speed.py
 	$(PY) benchmarks/shared_prompt.py
+	$(PY) benchmarks/parallel_samples.py
+	$(PY) benchmarks/structured_speed.py
 	$(PY) tools/benchmarks_doc.py
 
 # llama.cpp's server and benches, built once into the cache folder (about 10 minutes on two

@@ -185,6 +185,12 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ConfigError(f"logprobs={self.logprobs}: ask for 0 to {MAX_LOGPROBS} top tokens, or none")
         if isinstance(self.structured, dict):  # as it crosses to the engine core
+            unknown = set(self.structured) - set(STRUCTURED_KINDS)
+            if unknown:
+                raise ConfigError(
+                    f"structured={_brief(self.structured)}: unknown field {min(unknown)!r}; "
+                    f"use one of {', '.join(STRUCTURED_KINDS)}"
+                )
             self.structured = StructuredOutputs(**self.structured)
         if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
             raise ConfigError(
@@ -263,7 +269,7 @@ def _logit_bias(bias: object) -> dict[int, float]:
         raise ConfigError(f"logit_bias has {len(bias)} tokens: bias at most {MAX_LOGIT_BIAS}")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
         if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= token <= MAX_TOKEN_ID:
             raise ConfigError(f"logit_bias key {key!r}: use token ids (whole numbers from 0 to {MAX_TOKEN_ID})")
         number = _real("logit_bias", value, f"a bias from -{LOGIT_BIAS_RANGE:g} to {LOGIT_BIAS_RANGE:g}")

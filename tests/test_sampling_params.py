@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import subprocess
 import sys
@@ -15,6 +17,9 @@ from hypothesis import strategies as st
 
 from localpaged.errors import ConfigError
 from localpaged.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
     MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -22,6 +27,7 @@ from localpaged.sampling import (
     MAX_TOKENS_LIMIT,
     MIN_SEED,
     SamplingParams,
+    StructuredOutputs,
 )
 
 
@@ -77,6 +83,22 @@ from localpaged.sampling import (
         ("ignore_eos", 1),
         ("ignore_eos", "yes"),
         ("ignore_eos", None),
+        ("n", 0),
+        ("n", 65),
+        ("n", 2.0),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("frequency_penalty", math.nan),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", 11),
+        ("min_p", 1.5),
+        ("min_p", -0.1),
+        ("logit_bias", [1, 2]),
+        ("logit_bias", None),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("logprobs", True),
+        ("structured", "json"),
     ],
 )
 def test_bad_field_is_refused_naming_it_and_the_value(name, value):
@@ -118,6 +140,15 @@ valid = st.fixed_dictionaries(
             st.lists(st.integers(0, 10**9), max_size=MAX_STOP_TOKEN_IDS), st.tuples(st.integers(0, 10**9))
         ),
         "ignore_eos": st.booleans(),
+        "n": st.integers(1, MAX_N),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(0, 10, exclude_min=True),
+        "min_p": st.floats(0, 1),
+        "logit_bias": st.dictionaries(
+            st.one_of(st.integers(0, 10**9), st.integers(0, 10**9).map(str)), st.floats(-100, 100), max_size=8
+        ),
+        "logprobs": st.one_of(st.none(), st.integers(0, MAX_LOGPROBS)),
     },
 )
 
@@ -129,6 +160,7 @@ def test_any_valid_combination_constructs(kwargs):
     assert isinstance(p.stop_token_ids, list) and all(type(t) is int and t >= 0 for t in p.stop_token_ids)
     assert type(p.max_tokens) is int and type(p.top_k) is int
     assert math.isfinite(p.temperature) and p.temperature >= 0 and 0 < p.top_p <= 1
+    assert all(type(t) is int and type(b) is float for t, b in p.logit_bias.items())
 
 
 anything = st.one_of(
@@ -144,7 +176,24 @@ anything = st.one_of(
     st.tuples(st.integers(), st.text(max_size=3)),
     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
 )
-FIELDS = ["max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos"]
+FIELDS = [
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+    "logprobs",
+    "structured",
+]
 
 
 @given(st.dictionaries(st.sampled_from(FIELDS), anything))
@@ -181,3 +230,36 @@ def test_every_list_a_request_carries_is_bounded():
     with pytest.raises(ConfigError) as caught:
         SamplingParams(stop=[1] * 10)
     assert len(str(caught.value)) < 200  # the message quotes what was sent, cut short
+
+
+def test_logit_bias_takes_json_keys_and_refuses_what_is_not_a_token_id():
+    assert SamplingParams(logit_bias={"12": 5, 7: -100}).logit_bias == {12: 5.0, 7: -100.0}
+    for key in ("-1", "1.5", "\u0661\u0662", "x", 1.0, True):  # "١٢" is digits to str.isdigit, not a token id
+        with pytest.raises(ConfigError, match="^logit_bias key"):
+            SamplingParams(logit_bias={key: 1})
+    with pytest.raises(ConfigError, match=r"^logit_bias\['3'\]=101"):
+        SamplingParams(logit_bias={"3": 101})
+    with pytest.raises(ConfigError, match=f"use at most|bias at most {MAX_LOGIT_BIAS}"):
+        SamplingParams(logit_bias={i: 1 for i in range(MAX_LOGIT_BIAS + 1)})
+
+
+def test_structured_outputs_take_exactly_one_spec_and_cross_the_wire_as_a_dict():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec = StructuredOutputs(json=schema)
+    assert spec.kind == "json" and spec.key == StructuredOutputs(json=json.dumps(schema, sort_keys=True)).key
+    assert StructuredOutputs(choice=("a", "b")).choice == ["a", "b"]
+    assert SamplingParams(structured=dataclasses.asdict(spec)).structured == spec
+    for bad, message in [
+        ({}, "exactly one of"),
+        ({"regex": "a+", "choice": ["a"]}, "exactly one of"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"json": "[1]"}, "a schema is a JSON object"),
+        ({"choice": []}, "non-empty list"),
+        ({"choice": ["a", ""]}, "every choice is a non-empty string"),
+        ({"regex": ""}, "non-empty string"),
+        ({"json_object": 1}, "use True or False"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            StructuredOutputs(**bad)
+    with pytest.raises(ConfigError, match="^structured="):
+        SamplingParams(structured={"schema": schema})  # a dict of unknown fields, e.g. from a client's own naming

@@ -293,6 +293,58 @@ def render_kv_disk(data: dict) -> str:
     return out
 
 
+def render_parallel_samples(data: dict) -> str:
+    medians, ratios = data.get("medians", {}), data.get("ratios_n8_to_separate", {})
+    figures = ("peak_blocks", "prefill_tokens", "wall_s", "tok_s")
+    digits = {"peak_blocks": 0, "prefill_tokens": 0, "wall_s": 2, "tok_s": 1}
+    rows = [[c, *(num(m.get(f), digits[f]) for f in figures)] for c, m in medians.items()]
+    if ratios:
+        rows.append(["n=8 / 8 requests", *(f"**{ratios[f]:.2f}x**" if f in ratios else "-" for f in figures)])
+    out = (
+        f"{num(data.get('samples'), 0)} samples of a {num(data.get('prompt_tokens'), 0)}-token prompt, "
+        f"{num(data.get('new_tokens'), 0)} new tokens each, on {data.get('device', 'the CPU')}; medians of "
+        f"{num(data.get('rounds'), 0)} rounds (ratios: the median of each round's own).\n\n"
+    )
+    return out + table(["", "peak KV blocks", "prompt tokens computed", "wall (s)", "aggregate tok/s"], rows)
+
+
+def render_structured_speed(data: dict) -> str:
+    one, many = data.get("one_chat_tok_s") or {}, data.get("sessions_tok_s") or {}
+    goals, ratios = data.get("goals") or {}, data.get("ratios") or {}
+    sessions = num(data.get("sessions"), 0)
+    rows = []
+    for key, label, rates in (("one_chat", "one chat", one), ("sessions", f"{sessions} chats at once", many)):
+        if rates:
+            got, goal = ratios.get(key), goals.get(key)
+            verdict = "-" if got is None or goal is None else ("met" if got >= goal else "missed")
+            goal_text = f"{goal:.2f}x ({verdict})" if goal is not None else "-"
+            rows.append(
+                [
+                    label,
+                    num(rates.get("free")),
+                    num(rates.get("schema")),
+                    ratio(rates.get("schema"), rates.get("free")),
+                    goal_text,
+                ]
+            )
+    out = f"Decode tok/s, {num(data.get('tokens'), 0)} tokens a reply, greedy; median of {num(data.get('rounds'), 0)} rounds.\n\n"
+    out += table(["", "free", "JSON schema", "schema / free", "goal"], rows)
+    shares = data.get("grammar_share_of_run") or {}
+    if shares:
+        out += (
+            f"\n\nThe grammar's own work (bitmask fill and apply, matcher advance) took "
+            f"{num(100 * shares.get('one_chat', 0), 1)}% of a schema run's time for one chat and "
+            f"{num(100 * shares.get('sessions', 0), 1)}% for {sessions} at once, timed inside the runs."
+        )
+    c = data.get("compile_10_fields") or {}
+    if c:
+        out += (
+            f"\n\nA 10-field object schema: checked (parsed) in {num(c.get('check_ms'), 2)} ms, compiled cold in "
+            f"{num(c.get('cold_ms'), 1)} ms, cached in {num(c.get('cached_ms'), 3)} ms (medians of {num(c.get('schemas'), 0)} schemas)."
+        )
+    return out
+
+
 def render_generic(data: object) -> str:
     """Any other results file: its figures as recorded, one row a value (lists as their median)."""
     rows: list[list[str]] = []
@@ -357,6 +409,14 @@ KNOWN: dict[str, Spec] = {
         "`python benchmarks/serve_speed.py [--clients 32] [--tokens 128]` (part of `make bench`).",
         render_serve_speed,
     ),
+    "structured_speed": Spec(
+        "What a JSON schema costs",
+        "Decode under a JSON schema (xgrammar's token masks applied to the constrained rows) against free decode "
+        "of the same length, for one chat and for many at once, each with a schema of its own, on the default "
+        "model in one run; and the compile of a typical schema, cold and cached.",
+        "`python benchmarks/structured_speed.py [--tokens 128] [--sessions 16]` (part of `make bench`).",
+        render_structured_speed,
+    ),
     "kv_disk": Spec(
         "The disk KV tier",
         "Time to first token cold, from the disk tier in a new process, and warm in memory: (b) and (c) are "
@@ -364,6 +424,14 @@ KNOWN: dict[str, Spec] = {
         "writer's speed, and decode with the tier on against off.",
         "`python benchmarks/kv_disk.py` (part of `make bench`).",
         render_kv_disk,
+    ),
+    "parallel_samples": Spec(
+        "Parallel samples: n = 8 against 8 requests",
+        "One request for 8 samples of a ~1,000-token prompt (prefilled once, its full KV blocks shared, its "
+        "partial block copied per sample) against 8 separate requests of the same prompt sent at once, prefix "
+        "caching on, each run on a prompt of its own (cold).",
+        "`python benchmarks/parallel_samples.py [--prompt-tokens 1000] [--new-tokens 64]` (part of `make bench`).",
+        render_parallel_samples,
     ),
 }
 

@@ -40,6 +40,7 @@ from contextlib import aclosing, closing, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from localpaged.chat.reply_format import ReplyFormat, reply_format
 from localpaged.chat.store import ChatStore, MessageRecord, SessionRecord
 from localpaged.engine.output import FINISH_REASONS
 from localpaged.errors import ConfigError, RequestError
@@ -138,21 +139,44 @@ class Session:
 
     # ----- turns -----------------------------------------------------------------------
 
-    def send(self, text: str, params: SamplingParams | None = None) -> MessageRecord:
-        """Send a user message and wait for the whole reply; returns the stored assistant message."""
-        for _ in self.stream(text, params):
+    def send(
+        self, text: str, params: SamplingParams | None = None, *, schema: object = None, response_format: object = None
+    ) -> MessageRecord:
+        """Send a user message and wait for the whole reply; returns the stored assistant message.
+
+        schema (a JSON schema dict or a pydantic model class) or response_format (StructuredOutputs, or
+        OpenAI's dict) constrains the reply; then it is a ParsedMessage whose ``parsed`` is the dict or
+        the model's instance (reply_format.py).
+        """
+        form = reply_format(schema, response_format)
+        for _ in self._reply(*self._begin_turn(text, params, form)):
             pass
         assert self.last_reply is not None
-        return self.last_reply
+        return form.parse(self.last_reply)
 
-    def stream(self, text: str, params: SamplingParams | None = None) -> Iterator[str]:
-        """Send a user message and yield the reply's text as it is generated (blocking)."""
-        prompt, params = self._begin_turn(text, params)
+    async def asend(
+        self, text: str, params: SamplingParams | None = None, *, schema: object = None, response_format: object = None
+    ) -> MessageRecord:
+        """The twin of send, in an event loop."""
+        form = reply_format(schema, response_format)
+        async for _ in self._areply(*self._begin_turn(text, params, form)):
+            pass
+        assert self.last_reply is not None
+        return form.parse(self.last_reply)
+
+    def stream(
+        self, text: str, params: SamplingParams | None = None, *, schema: object = None, response_format: object = None
+    ) -> Iterator[str]:
+        """Send a user message and yield the reply's text as it is generated (blocking); schema and
+        response_format constrain it as in send (``last_reply`` holds the text; send parses it)."""
+        prompt, params = self._begin_turn(text, params, reply_format(schema, response_format))
         yield from self._reply(prompt, params)
 
-    async def astream(self, text: str, params: SamplingParams | None = None) -> AsyncIterator[str]:
+    async def astream(
+        self, text: str, params: SamplingParams | None = None, *, schema: object = None, response_format: object = None
+    ) -> AsyncIterator[str]:
         """Send a user message and yield the reply's text as it is generated (in an event loop)."""
-        prompt, params = self._begin_turn(text, params)
+        prompt, params = self._begin_turn(text, params, reply_format(schema, response_format))
         async for delta in self._areply(prompt, params):
             yield delta
 
@@ -314,7 +338,9 @@ class Session:
 
     # ----- internals -------------------------------------------------------------------
 
-    def _begin_turn(self, text: str, params: SamplingParams | None) -> tuple[_Prompt, SamplingParams]:
+    def _begin_turn(
+        self, text: str, params: SamplingParams | None, form: ReplyFormat
+    ) -> tuple[_Prompt, SamplingParams]:
         """Check the turn fits, then store the user message (before any generation); the prompt ids and params."""
         self._check_idle()
         _check_text("message", text)
@@ -322,6 +348,12 @@ class Session:
             raise RequestError("the message is empty; type something to send")
         turns = _replayable(self.history) + [{"role": "user", "content": text}]
         prompt, params = self._fit(turns, params)
+        if form.structured is not None:
+            if params.structured not in (None, form.structured):
+                raise ConfigError(
+                    "the params carry a structured constraint of their own; pass it once, in params or schema="
+                )
+            params = dataclasses.replace(params, structured=form.structured)
         self.store.add_message(self.id, "user", text)
         if not self.title:
             self.rename(title_from(text))

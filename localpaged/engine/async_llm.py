@@ -32,7 +32,7 @@ import msgspec
 from localpaged.config import EngineConfig
 from localpaged.engine import messages as m
 from localpaged.engine.core_client import CoreProcess, CoreThread
-from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
+from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput, TokenLogprob
 from localpaged.engine.protocol import EngineInfo, EngineStats, Prompt
 from localpaged.engine.tokenizer import (
     check_messages,
@@ -54,43 +54,71 @@ Deliver = Callable[[Item], bool]
 
 
 @dataclasses.dataclass
+class _Sample:
+    """One sample's outputs so far, rebuilt from the core's deltas."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    last: RequestOutput | None = None
+
+
+@dataclasses.dataclass
 class _Stream:
-    """A request in flight, as the front end sees it: the outputs so far, rebuilt from the core's deltas."""
+    """A request in flight, as the front end sees it: each of its ``n`` samples' outputs so far."""
 
     request_id: str
     deliver: Deliver
+    n: int = 1
     ended: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""
-    last: RequestOutput | None = None
+    samples: dict[int, _Sample] = dataclasses.field(default_factory=dict)
+    finished: set[int] = dataclasses.field(default_factory=set)  # indices of the samples that have finished
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.n
 
     def update(self, out: m.Output) -> RequestOutput:
         if out.prompt_token_ids is not None:
             self.prompt_token_ids = out.prompt_token_ids
-        self.token_ids.extend(out.new_token_ids)
-        self.text += out.delta
-        self.last = RequestOutput(
+        sample = self.samples.setdefault(out.index, _Sample())
+        sample.token_ids.extend(out.new_token_ids)
+        sample.text += out.delta
+        if out.new_logprobs is not None:
+            sample.logprobs = (sample.logprobs or []) + out.new_logprobs
+        if out.finished:
+            self.finished.add(out.index)
+        sample.last = RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
-            token_ids=list(self.token_ids),
-            text=self.text,
+            token_ids=list(sample.token_ids),
+            text=sample.text,
             delta=out.delta,
             finished=out.finished,
             finish_reason=out.finish_reason,
             metrics=out.metrics,
             error=out.error,
+            logprobs=sample.logprobs,
+            index=out.index,
         )
-        return self.last
+        return sample.last
 
-    def aborted(self) -> RequestOutput:
-        """The final output of an aborted request: everything generated so far, nothing new."""
-        if self.last is not None:
-            return dataclasses.replace(self.last, delta="", finished=True, finish_reason="abort")
-        metrics = RequestMetrics(
-            ttft_s=None, prompt_tokens=0, cached_tokens=0, generated_tokens=0, decode_tokens_per_s=None
-        )
-        return RequestOutput(self.request_id, [], [], "", "", True, "abort", metrics)
+    def aborted(self) -> list[RequestOutput]:
+        """The final outputs of an aborted request's unfinished samples: everything generated so far, nothing new."""
+        outputs = []
+        for index in range(self.n):
+            if index in self.finished:
+                continue
+            last = self.samples[index].last if index in self.samples else None
+            if last is not None:
+                outputs.append(dataclasses.replace(last, delta="", finished=True, finish_reason="abort"))
+            else:
+                metrics = RequestMetrics(
+                    ttft_s=None, prompt_tokens=0, cached_tokens=0, generated_tokens=0, decode_tokens_per_s=None
+                )
+                outputs.append(RequestOutput(self.request_id, [], [], "", "", True, "abort", metrics, index=index))
+        return outputs
 
 
 class _Consumer:
@@ -99,14 +127,16 @@ class _Consumer:
     def __init__(self, engine: AsyncLLM, stream: _Stream) -> None:
         self.engine = engine
         self.stream = stream
+        self.unfinished = stream.n  # samples whose last output this consumer has not taken yet
         self.finished = False
 
     def take(self, item: Item) -> RequestOutput:
-        """The next output, or raise the error that ends the stream."""
+        """The next output, or raise the error that ends the stream (and, by ``close``, the other samples)."""
         if isinstance(item, BaseException):
-            self.finished = True
+            self.finished = self.stream.ended.done()
             raise item
-        self.finished = item.finished
+        self.unfinished -= item.finished
+        self.finished = self.unfinished == 0
         return item
 
     def close(self) -> None:
@@ -185,14 +215,14 @@ class AsyncLLM:
 
     # ----- what the front ends read ----------------------------------------------------
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn.
 
         Checked first (RequestError naming the message); encoded here, never in the core.
         """
         messages = check_messages(messages)
         with self._tokenizer_lock:
-            return encode_chat(self.tokenizer, messages)
+            return encode_chat(self.tokenizer, messages, tools)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         """``prompt`` as token ids, encoded and checked against the context here, before the core sees it.
@@ -203,6 +233,15 @@ class AsyncLLM:
             ids = encode_prompt(self.tokenizer, prompt, self._max_prompt_chars)
         check_prompt_length(len(ids), self.info.max_model_len)
         return ids
+
+    def _request_ids(self, prompt: Prompt, params: SamplingParams | None) -> list[int]:
+        """``_prompt_ids``, after checking what else the request carries that the core would refuse: a
+        grammar xgrammar cannot parse is a RequestError here, so the core never gets one."""
+        if isinstance(params, SamplingParams) and params.structured is not None:
+            from localpaged.engine.structured import check_structured
+
+            check_structured(params.structured)
+        return self._prompt_ids(prompt)
 
     def stats(self) -> EngineStats:
         """The engine's figures (blocks, prefix hit rate, queues, tok/s) as of the end of its last step."""
@@ -220,9 +259,10 @@ class AsyncLLM:
     async def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as the engine produces them; the last one has finished=True.
+        """Yield the request's outputs as the engine produces them; each sample's last one has finished=True.
 
-        Must run inside an event loop. Leaving early (break, cancel) aborts the request; an error
+        With ``params.n`` > 1 the outputs of the n samples come interleaved, told apart by ``index``, and
+        the stream ends once all n have finished. Must run inside an event loop. Leaving early (break, cancel) aborts the request; an error
         that concerns this request (bad input, the engine died) is raised here, to this consumer only.
         """
         loop = asyncio.get_running_loop()
@@ -235,7 +275,7 @@ class AsyncLLM:
                 return False
             return True
 
-        ids = await asyncio.to_thread(self._prompt_ids, prompt)  # off the event loop: other streams go on
+        ids = await asyncio.to_thread(self._request_ids, prompt, params)  # off the event loop: other streams go on
         consumer = self._open(ids, params, request_id, deliver)
         try:
             while not consumer.finished:
@@ -253,7 +293,7 @@ class AsyncLLM:
             items.put(item)
             return True
 
-        consumer = self._open(self._prompt_ids(prompt), params, request_id, deliver)
+        consumer = self._open(self._request_ids(prompt, params), params, request_id, deliver)
         try:
             while not consumer.finished:
                 yield consumer.take(items.get())
@@ -303,7 +343,7 @@ class AsyncLLM:
         self, prompt: list[int], params: SamplingParams | None, request_id: str | None, deliver: Deliver
     ) -> _Consumer:
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        stream = _Stream(request_id, deliver)
+        stream = _Stream(request_id, deliver, n=params.n if params is not None else 1)
         with self._lock:
             if self._closed is not None:
                 raise self._closed
@@ -357,7 +397,8 @@ class AsyncLLM:
         elif isinstance(message, m.Aborted):
             stream = self._end(message.request_id)
             if stream is not None:
-                stream.deliver(stream.aborted())
+                for output in stream.aborted():
+                    stream.deliver(output)
         elif isinstance(message, m.RequestFailed):
             stream = self._end(message.request_id)
             if stream is not None:
@@ -376,10 +417,10 @@ class AsyncLLM:
         if stream is None:
             return
         output = stream.update(out)
-        if out.finished:
+        if stream.done:
             self._end(out.request_id)
         delivered = stream.deliver(RequestError(out.error) if out.error is not None else output)
-        if not delivered and not out.finished:
+        if not delivered and not stream.done:
             self._walk_away(stream)
 
     def _end(self, request_id: str) -> _Stream | None:

@@ -54,7 +54,8 @@ class EngineCore:
     def __init__(self, llm: Any, emit: Emit) -> None:
         self.llm = llm
         self.emit = emit
-        self._sent: dict[str, int] = {}  # request id -> generated token ids already sent
+        # request id -> its unfinished samples' generated token ids already sent, by sample index
+        self._sent: dict[str, dict[int, int]] = {}
 
     def run(self, receive: Receive) -> None:
         """Serve until Shutdown or until the front end is gone."""
@@ -83,7 +84,7 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 -- bad input concerns this request only
             self._emit(m.RequestFailed(add.request_id, type(exc).__name__, str(exc)))
             return
-        self._sent[add.request_id] = 0
+        self._sent[add.request_id] = dict.fromkeys(range(params.n if params is not None else 1), 0)
 
     def _abort(self, request_id: str) -> None:
         if self._sent.pop(request_id, None) is None:
@@ -118,11 +119,14 @@ class EngineCore:
             self._emit(m.StepOutputs(wire))
 
     def _wire(self, out: RequestOutput) -> m.Output:
-        sent = self._sent[out.request_id]
-        if out.finished:
-            del self._sent[out.request_id]
+        samples = self._sent[out.request_id]
+        sent = samples[out.index]
+        if not out.finished:
+            samples[out.index] = len(out.token_ids)
+        elif len(samples) > 1:
+            del samples[out.index]
         else:
-            self._sent[out.request_id] = len(out.token_ids)
+            del self._sent[out.request_id]
         return m.Output(
             request_id=out.request_id,
             new_token_ids=out.token_ids[sent:],
@@ -132,6 +136,8 @@ class EngineCore:
             metrics=out.metrics,
             prompt_token_ids=out.prompt_token_ids if sent == 0 else None,
             error=out.error,
+            new_logprobs=out.logprobs[sent:] if out.logprobs is not None else None,
+            index=out.index,
         )
 
     def _fail_all(self, cause: Exception) -> None:

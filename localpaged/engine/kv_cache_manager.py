@@ -35,6 +35,10 @@ class BlockMover(Protocol):
         """Make what was read into ``block_buffers``' first ``len(block_ids)`` blocks their contents."""
         ...
 
+    def copy_block(self, src: int, dsts: list[int]) -> None:
+        """Copy block ``src``'s K and V into each of ``dsts`` (copy on write of a forked sample's partial block)."""
+        ...
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -54,8 +58,8 @@ class KVCacheManager:
         self.block_size = pool.block_size
         self.disk = disk if pool.enable_prefix_caching else None
         self.mover = mover
-        self._num_inserted: dict[str, int] = {}  # full blocks of each sequence already in the cache
-        self._num_saved: dict[str, int] = {}  # full blocks of each sequence already handed to the disk tier
+        self._num_inserted: dict[tuple[str, int], int] = {}  # full blocks of each sequence already in the cache
+        self._num_saved: dict[tuple[str, int], int] = {}  # full blocks of each sequence already handed to the disk tier
         self._from_disk: set[bytes] = set()  # hashes read from disk and not yet counted for a request
         self.prefix_queries = 0  # prompt tokens looked up at admission
         self.prefix_hits = 0  # of which served by the cache
@@ -152,6 +156,35 @@ class KVCacheManager:
         if new > 0:
             seq.block_table.extend(self.pool.allocate(new))
 
+    def num_fork_blocks(self, seq: Sequence) -> int:
+        """Blocks that forking ``seq``'s waiting samples takes: a copy of its partial last block for each."""
+        return len(seq.forks) if seq.num_computed_tokens % self.block_size else 0
+
+    def can_fork(self, seq: Sequence) -> bool:
+        return self.num_fork_blocks(seq) <= self.pool.num_free_blocks
+
+    def fork(self, seq: Sequence) -> list[Sequence]:
+        """Hand ``seq``'s computed prefix to each of its waiting samples and return them (``seq.forks`` empties).
+
+        Its full blocks are shared (a reference each; their hashes and cache entries stay as they are);
+        its partial last block, which each sample goes on to fill with its own tokens, is copied.
+        """
+        full = seq.num_computed_tokens // self.block_size
+        shared = seq.block_table[:full]
+        copies = self.pool.allocate(self.num_fork_blocks(seq))
+        if copies:
+            assert self.mover is not None, "forking a partial block needs a BlockMover to copy it"
+            self.mover.copy_block(seq.block_table[full], copies)
+        forks, seq.forks = seq.forks, []
+        for i, fork in enumerate(forks):
+            self.pool.lock(shared)
+            fork.block_table = shared + copies[i : i + 1]
+            fork.block_hashes = list(seq.block_hashes)  # the same prompt: the same chain
+            fork.num_computed_tokens = seq.num_computed_tokens
+            fork.num_cached_tokens, fork.num_disk_tokens = seq.num_cached_tokens, seq.num_disk_tokens
+            self._num_inserted[fork.key] = self._num_inserted.get(seq.key, 0)
+        return forks
+
     def record_admission(self, seq: Sequence, computed_blocks: list[int]) -> None:
         """Count a first admission towards the prefix-hit rate and the request's cached tokens."""
         seq.num_cached_tokens = len(computed_blocks) * self.block_size
@@ -166,18 +199,18 @@ class KVCacheManager:
     def cache_blocks(self, seq: Sequence) -> None:
         """Put every block of ``seq`` that is now full and computed into the prefix cache."""
         self._update_hashes(seq)
-        done = self._num_inserted.get(seq.request_id, 0)
+        done = self._num_inserted.get(seq.key, 0)
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
         for i in range(done, full):
             self.pool.insert(seq.block_table[i], seq.block_hashes[i])
-        self._num_inserted[seq.request_id] = max(done, full)
-        if seq.request_id not in self._num_saved and seq.num_computed_tokens >= seq.num_prompt_tokens:
+        self._num_inserted[seq.key] = max(done, full)
+        if seq.key not in self._num_saved and seq.num_computed_tokens >= seq.num_prompt_tokens:
             self._save(seq, full)  # the prompt is prefilled
 
     def _save(self, seq: Sequence, end: int) -> None:
         """Hand ``seq``'s full blocks up to ``end`` not yet on disk to the disk tier."""
-        start = self._num_saved.get(seq.request_id, 0)
-        self._num_saved[seq.request_id] = max(start, end)
+        start = self._num_saved.get(seq.key, 0)
+        self._num_saved[seq.key] = max(start, end)
         if self.disk is None or end <= start:
             return
         assert self.mover is not None
@@ -196,8 +229,8 @@ class KVCacheManager:
         self.pool.unlock(reversed(seq.block_table))
         seq.block_table = []
         seq.num_computed_tokens = 0
-        self._num_inserted.pop(seq.request_id, None)
-        self._num_saved.pop(seq.request_id, None)
+        self._num_inserted.pop(seq.key, None)
+        self._num_saved.pop(seq.key, None)
 
     @property
     def prefix_hit_rate(self) -> float:

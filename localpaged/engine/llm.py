@@ -8,6 +8,11 @@ One bad request never affects another: whatever fails while ``step`` serves a si
 ``finish_reason="error"`` and ``error`` set, its blocks freed. A failure of the batch as a whole
 (the model's forward pass) ends every request of that batch the same way; ``step`` itself does
 not raise for either, so the engine keeps serving new requests.
+
+A request for ``n`` samples (SamplingParams.n) is n sequences of one request id that share the prompt's
+KV blocks (engine.sequence, engine.scheduler): ``step`` yields an output per sample (``index`` tells them
+apart), each sample finishes on its own (stop, max_tokens), ``abort`` ends all of them, and the request is
+done when every sample is.
 """
 
 from __future__ import annotations
@@ -18,48 +23,44 @@ import uuid
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from localpaged.config import EngineConfig
 from localpaged.engine.block_pool import BlockPool
 from localpaged.engine.kv_cache_manager import KVCacheManager
-from localpaged.engine.output import IncrementalDetokenizer, KVMap, RequestMetrics, RequestOutput
+from localpaged.engine.output import IncrementalDetokenizer, KVMap, RequestMetrics, RequestOutput, TokenLogprob
 from localpaged.engine.protocol import EngineInfo, EngineStats
 from localpaged.engine.runner import ModelRunner
-from localpaged.engine.sampler import make_generator
+from localpaged.engine.sampler import SampledToken, make_generator
 from localpaged.engine.scheduler import Scheduler
-from localpaged.engine.sequence import Sequence
+from localpaged.engine.sequence import Sequence, SequenceStatus
 from localpaged.engine.setup import EngineParts, build_engine_parts
 from localpaged.engine.tokenizer import Prompt, check_prompt_length, encode_chat, encode_prompt, max_prompt_chars
 from localpaged.errors import RequestError
 from localpaged.models.loader import ModelFiles
 from localpaged.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from localpaged.engine.structured import StructuredOutputManager, StructuredOutputRequest
+
 log = logging.getLogger(__name__)
+# How long an idle step waits for a grammar compile (nothing else to run): short, so that new commands are read soon.
+GRAMMAR_WAIT_S = 0.02
 
 
-def _refuse_unbuilt(params: SamplingParams) -> None:
-    """The SamplingParams fields this engine does not apply yet: refused, never ignored."""
-    unbuilt = {
-        "n": params.n != 1,
-        "presence_penalty": params.presence_penalty != 0,
-        "frequency_penalty": params.frequency_penalty != 0,
-        "repetition_penalty": params.repetition_penalty != 1,
-        "min_p": params.min_p != 0,
-        "logit_bias": bool(params.logit_bias),
-        "logprobs": params.logprobs is not None,
-        "structured": params.structured is not None,
-    }
-    for name, asked in unbuilt.items():
-        if asked:
-            raise RequestError(f"{name} is not supported by this engine yet; leave it at its default")
+def _copy(logprobs: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+    """An output's own list, as ``token_ids`` is: later tokens do not grow an output already handed out."""
+    return None if logprobs is None else list(logprobs)
 
 
 @dataclass
-class _RequestState:
+class _SampleState:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asks for them
+    grammar: StructuredOutputRequest | None = None  # the sample's matcher, where the request has a grammar
 
 
 class LLM:
@@ -95,14 +96,16 @@ class LLM:
         self.kv_disk = parts.kv_disk
         self.kv = KVCacheManager(self.pool, self.kv_disk, self.runner)
         self.scheduler = Scheduler(self.kv, resolved.max_num_seqs, resolved.max_num_batched_tokens)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its samples, by index
+        self._structured: StructuredOutputManager | None = None  # built on the first structured request
+        self._compiling: dict[str, Sequence] = {}  # first samples waiting for their grammar (WAITING_FOR_FSM)
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
 
     # ---- requests -------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn."""
-        return encode_chat(self.tokenizer, messages)
+        return encode_chat(self.tokenizer, messages, tools)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         ids = encode_prompt(self.tokenizer, prompt, self._max_prompt_chars)
@@ -111,7 +114,8 @@ class LLM:
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
-    def _make_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
+    def _make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> list[Sequence]:
+        """The request's samples (one unless ``params.n`` > 1), checked in full; nothing is queued yet."""
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -126,29 +130,72 @@ class LLM:
             raise RequestError(
                 f"stop_token_ids={params.stop_token_ids}: token ids must be below {vocab}, the model's vocabulary size"
             )
-        _refuse_unbuilt(params)
-        seq = Sequence(request_id, ids, params)
-        seq.extra = _RequestState(
-            IncrementalDetokenizer(self.tokenizer, ids, params.stop), make_generator(params, self.device)
+        if any(t >= vocab for t in params.logit_bias):
+            raise RequestError(
+                f"logit_bias names token {max(params.logit_bias)}: token ids must be below {vocab}, "
+                "the model's vocabulary size"
+            )
+        if params.n > self.resolved.max_num_seqs:
+            raise RequestError(
+                f"n={params.n} samples cannot run at once with max_num_seqs={self.resolved.max_num_seqs}; "
+                "ask for fewer samples or raise max_num_seqs"
+            )
+        return [self._make_sample(request_id, ids, params, i) for i in range(params.n)]
+
+    def _make_sample(self, request_id: str, ids: list[int], params: SamplingParams, index: int) -> Sequence:
+        """Sample ``index`` of a request with its own state: every per-sample thing is built here, and only here."""
+        seq = Sequence(request_id, list(ids), params, index=index)
+        seq.extra = _SampleState(
+            IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+            make_generator(params, self.device, index),
+            [] if params.logprobs is not None else None,
+            self._grammar(params),
         )
         return seq
 
+    def _grammar(self, params: SamplingParams) -> StructuredOutputRequest | None:
+        """A sample's grammar matcher (None without ``structured``); a spec xgrammar refuses is a RequestError."""
+        if params.structured is None:
+            return None
+        if self._structured is None:
+            from localpaged.engine.structured import StructuredOutputManager
+
+            vocab = self.runner.model.config.vocab_size
+            self._structured = StructuredOutputManager(
+                self.tokenizer, vocab, self.stop_token_ids, self.resolved.max_num_seqs, self.device
+            )
+        return self._structured.request(params.structured)
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request; it is checked in full first, so a bad one queues nothing. Returns its id."""
-        seq = self._make_sequence(prompt, params, request_id)
-        self._enqueue(seq)
-        return seq.request_id
+        samples = self._make_request(prompt, params, request_id)
+        self._enqueue(samples)
+        return samples[0].request_id
 
-    def _enqueue(self, seq: Sequence) -> None:
-        self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
+    def _enqueue(self, samples: list[Sequence]) -> None:
+        first, *rest = samples
+        self.requests[first.request_id] = samples
+        first.forks = rest  # they fork off the first once it has prefilled the prompt
+        if first.extra.grammar is not None:  # admitted once its grammar is compiled (see _start_grammars)
+            first.status = SequenceStatus.WAITING_FOR_FSM
+            self._compiling[first.request_id] = first
+        self.scheduler.add(first)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and give its blocks back at once."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+        """Stop a request (every sample of it) and give its blocks back at once."""
+        samples = self.requests.pop(request_id, None)
+        if samples is None:
             raise RequestError(f"no running request has id {request_id!r}")
-        self.scheduler.finish(seq, "abort")
+        self._compiling.pop(request_id, None)
+        for seq in samples:  # the first sample first: finishing it ends the samples still waiting to fork
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def _retire(self, seq: Sequence) -> None:
+        """Forget the request once its last sample has finished."""
+        samples = self.requests.get(seq.request_id)
+        if samples is not None and all(s.is_finished for s in samples):
+            del self.requests[seq.request_id]
 
     def prefetch(self, prompt: Prompt) -> int:
         """Read the disk tier's blocks of ``prompt``'s prefix into the pool now, so that a request with
@@ -173,22 +220,24 @@ class LLM:
         ``finish_reason="error"`` (see the module docstring). Exceptions that are not ``Exception``
         (KeyboardInterrupt) propagate; ``generate`` aborts its requests on the way out.
         """
+        outputs = self._start_grammars() if self._compiling else []
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            if self._compiling:  # only requests waiting for a grammar: wait for one rather than spin
+                self._structured.wait([s.extra.grammar for s in self._compiling.values()], GRAMMAR_WAIT_S)
+            return outputs
         try:
             sampled = self.runner.run(batch)
             self.scheduler.on_step_done(batch)
         except Exception as exc:  # not attributable to one request: the batch fails, the engine goes on
             log.exception("the model step failed; ending the %d requests of its batch", len(batch.seqs))
             cause = f"the model step for this request's batch failed ({type(exc).__name__}: {exc})"
-            return [self._fail(seq, cause) for seq in batch.seqs]
-        outputs = []
+            return outputs + [out for seq in batch.seqs for out in self._fail(seq, cause)]
         tokens = 0
         for seq, token in zip(batch.seqs, sampled):
             if isinstance(token, Exception):
                 log.warning("request %s failed while sampling", seq.request_id, exc_info=token)
-                outputs.append(self._fail(seq, f"sampling its next token failed ({type(token).__name__}: {token})"))
+                outputs.extend(self._fail(seq, f"sampling its next token failed ({type(token).__name__}: {token})"))
             elif token is not None:
                 try:
                     outputs.append(self._on_token(seq, token))
@@ -196,20 +245,41 @@ class LLM:
                 except Exception as exc:  # this request's own failure: it alone ends
                     log.exception("request %s failed while processing its new token", seq.request_id)
                     cause = f"processing its new token failed ({type(exc).__name__}: {exc})"
-                    outputs.append(self._fail(seq, cause))
+                    outputs.extend(self._fail(seq, cause))
         self._recent.append((time.perf_counter(), tokens))
         return outputs
 
-    def _fail(self, seq: Sequence, cause: str) -> RequestOutput:
-        """End ``seq`` with an error, free its blocks and forget it; its final output, built without its detokenizer.
+    def _start_grammars(self) -> list[RequestOutput]:
+        """Let the requests whose grammar has compiled be admitted (every sample's matcher built); those whose
+        compile failed end here."""
+        failed = []
+        for request_id, seq in list(self._compiling.items()):
+            try:
+                if not all(sample.extra.grammar.start() for sample in self.requests[request_id]):
+                    continue
+            except Exception as exc:  # noqa: BLE001 -- the compile's error ends this request alone
+                del self._compiling[request_id]
+                failed.extend(self._fail(seq, f"its grammar could not be compiled ({exc})"))
+                continue
+            del self._compiling[request_id]
+            seq.status = SequenceStatus.WAITING
+        return failed
+
+    def _fail(self, seq: Sequence, cause: str) -> list[RequestOutput]:
+        """End ``seq`` with an error, free its blocks and forget it; its final output, built without its detokenizer,
+        and one each for the samples still waiting to fork off it, which end with it.
 
         The detokenizer may be what failed, so the output repeats only text already handed out.
         """
+        waiting = list(seq.forks)
         if seq.is_finished:  # it failed after being retired (e.g. while building its final output)
             seq.finish_reason = "error"
         else:
             self.scheduler.finish(seq, "error")
-        self.requests.pop(seq.request_id, None)
+        self._retire(seq)
+        return [self._error_output(s, cause) for s in [seq, *waiting]]
+
+    def _error_output(self, seq: Sequence, cause: str) -> RequestOutput:
         seq.finish_time = seq.finish_time or time.perf_counter()
         detok = seq.extra.detokenizer
         return RequestOutput(
@@ -222,29 +292,37 @@ class LLM:
             finish_reason="error",
             metrics=self._metrics(seq),
             error=f"request {seq.request_id!r} failed: {cause}; it was stopped, other requests go on",
+            logprobs=_copy(seq.extra.logprobs),
+            index=seq.index,
         )
 
-    def _on_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _on_token(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
+        """Append the token (a stop token too: ``token_ids`` ends with it, as ``logprobs`` does) and check the stops."""
+        token = sampled.token_id
         seq.append_token(token)
-        state: _RequestState = seq.extra
+        state: _SampleState = seq.extra
+        if state.logprobs is not None:
+            state.logprobs.append(sampled.logprob)
         params: SamplingParams = seq.params
         reason = None
-        if not params.ignore_eos and (token in self.stop_token_ids or token in params.stop_token_ids):
+        # The grammar's end ends the reply, ignore_eos or not; a token it refuses fails the request.
+        ended = state.grammar is not None and state.grammar.accept(token)
+        if (not params.ignore_eos or ended) and (token in self.stop_token_ids or token in params.stop_token_ids):
             reason = "stop"
         else:
             state.detokenizer.add(token)
-            if state.detokenizer.stopped:
+            if state.detokenizer.stopped or ended:
                 reason = "stop"
             elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.resolved.max_model_len:
                 reason = "length"
         if reason:
             self.scheduler.finish(seq, reason)
-            self.requests.pop(seq.request_id, None)
+            self._retire(seq)
             seq.finish_time = time.perf_counter()
         return self._output(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        state: _RequestState = seq.extra
+        state: _SampleState = seq.extra
         finished = seq.is_finished
         delta = state.detokenizer.take_delta(final=finished)
         return RequestOutput(
@@ -256,6 +334,8 @@ class LLM:
             finished=finished,
             finish_reason=seq.finish_reason,
             metrics=self._metrics(seq),
+            logprobs=_copy(state.logprobs),
+            index=seq.index,
         )
 
     @staticmethod
@@ -276,7 +356,8 @@ class LLM:
     def generate(
         self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; outputs in the order of ``prompts``.
+        """Run every prompt to completion, batched; outputs in the order of ``prompts``, and a prompt's ``n``
+        samples (``SamplingParams.n``) in the order of their ``index``: one flat list, prompt after prompt.
 
         A request that fails is returned in its place with ``finish_reason="error"`` and ``error``
         set; the others are unaffected. Bad input raises RequestError before anything is queued.
@@ -295,21 +376,24 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(plist)} sampling params; pass one, or one per prompt")
-        seqs = [self._make_sequence(p, sp, None) for p, sp in zip(prompts, plist)]  # all checked before any is queued
-        final: dict[str, RequestOutput] = {}
+        # all checked before any is queued
+        requests = [self._make_request(p, sp, None) for p, sp in zip(prompts, plist)]
+        keys = [seq.key for samples in requests for seq in samples]
+        final: dict[tuple[str, int], RequestOutput] = {}
         try:
-            for seq in seqs:
-                self._enqueue(seq)
-            mine = {s.request_id for s in seqs}
-            while len(final) < len(seqs):
+            for samples in requests:
+                self._enqueue(samples)
+            mine = set(keys)
+            while len(final) < len(keys):
                 for out in self.step():
-                    if out.finished and out.request_id in mine:  # other callers' requests may be stepped too
-                        final[out.request_id] = out
+                    key = (out.request_id, out.index)
+                    if out.finished and key in mine:  # other callers' requests may be stepped too
+                        final[key] = out
         finally:
-            for seq in seqs:
-                if self.requests.get(seq.request_id) is seq:
-                    self.abort(seq.request_id)
-        return [final[s.request_id] for s in seqs]
+            for samples in requests:
+                if self.requests.get(samples[0].request_id) is samples:
+                    self.abort(samples[0].request_id)
+        return [final[key] for key in keys]
 
     def chat(
         self, conversations: list[dict] | Seq[list[dict]], params: SamplingParams | None = None

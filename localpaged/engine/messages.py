@@ -21,7 +21,7 @@ import msgspec
 
 from localpaged import errors
 from localpaged.config import ResolvedConfig
-from localpaged.engine.output import FinishReason, RequestMetrics
+from localpaged.engine.output import FinishReason, RequestMetrics, TokenLogprob
 
 # ----- front end -> core ------------------------------------------------------------------
 
@@ -87,7 +87,7 @@ class StartFailed(msgspec.Struct, tag=True):
 
 
 class Output(msgspec.Struct):
-    """One request's progress in one step: only what is new, so a long reply costs the same per step."""
+    """One sample's progress in one step: only what is new, so a long reply costs the same per step."""
 
     request_id: str
     new_token_ids: list[int]
@@ -95,8 +95,10 @@ class Output(msgspec.Struct):
     finished: bool
     finish_reason: FinishReason | None
     metrics: RequestMetrics
-    prompt_token_ids: list[int] | None = None  # sent with the request's first output only
+    prompt_token_ids: list[int] | None = None  # sent with the sample's first output only
     error: str | None = None
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token id, when the request asked for logprobs
+    index: int = 0  # which of the request's samples
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -90,8 +90,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
 class EngineClient(Protocol):
     info: EngineInfo
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation under the model's chat template, ending with the assistant's turn."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation under the model's chat template, ending with the assistant's turn;
+        ``tools`` (OpenAI's tool definitions) rendered by the template's tool format where it has one."""
         ...
 
     def stream(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import threading
 import time
@@ -38,7 +39,7 @@ from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
 from localpaged.engine.protocol import EngineCapabilities, EngineInfo, EngineStats, Prompt
 from localpaged.engine.tokenizer import check_messages
 from localpaged.errors import ConfigError, LocalpagedError, RemoteEngineError, RequestError
-from localpaged.sampling import MAX_TOKENS_LIMIT, SamplingParams
+from localpaged.sampling import MAX_TOKENS_LIMIT, SamplingParams, StructuredOutputs
 
 CONNECT_TIMEOUT_S = 5.0  # a host that does not answer fails fast...
 READ_TIMEOUT_S = 300.0  # ...but a long prompt on a busy server may take minutes to its first token
@@ -94,11 +95,11 @@ class RemoteEngine:
 
     # ----- what the front ends read ----------------------------------------------------
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The server's token ids of ``messages`` ending with the assistant's turn (its /tokenize)."""
         if self._tokenize is None:
             raise RequestError(f"{self.url} has no /tokenize, so its token counts are unknown here")
-        return self._tokenize(check_messages(messages))
+        return self._tokenize(check_messages(messages), tools)
 
     def stats(self) -> EngineStats:
         """What is known here: the replies in flight and their tok/s; the server's pool is not visible."""
@@ -230,7 +231,7 @@ class RemoteEngine:
             found.append((extra.get("meta") or {}).get("n_ctx"))
         return next((n for n in found if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)
 
-    def _find_tokenizer(self) -> Callable[[list[dict]], list[int]] | None:
+    def _find_tokenizer(self) -> Callable[[list[dict], list[dict] | None], list[int]] | None:
         """How this server counts a conversation: /tokenize with messages (ours, vLLM), or rendered first
         by /apply-template (llama.cpp, whose /tokenize ignores messages and answers no tokens); else None."""
         probe = [{"role": "user", "content": "Hello"}]
@@ -241,11 +242,13 @@ class RemoteEngine:
             return self._tokenize_rendered
         return None
 
-    def _tokenize_messages(self, messages: list[dict]) -> list[int]:
-        return _token_list(self._post("/tokenize", {"model": self._model, "messages": messages})) or []
+    def _tokenize_messages(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        body = {"model": self._model, "messages": messages, **({"tools": tools} if tools else {})}
+        return _token_list(self._post("/tokenize", body)) or []
 
-    def _tokenize_rendered(self, messages: list[dict]) -> list[int]:
-        prompt = self._post("/apply-template", {"messages": messages})["prompt"]
+    def _tokenize_rendered(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        body = {"messages": messages, **({"tools": tools} if tools else {})}
+        prompt = self._post("/apply-template", body)["prompt"]
         return _token_list(self._post("/tokenize", {"content": prompt})) or []
 
     def _capabilities(self) -> EngineCapabilities:
@@ -308,6 +311,16 @@ class RemoteEngine:
 
     def _request(self, prompt: Prompt, params: SamplingParams) -> tuple[bool, dict, str | None]:
         """(chat?, the create() arguments, the prefix the server will echo) for ``prompt`` and ``params``."""
+        if params.n != 1:  # a reply here is one choice; the server's n choices would interleave in one stream
+            raise RequestError(
+                f"n={params.n}: a remote engine streams one sample per request; send n requests with n=1 "
+                "(with different seeds, if seeded)"
+            )
+        if params.logprobs is not None:  # OpenAI's logprobs name tokens by their text, never by their ids
+            raise RequestError(
+                "logprobs: a remote engine's logprobs name tokens by text, not by the ids RequestOutput carries; "
+                "ask the server for them directly (its logprobs field), or leave logprobs at None"
+            )
         body: dict[str, Any] = {
             "model": self._model,
             "stream": True,
@@ -322,7 +335,18 @@ class RemoteEngine:
             body["seed"] = params.seed
         if params.stop:
             body["stop"] = list(params.stop)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(params, name):
+                body[name] = getattr(params, name)
+        if params.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
         extra: dict[str, Any] = {}  # vLLM's extensions, which llama.cpp's server and ours take too
+        if params.repetition_penalty != 1:
+            extra["repetition_penalty"] = params.repetition_penalty
+        if params.min_p:
+            extra["min_p"] = params.min_p
+        if params.structured is not None:
+            _structured_fields(params.structured, body, extra)
         if params.top_k:
             extra["top_k"] = params.top_k
         if params.stop_token_ids:
@@ -448,6 +472,19 @@ class _Reply:
         )
         finished = finish_reason is not None
         return RequestOutput(self.request_id, [], [], self.text, delta, finished, finish_reason, metrics)
+
+
+def _structured_fields(spec: StructuredOutputs, body: dict, extra: dict) -> None:
+    """A grammar on the wire: JSON ones as OpenAI's response_format (which vLLM, SGLang, llama.cpp and ours
+    all take); a regex, choice or EBNF grammar as vLLM's structured_outputs (vLLM's and ours)."""
+    kind = spec.kind
+    if kind == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif kind == "json":
+        schema = spec.json if isinstance(spec.json, dict) else json.loads(spec.json)  # type: ignore[arg-type]
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+    else:
+        extra["structured_outputs"] = {kind: getattr(spec, kind)}
 
 
 def _token_list(reply: Any) -> list[int] | None:

@@ -14,8 +14,9 @@ import torch
 
 from localpaged.engine import cascade as cascade_groups
 from localpaged.engine.cuda_graphs import DecodeGraphs
-from localpaged.engine.sampler import sample
+from localpaged.engine.sampler import SampledToken, sample
 from localpaged.engine.scheduler import ScheduledBatch
+from localpaged.engine.structured import apply_grammar_bitmask
 from localpaged.kernels.torch_attention import CascadePlan
 from localpaged.layers.attention import Attention, AttentionMetadata
 from localpaged.models.llama_cpu_decode import NativeDecode
@@ -119,6 +120,11 @@ class ModelRunner:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         self._by_block()[index] = self._staging[: len(block_ids)].to(self.device)
 
+    def copy_block(self, src: int, dsts: list[int]) -> None:
+        """Copy block ``src``'s K and V of every layer into each block of ``dsts``, in one indexed copy."""
+        index = torch.tensor(dsts, dtype=torch.int64, device=self.device)
+        self.kv_cache[:, :, index] = self.kv_cache[:, :, src : src + 1]
+
     @staticmethod
     def bytes_per_block(config, head_dim: int, block_size: int, kv_dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=kv_dtype).element_size()
@@ -186,8 +192,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | Exception | None]:
-        """One forward over the batch; a sampled token for each sequence that reached its end, else None.
+    def run(self, batch: ScheduledBatch) -> list[SampledToken | Exception | None]:
+        """One forward over the batch; a sampled token (and its logprobs) for each sequence that reached its end,
+        else None.
 
         A sequence whose own sampling failed gets the exception instead of a token (see ``sample``);
         a failure of the batch as a whole (the forward pass) raises.
@@ -200,10 +207,12 @@ class ModelRunner:
         else:
             self.attention.prepare(meta)
             hidden = self.model(ids, pos, meta)
-        sampled: list[int | Exception | None] = [None] * len(batch.seqs)
+        sampled: list[SampledToken | Exception | None] = [None] * len(batch.seqs)
         if not logit_rows:
             return sampled
         logits = self.model.compute_logits(hidden[logit_rows])
-        for i, token in zip(to_sample, sample(logits, [batch.seqs[i] for i in to_sample])):
+        rows = [batch.seqs[i] for i in to_sample]
+        apply_grammar_bitmask(logits, rows)  # constrained rows only: the others sample as they would alone
+        for i, token in zip(to_sample, sample(logits, rows)):
             sampled[i] = token
         return sampled

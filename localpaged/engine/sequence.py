@@ -3,6 +3,11 @@
 No torch here, so the pool and scheduler test fast. Tokens are ``prompt + output`` in one list;
 ``num_computed_tokens`` counts those whose K/V are in the pool (from the prefix cache or computed),
 and the scheduler moves it forward a chunk at a time.
+
+A request for ``n`` > 1 samples is n Sequences of one ``request_id``, told apart by ``index``: sample 0
+is queued and prefills the prompt but its last token, holding the others in ``forks``; then the
+scheduler forks them off it (they share its full blocks and copy its partial one) and each computes
+the last prompt token itself and samples on, a sequence like any other from there.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from localpaged.engine.output import FinishReason
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
+    WAITING_FOR_FSM = "waiting_for_fsm"  # queued while its grammar compiles (vLLM's name); admission skips it
     RUNNING = "running"
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the queues find and remove a sequence by itself, not by its fields
 class Sequence:
     request_id: str
     token_ids: list[int]
@@ -39,10 +45,17 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
-    extra: Any = None  # per-request state owned by the engine (detokenizer, generator)
+    extra: Any = None  # per-sample state owned by the engine (detokenizer, generator)
+    index: int = 0  # which of its request's samples this is
+    forks: list[Sequence] = field(default_factory=list)  # samples waiting to fork off this one (see above)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Unique among the sequences in flight: the request and the sample."""
+        return (self.request_id, self.index)
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +72,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """Tokens it may compute now: all uncomputed ones, but the last prompt token while forks wait."""
+        return self.num_uncomputed_tokens - (1 if self.forks else 0)
 
     @property
     def is_finished(self) -> bool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
+
 from localpaged.errors import RequestError
 from localpaged.unicode_text import not_unicode
 
@@ -92,8 +94,12 @@ def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
         )
 
 
-def encode_chat(tokenizer: Any, messages: list[dict]) -> list[int]:
+def encode_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` under the model's chat template, ending with the assistant's turn.
+
+    ``tools``: OpenAI-style tool definitions (``{"type": "function", "function": {...}}``), rendered by
+    the template's own tool format; a template without one ignores them (the server describes them
+    itself then, see localpaged/chat/tool_calls.py).
 
     The roles and contents are checked first (RequestError naming the message), and a content that
     spells one of the model's control tokens (``<|im_start|>`` ...) keeps it as text: otherwise a pasted
@@ -102,14 +108,18 @@ def encode_chat(tokenizer: Any, messages: list[dict]) -> list[int]:
     """
     messages = check_messages(messages)
     specials = _special_strings(tokenizer)
-    if not any(token in m["content"] for m in messages for token in specials):
-        return _apply_template(tokenizer, messages)
-    return _encode_with_literal_content(tokenizer, messages)
+    extra = {"tools": tools} if tools else {}
+    try:
+        if not any(token in m["content"] for m in messages for token in specials):
+            return _apply_template(tokenizer, messages, extra)
+        return _encode_with_literal_content(tokenizer, messages, extra)
+    except TemplateError as exc:  # the template's own raise_exception: an order of turns it does not take
+        raise RequestError(f"the model's chat template refused these messages: {exc}") from None
 
 
 # Roles the chat templates know; "developer" (the OpenAI API's newer name for "system", which the
-# server also takes) is passed on as "system".
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+# server also takes) is passed on as "system"; "tool" carries a tool's result (templates with a tool format).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_messages(messages: object) -> list[dict]:
@@ -130,6 +140,8 @@ def check_messages(messages: object) -> list[dict]:
         role, content = message.get("role"), message.get("content")
         if role not in CHAT_ROLES:
             raise RequestError(f"message {index} has an unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}")
+        if role == "assistant" and content is None and message.get("tool_calls"):
+            message, content = {**message, "content": ""}, ""  # a turn of tool calls alone
         if not isinstance(content, str):
             raise RequestError(f"message {index} content must be text (str), not {type(content).__name__}")
         if reason := not_unicode(content):
@@ -138,8 +150,8 @@ def check_messages(messages: object) -> list[dict]:
     return checked
 
 
-def _apply_template(tokenizer: Any, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+def _apply_template(tokenizer: Any, messages: list[dict], extra: dict) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
@@ -151,7 +163,7 @@ def _special_strings(tokenizer: Any) -> list[str]:
     return sorted(found)
 
 
-def _encode_with_literal_content(tokenizer: Any, messages: list[dict]) -> list[int]:
+def _encode_with_literal_content(tokenizer: Any, messages: list[dict], extra: dict) -> list[int]:
     """Render the template around placeholders, then tokenize the template's own text as usual and
     each content with its special-token strings split into ordinary text tokens."""
     rendered_all = "".join(m["content"] for m in messages)
@@ -160,8 +172,8 @@ def _encode_with_literal_content(tokenizer: Any, messages: list[dict]) -> list[i
         marker += "\ue001"
     placeholders = [f"{marker}{i}{marker}" for i in range(len(messages))]
     masked = [{**m, "content": placeholder} for m, placeholder in zip(messages, placeholders)]
-    template = tokenizer.apply_chat_template(masked, add_generation_prompt=True, tokenize=False)
-    full = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    template = tokenizer.apply_chat_template(masked, add_generation_prompt=True, tokenize=False, **extra)
+    full = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     pieces: list[tuple[str, bool]] = []  # (text, is_content)
     rest = template
     for placeholder, message in zip(placeholders, messages):

@@ -21,6 +21,7 @@ request at once, so its KV blocks go back to the pool for everyone else.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterable
 from functools import partial
 
@@ -30,8 +31,11 @@ from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from localpaged.chat.tool_calls import constraint
 from localpaged.engine.protocol import EngineClient
 from localpaged.errors import LocalpagedError, RequestError
+from localpaged.server.anthropic import messages_router
+from localpaged.server.choices import ChatChoice, CompletionChoice, ToolSetup
 from localpaged.server.errors import APIError, bad_request, error_response, json_response, validation_error
 from localpaged.server.guard import Guard
 from localpaged.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -83,24 +87,25 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts
     app.openapi = partial(openapi_document, app)  # type: ignore[method-assign]
     app.state.localpaged = state
     app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts)
+    app.include_router(messages_router(state))  # Anthropic's Messages API (server/anthropic.py)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
-        return error_response(exc)
+        return error_response(exc, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(validation_error(exc))
+        return error_response(validation_error(exc), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), type=kind), exc.headers)
+        return error_response(APIError(exc.status_code, str(exc.detail), type=kind), exc.headers, path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         message = f"the server failed on this request ({type(exc).__name__}: {exc}); other requests go on"
-        return error_response(APIError(500, message, type="server_error"))
+        return error_response(APIError(500, message, type="server_error"), path=request.url.path)
 
     @app.get("/health")
     async def health() -> Response:
@@ -140,28 +145,37 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, allowed_hosts
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         params = body.sampling_params(state.max_model_len)
-        run = await state.start(await state.chat_prompt(body), params, "chatcmpl", "messages")
+        plan = body.tool_plan()
+        tools = None if plan is None else ToolSetup(plan, state.tool_format, body.legacy_functions)
+        if tools is not None and (grammar := constraint(plan, tools.fmt)) is not None:
+            params = dataclasses.replace(params, structured=grammar)
+        state.check_params(params)
+        texts = state.token_texts if params.logprobs is not None else None
+        choices = [ChatChoice(i, tools if plan and plan.choice != "none" else None, texts) for i in range(params.n)]
+        run = await state.start(await state.chat_prompt(body, tools), params, "chatcmpl", "messages")
         if body.stream:
-            return EventStream(chat_chunks(state, run, body.include_usage))
-        final = await run.final(request)
-        if final is None:
+            return EventStream(chat_chunks(state, run, body.include_usage, choices))
+        finals = await run.final(request)
+        if finals is None:
             return Response(status_code=499)  # nobody is listening
-        message = {"role": "assistant", "content": final.text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": final.finish_reason}
-        return json_response(state.envelope(run, "chat.completion", choice, usage(final)))
+        whole = [choices[out.index].message(out) for out in finals]
+        return json_response(state.envelope(run, "chat.completion", whole, usage(run)))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         params = body.sampling_params(state.max_model_len)
+        state.check_params(params)
+        texts = state.token_texts if params.logprobs is not None else None
+        choices = [CompletionChoice(i, texts) for i in range(params.n)]
         run = await state.start(body.prompt, params, "cmpl", "prompt")
         if body.stream:
-            return EventStream(completion_chunks(state, run, body.include_usage))
-        final = await run.final(request)
-        if final is None:
+            return EventStream(completion_chunks(state, run, body.include_usage, choices))
+        finals = await run.final(request)
+        if finals is None:
             return Response(status_code=499)
-        choice = {"index": 0, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason}
-        return json_response(state.envelope(run, "text_completion", choice, usage(final)))
+        whole = [choices[out.index].whole(out) for out in finals]
+        return json_response(state.envelope(run, "text_completion", whole, usage(run)))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:

@@ -1,4 +1,5 @@
-"""Errors as OpenAI's API returns them: a status and ``{"error": {message, type, param, code}}``.
+"""Errors as OpenAI's API returns them: a status and ``{"error": {message, type, param, code}}``;
+and as Anthropic's Messages API does (``/v1/messages``): ``{"type": "error", "error": {type, message}}``.
 
 Clients written for OpenAI (its own SDK among them) read ``error.message`` and ``param``; a
 FastAPI ``{"detail": ...}`` or a 422 would reach them as an unexplained failure.
@@ -15,6 +16,16 @@ from starlette.responses import Response
 from localpaged.errors import LocalpagedError
 
 _json = msgspec.json.Encoder()
+# Anthropic's error type for each status (its API's "Errors" page); other 4xx are invalid_request_error.
+ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATHS = "/v1/messages"  # the paths whose errors take Anthropic's shape
 
 
 class APIError(LocalpagedError):
@@ -35,6 +46,11 @@ class APIError(LocalpagedError):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict:
+        """The same error as Anthropic's API words it: its type follows the status."""
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
 
 def bad_request(message: str, param: str | None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value" if param else None)
@@ -44,9 +60,11 @@ def json_response(body: dict, status: int = 200) -> Response:
     return Response(_json.encode(body), status_code=status, media_type="application/json")
 
 
-def error_response(error: APIError, headers: Mapping[str, str] | None = None) -> Response:
-    """OpenAI's error body; ``headers`` the ones the status needs (``Allow`` on a 405, RFC 9110)."""
-    response = json_response(error.body(), error.status)
+def error_response(error: APIError, headers: Mapping[str, str] | None = None, *, path: str = "") -> Response:
+    """OpenAI's error body (Anthropic's for a ``path`` under /v1/messages); ``headers`` the ones the status
+    needs (``Allow`` on a 405, RFC 9110)."""
+    body = error.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else error.body()
+    response = json_response(body, error.status)
     response.headers.update(headers or {})
     if error.status == 401:
         response.headers["WWW-Authenticate"] = "Bearer"

@@ -37,7 +37,7 @@ class Guard:
         headers = dict(scope.get("headers") or ())
         refusal = self._refusal(scope["path"], headers)
         if refusal is not None:
-            await error_response(refusal)(scope, receive, send)
+            await error_response(refusal, path=scope["path"])(scope, receive, send)
             return
         received = 0
 
@@ -62,8 +62,14 @@ class Guard:
             )
         if self.key is not None and path not in OPEN_PATHS:
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            if b"x-api-key" in headers:  # how Anthropic's SDKs send the key
+                scheme, token = "bearer", headers[b"x-api-key"].decode("latin-1")
             if scheme.lower() != "bearer" or not token.strip():
-                return APIError(401, "no API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key")
+                return APIError(
+                    401,
+                    "no API key: send the header 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
+                    code="invalid_api_key",
+                )
             if not hmac.compare_digest(token.strip().encode("latin-1"), self.key):
                 return APIError(401, "incorrect API key", code="invalid_api_key")
         length = headers.get(b"content-length", b"0")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
+import re
 import threading
 import time
 import uuid
@@ -12,13 +14,16 @@ from typing import Any
 
 from starlette.requests import Request
 
+from localpaged.chat.tool_calls import ToolFormat, ToolPlan, detect_format, render
 from localpaged.engine.output import RequestOutput
 from localpaged.engine.protocol import EngineClient, Prompt
 from localpaged.errors import EngineDeadError, LocalpagedError, RequestError
 from localpaged.sampling import SamplingParams
+from localpaged.server.choices import ToolSetup
 from localpaged.server.errors import APIError, bad_request
+from localpaged.server.logprobs import TokenTexts
 from localpaged.server.metrics import ServerMetrics
-from localpaged.server.protocol import ChatCompletionRequest
+from localpaged.server.protocol import ChatCompletionRequest, has_tool_turns
 from localpaged.unicode_text import not_unicode
 
 log = logging.getLogger(__name__)
@@ -40,6 +45,9 @@ class ServerState:
         tokenizer = getattr(engine, "tokenizer", None)
         self._tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
         self._tokenizer_lock = threading.Lock()
+        # The event loop's own copy, for the texts of logprobs' tokens (looked up once each, then kept).
+        self.token_texts = TokenTexts(copy.deepcopy(tokenizer)) if tokenizer is not None else None
+        self.tool_format: ToolFormat = detect_format(getattr(tokenizer, "chat_template", None))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -70,25 +78,49 @@ class ServerState:
 
         await asyncio.gather(*(abort(request_id) for request_id in list(self.runs)))
 
-    def envelope(self, run: Run, kind: str, choice: dict, usage: dict | None) -> dict:
+    def check_params(self, params: SamplingParams) -> None:
+        """What only the vocabulary can tell: the token ids of logit_bias (400 naming the field)."""
+        vocab = len(self._tokenizer) if self._tokenizer is not None else None
+        if vocab is not None and any(t >= vocab for t in params.logit_bias):
+            bad = sorted(t for t in params.logit_bias if t >= vocab)[:5]
+            raise bad_request(
+                f"logit_bias: token ids must be below {vocab}, the vocabulary size; got {bad}", "logit_bias"
+            )
+
+    def envelope(self, run: Run, kind: str, choices: list[dict], usage: dict | None) -> dict:
         body = {"id": run.request_id, "object": kind, "created": run.created, "model": self.model_name}
-        body["choices"] = [choice]
+        body["choices"] = choices
         if usage is not None:
             body["usage"] = usage
         return body
 
-    async def chat_prompt(self, body: ChatCompletionRequest) -> Prompt:
-        """What the engine gets for a chat request: the conversation, or with continue_final_message
-        token ids: the chat template up to the final message's turn, then that message's text with its
-        turn left open (as vLLM renders it), so the reply goes on where the message stops."""
-        conversation = body.conversation()
-        if not body.continue_final_message:
+    async def chat_prompt(self, body: ChatCompletionRequest, tools: ToolSetup | None) -> Prompt:
+        """What the engine gets for a chat request: the conversation; token ids where tools or tool turns
+        are rendered here (see localpaged/chat/tool_calls.py); with continue_final_message token ids too:
+        the chat template up to the final message's turn, then that message's text with its turn left
+        open (as vLLM renders it), so the reply goes on where the message stops."""
+        plan = tools.plan if tools else None
+        return await self.conversation_prompt(body.conversation(), body.continue_final_message, plan)
+
+    async def conversation_prompt(
+        self, conversation: list[dict], continue_final_message: bool, plan: ToolPlan | None = None
+    ) -> Prompt:
+        """The prompt of ``conversation`` as chat_prompt makes it (the Messages API's too)."""
+        if plan is None and not has_tool_turns(conversation) and not continue_final_message:
             return conversation
+        messages, definitions = render(conversation, plan, self.tool_format)
+        head = messages[:-1] if continue_final_message else messages
+        if not head:  # a template renders no turn of its own to go on from
+            raise bad_request(
+                "the final assistant message has nothing before it to answer; send a user message first", "messages"
+            )
         try:
-            head = await asyncio.to_thread(self.engine.encode_chat, conversation[:-1])
+            ids = await asyncio.to_thread(self.engine.encode_chat, head, definitions)
         except RequestError as exc:
             raise bad_request(str(exc), "messages") from None
-        return head + await asyncio.to_thread(self.encode, conversation[-1]["content"], literal=True)
+        if not continue_final_message:
+            return ids
+        return ids + await asyncio.to_thread(self.encode, conversation[-1]["content"] or "", literal=True)
 
     def encode(self, text: str, *, literal: bool = False) -> list[int]:
         """``text`` as the engine encodes a string prompt (no special tokens added).
@@ -103,14 +135,14 @@ class ServerState:
                 return []
             return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=literal))
 
-    def decode(self, tokens: list[int]) -> str:
+    def decode(self, tokens: list[int], *, skip_special_tokens: bool = False) -> str:
         tokenizer = self._need_tokenizer()
         vocab = len(tokenizer)
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"tokens must be ids in [0, {vocab}); got {bad[:5]}", "tokens")
         with self._tokenizer_lock:
-            return tokenizer.decode(tokens, skip_special_tokens=False)
+            return tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     def _need_tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -119,7 +151,8 @@ class ServerState:
 
 
 class Run:
-    """One request through the engine, as an async iterator of its outputs; records its metrics on the way.
+    """One request through the engine, as an async iterator of its outputs (those of all its ``n`` samples,
+    each with its ``index``); records its metrics on the way.
 
     ``start`` takes the first output before any HTTP answer goes out. ``close`` (always called)
     leaves the engine's stream, which aborts the request if it has not finished.
@@ -132,7 +165,10 @@ class Run:
         self.created = int(time.time())
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
-        self.tokens = 0
+        self.n = params.n
+        self.tokens = 0  # generated, all samples together
+        self.sample_tokens: dict[int, int] = {}
+        self.finals: dict[int, RequestOutput] = {}  # each sample's last output, once it finished
         self.last: RequestOutput | None = None
         self._pending: RequestOutput | None = None
         self._counted = False  # in the requests counter, by finish reason
@@ -153,9 +189,17 @@ class Run:
         if self._pending is not None:
             out, self._pending = self._pending, None
             return out
-        if self.last is not None and self.last.finished:
+        if self.finished:
             raise StopAsyncIteration
         return await self._next()
+
+    @property
+    def finished(self) -> bool:
+        return len(self.finals) >= self.n
+
+    def outputs(self) -> list[RequestOutput]:
+        """Every sample's final output, by index."""
+        return [self.finals[i] for i in sorted(self.finals)]
 
     async def _next(self) -> RequestOutput:
         try:
@@ -178,8 +222,8 @@ class Run:
             raise APIError(500, out.error or "the request failed in the engine", type="server_error")
         return out
 
-    async def final(self, request: Request) -> RequestOutput | None:
-        """Run to the end; None if the client went away first (then the request is aborted)."""
+    async def final(self, request: Request) -> list[RequestOutput] | None:
+        """Run to the end: each sample's final output; None if the client went away first (then it is aborted)."""
         drain = asyncio.ensure_future(self._drain())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -193,24 +237,24 @@ class Run:
             gone.cancel()
             await self.close()
 
-    async def _drain(self) -> RequestOutput:
+    async def _drain(self) -> list[RequestOutput]:
         async for _ in self:
             pass
-        assert self.last is not None
-        return self.last
+        return self.outputs()
 
     async def close(self) -> None:
         if self.state.runs.pop(self.request_id, None) is None:
             return
-        if self.last is None or not self.last.finished:
+        if not self.finished:
             self._ended("abort")
         await self._outputs.aclose()  # leaving the engine's stream early aborts the request
 
     def _observe(self, out: RequestOutput) -> None:
         metrics = self.state.metrics
         now = time.perf_counter()
-        new = len(out.token_ids) - self.tokens
+        new = len(out.token_ids) - self.sample_tokens.get(out.index, 0)
         if new > 0:
+            self.sample_tokens[out.index] = len(out.token_ids)
             if self.first_token_at is None:
                 self.first_token_at = now
                 metrics.ttft.observe(now - self.arrival)
@@ -218,6 +262,8 @@ class Run:
             metrics.generation_tokens.inc(new)
         self.last = out
         if out.finished:
+            self.finals[out.index] = out
+        if out.finished and self.finished:
             if self.first_token_at is not None and self.tokens > 1:
                 metrics.tpot.observe((now - self.first_token_at) / (self.tokens - 1))
             metrics.prompt_tokens.inc(out.metrics.prompt_tokens)
@@ -238,8 +284,15 @@ class Run:
         # Before the first output, a RequestError is the engine refusing the input (prompt too long or
         # empty, a token id out of range); a failure while generating names the request ("request '...' failed").
         if isinstance(exc, RequestError) and self.last is None and not text.startswith(f"request {self.request_id!r}"):
-            return bad_request(text, "stop_token_ids" if text.startswith("stop_token_ids") else self.param)
+            return bad_request(text, _param_named(text) or self.param)
         return APIError(500, text, type="server_error")
+
+
+def _param_named(text: str) -> str | None:
+    """The request field an engine refusal starts by naming ("stop_token_ids=[...]: ...", "n is not ..."), if any."""
+    name = re.match(r"[a-z_]+", text)
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    return name.group() if name and name.group() in fields and text[name.end() : name.end() + 1] in "= :[" else None
 
 
 async def _disconnected(request: Request) -> None:

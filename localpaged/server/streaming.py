@@ -8,7 +8,7 @@ import msgspec
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from localpaged.engine.output import RequestOutput
+from localpaged.server.choices import ChatChoice, CompletionChoice
 from localpaged.server.errors import APIError
 from localpaged.server.state import Run, ServerState
 
@@ -35,24 +35,32 @@ def sse(payload: dict) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 
 
-async def chat_chunks(state: ServerState, run: Run, include_usage: bool) -> AsyncIterator[bytes]:
-    """``chat.completion.chunk`` events: the role, then text deltas, the finish reason, usage if asked, [DONE]."""
+async def chat_chunks(
+    state: ServerState, run: Run, include_usage: bool, choices: list[ChatChoice]
+) -> AsyncIterator[bytes]:
+    """``chat.completion.chunk`` events: each choice's role, then its text (or tool call) deltas and its
+    finish reason, each chunk naming its choice's index; usage if asked, [DONE]."""
     head = {"id": run.request_id, "object": "chat.completion.chunk", "created": run.created, "model": state.model_name}
     extra = {"usage": None} if include_usage else {}
 
-    def chunk(delta: dict, finish_reason: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def chunk(choice: dict) -> bytes:
         return sse({**head, "choices": [choice], **extra})
 
     try:
-        yield chunk({"role": "assistant", "content": ""})
+        for choice in choices:
+            yield chunk(
+                {
+                    "index": choice.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
         async for out in run:
-            if out.delta:
-                yield chunk({"content": out.delta})
-            if out.finished:  # in a chunk of its own with an empty delta, as OpenAI sends it
-                yield chunk({}, out.finish_reason)
-        if include_usage and run.last is not None:
-            yield sse({**head, "choices": [], "usage": usage(run.last)})
+            for piece in choices[out.index].deltas(out):
+                yield chunk(piece)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(run)})
         yield DONE
     except APIError as exc:  # the headers are out: the error travels as an event, as OpenAI's API sends it
         yield sse(exc.body())
@@ -61,23 +69,19 @@ async def chat_chunks(state: ServerState, run: Run, include_usage: bool) -> Asyn
         await run.close()
 
 
-async def completion_chunks(state: ServerState, run: Run, include_usage: bool) -> AsyncIterator[bytes]:
-    """``text_completion`` events: text deltas, the finish reason, usage if asked, [DONE]."""
+async def completion_chunks(
+    state: ServerState, run: Run, include_usage: bool, choices: list[CompletionChoice]
+) -> AsyncIterator[bytes]:
+    """``text_completion`` events: each choice's text deltas and finish reason, usage if asked, [DONE]."""
     head = {"id": run.request_id, "object": "text_completion", "created": run.created, "model": state.model_name}
     extra = {"usage": None} if include_usage else {}
 
-    def chunk(text: str, finish_reason: str | None = None) -> bytes:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return sse({**head, "choices": [choice], **extra})
-
     try:
         async for out in run:
-            if out.delta:
-                yield chunk(out.delta)
-            if out.finished:  # in a chunk of its own, as OpenAI sends it
-                yield chunk("", out.finish_reason)
-        if include_usage and run.last is not None:
-            yield sse({**head, "choices": [], "usage": usage(run.last)})
+            for piece in choices[out.index].deltas(out):
+                yield sse({**head, "choices": [piece], **extra})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(run)})
         yield DONE
     except APIError as exc:
         yield sse(exc.body())
@@ -86,12 +90,16 @@ async def completion_chunks(state: ServerState, run: Run, include_usage: bool) -
         await run.close()
 
 
-def usage(out: RequestOutput) -> dict:
-    prompt = out.metrics.prompt_tokens or len(out.prompt_token_ids)
-    completion = len(out.token_ids)
+def usage(run: Run) -> dict:
+    """The request's token counts: the prompt once, the completion tokens of every sample."""
+    outs = run.outputs() or ([run.last] if run.last is not None else [])
+    first = outs[0] if outs else None
+    prompt = (first.metrics.prompt_tokens or len(first.prompt_token_ids)) if first is not None else 0
+    completion = sum(len(out.token_ids) for out in outs)
+    cached = first.metrics.cached_tokens if first is not None else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.metrics.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }

@@ -86,8 +86,8 @@ class FakeLLM:
         self.steps = 0
         self._requests: dict[str, _Request] = {}
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return encode_chat(self.tokenizer, messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return encode_chat(self.tokenizer, messages, tools)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         if not prompt:

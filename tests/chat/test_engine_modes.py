@@ -70,6 +70,28 @@ def test_many_streams_at_once_match_the_synchronous_engine(engine: AsyncLLM, exp
     assert engine.stats().blocks_used == 0
 
 
+def test_logprobs_cross_to_the_front_end_as_the_synchronous_engine_gives_them(
+    engine: AsyncLLM, tiny_model_path
+) -> None:
+    """Every streamed output holds one TokenLogprob per token id so far, and the last equals LLM's."""
+    from localpaged import LLM
+
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, logprobs=3, repetition_penalty=1.3),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=4, logprobs=0, min_p=0.05, ignore_eos=True),
+    ]
+    prompt = "Tell me about the number 7."
+    want = LLM(str(tiny_model_path), **TINY).generate([prompt, prompt], params)
+    for p, expected in zip(params, want):
+        outputs = asyncio.run(collect(engine, prompt, p))
+        assert all(len(out.logprobs) == len(out.token_ids) for out in outputs)
+        assert outputs[-1].token_ids == expected.token_ids
+        for got, lp in zip(outputs[-1].logprobs, expected.logprobs):  # equal to float32 rounding
+            assert got.token_id == lp.token_id and [t for t, _ in got.top] == [t for t, _ in lp.top]
+            assert got.logprob == pytest.approx(lp.logprob, abs=1e-4)
+    assert asyncio.run(collect(engine, prompt))[-1].logprobs is None
+
+
 def test_abort_frees_blocks_and_ends_the_stream(engine: AsyncLLM) -> None:
     async def main():
         streams = [engine.stream(f"request {i} " * 5, LONG, request_id=f"abort-{i}") for i in range(3)]

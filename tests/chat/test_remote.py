@@ -130,6 +130,12 @@ def test_a_request_the_server_refuses_keeps_its_words(ours: str) -> None:
         list(remote.iter_stream([{"role": "user", "content": "hi"}], bad))
 
 
+def test_more_than_one_sample_is_refused_here(ours: str) -> None:
+    remote = RemoteEngine(ours, api_key=KEY)
+    with pytest.raises(RequestError, match="n=3: a remote engine streams one sample per request"):
+        list(remote.iter_stream("hi", SamplingParams(n=3)))
+
+
 # ----- a session on a remote engine --------------------------------------------------------
 
 

@@ -41,26 +41,27 @@ def assert_clean(llm) -> None:
 
 def sabotage(llm, monkeypatch, prompt: str, method: str, after: int) -> None:
     """Make the detokenizer of every request for ``prompt`` raise on its ``after``-th call to ``method``."""
-    make = llm._make_sequence
+    make = llm._make_request
 
     def make_sabotaged(p, params, request_id):
-        seq = make(p, params, request_id)
+        samples = make(p, params, request_id)
         if p == prompt:
-            detok = seq.extra.detokenizer
-            real = getattr(detok, method)
-            calls = 0
+            for seq in samples:
+                detok = seq.extra.detokenizer
+                real = getattr(detok, method)
+                calls = 0
 
-            def broken(*args, **kwargs):
-                nonlocal calls
-                calls += 1
-                if calls >= after:
-                    raise RuntimeError("detokenizer exploded")
-                return real(*args, **kwargs)
+                def broken(*args, real=real, **kwargs):
+                    nonlocal calls
+                    calls += 1
+                    if calls >= after:
+                        raise RuntimeError("detokenizer exploded")
+                    return real(*args, **kwargs)
 
-            setattr(detok, method, broken)
-        return seq
+                setattr(detok, method, broken)
+        return samples
 
-    monkeypatch.setattr(llm, "_make_sequence", make_sabotaged)
+    monkeypatch.setattr(llm, "_make_request", make_sabotaged)
 
 
 @pytest.mark.parametrize("method, after", [("add", 3), ("add", 1), ("take_delta", 4)])

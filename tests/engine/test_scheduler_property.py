@@ -8,6 +8,10 @@ the same hash over the true token history.
 With a simulated disk tier below the pool, blocks leave for "disk" as their bytes (the slots'
 tokens) and come back into other pool blocks; the disk is small enough to lose blocks (LRU) and
 some of its files are unreadable (a miss, as a corrupt file is), so chains break anywhere.
+
+Requests for several samples fork off their first sample (engine.sequence); each sample's "model"
+hashes its index in too, so samples differ, and a forked sample reading a sibling's partial block
+(a copy on write gone wrong) or a block its fork did not copy changes its output.
 """
 
 from __future__ import annotations
@@ -29,15 +33,22 @@ BS = 4
 VOCAB = 7
 
 
-def next_token(context: list[int]) -> int:
-    return hashlib.sha256(str(context).encode()).digest()[0] % VOCAB
+def next_token(context: list[int], index: int = 0) -> int:
+    return hashlib.sha256(str((index, context)).encode()).digest()[0] % VOCAB
 
 
-def unconstrained(prompt: list[int], max_tokens: int) -> list[int]:
+def unconstrained(prompt: list[int], max_tokens: int, index: int = 0) -> list[int]:
     tokens = list(prompt)
     for _ in range(max_tokens):
-        tokens.append(next_token(tokens))
+        tokens.append(next_token(tokens, index))
     return tokens[len(prompt) :]
+
+
+def samples(rid: str, prompt: list[int], max_tokens: int, n: int) -> list[Sequence]:
+    """A request's ``n`` samples as the engine queues them: the first, holding the others as its forks."""
+    seqs = [Sequence(rid, list(prompt), Params(max_tokens), index=i) for i in range(n)]
+    seqs[0].forks = seqs[1:]
+    return seqs
 
 
 @dataclass
@@ -92,7 +103,8 @@ class FakeEngine:
         self.scheduler = Scheduler(self.kv, max_num_seqs, budget)
         self.slots = [None] * (num_blocks * BS)
         self.staged: list[bytearray] = []  # what block_buffers handed out, until commit_blocks
-        self.finished: dict[str, list[int]] = {}
+        self.finished: dict[tuple[str, int], list[int]] = {}
+        self.copies = 0  # partial blocks copied for forks
 
     # A block's bytes: its BS slots as int32, -1 for a slot never written.
     def gather_blocks(self, block_ids: list[int]) -> list[memoryview]:
@@ -109,6 +121,11 @@ class FakeEngine:
         for b, buffer in zip(block_ids, self.staged):
             self.slots[b * BS : (b + 1) * BS] = [None if t == -1 else t for t in array("i", buffer)]
 
+    def copy_block(self, src: int, dsts: list[int]) -> None:
+        for dst in dsts:
+            self.slots[dst * BS : (dst + 1) * BS] = self.slots[src * BS : (src + 1) * BS]
+            self.copies += 1
+
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // BS] * BS + pos % BS
 
@@ -121,13 +138,13 @@ class FakeEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.num_computed_tokens + n == seq.num_tokens:
                 context = [self.slots[self.slot(seq, p)] for p in range(seq.num_tokens)]
-                sampled.append((seq, next_token(context)))
+                sampled.append((seq, next_token(context, seq.index)))
         self.scheduler.on_step_done(batch)
         for seq, token in sampled:
             seq.append_token(token)
             if seq.num_output_tokens >= seq.params.max_tokens:
                 self.scheduler.finish(seq, "length")
-                self.finished[seq.request_id] = seq.output_token_ids
+                self.finished[seq.key] = seq.output_token_ids
 
     def check(self) -> None:
         self.pool.check_integrity()
@@ -147,6 +164,7 @@ request = st.tuples(
     st.integers(1, 12),  # max_tokens
     st.integers(0, 3),  # arrives after this many steps since the previous one
     st.booleans() | st.just(False),  # aborted a few steps after arrival
+    st.integers(1, 4),  # samples (n), at most max_num_seqs
 )
 
 
@@ -161,11 +179,12 @@ request = st.tuples(
 )
 def test_random_load_keeps_invariants_and_outputs(shared, requests, num_blocks, max_num_seqs, budget, disk):
     engine = FakeEngine(num_blocks, max_num_seqs, budget, disk)
-    expected, aborts, pending = {}, {}, list(enumerate(requests))
+    expected, aborts, pending, queued = {}, {}, list(enumerate(requests)), {}
     step = wait = 0
     while pending or engine.scheduler.has_unfinished():
         while pending and wait >= pending[0][1][3]:
-            i, (which, tail, max_tokens, _, abort) = pending.pop(0)
+            i, (which, tail, max_tokens, _, abort, n) = pending.pop(0)
+            n = min(n, max_num_seqs)
             prompt = (shared[which] + tail)[: (num_blocks - 3) * BS - max_tokens]  # one request always fits
             if not prompt:
                 prompt = tail[:1]
@@ -173,25 +192,48 @@ def test_random_load_keeps_invariants_and_outputs(shared, requests, num_blocks, 
             if disk is not None and i % 2:
                 engine.kv.prefetch(prompt)  # as the app does when a stored chat is opened
                 engine.check()
-            engine.scheduler.add(Sequence(rid, prompt, Params(max_tokens)))
-            expected[rid] = unconstrained(prompt, max_tokens)
+            queued[rid] = samples(rid, prompt, max_tokens, n)
+            engine.scheduler.add(queued[rid][0])
+            for index in range(n):
+                expected[(rid, index)] = unconstrained(prompt, max_tokens, index)
             if abort:
                 aborts[rid] = step + 2
             wait = 0
         for rid, at in list(aborts.items()):
             if step >= at:
                 del aborts[rid]
-                victim = next(
-                    (s for s in engine.scheduler.running + list(engine.scheduler.waiting) if s.request_id == rid), None
-                )
-                if victim is not None:
-                    engine.scheduler.finish(victim, "abort")
-                    expected.pop(rid)
+                for seq in queued[rid]:  # as LLM.abort: the first sample first, its waiting forks end with it
+                    if not seq.is_finished:
+                        engine.scheduler.finish(seq, "abort")
+                    if seq.key not in engine.finished:
+                        expected.pop(seq.key)
         engine.step()
         engine.check()
         step += 1
         wait += 1
         assert step < 5000, "the scheduler stopped making progress"
-    for rid, want in expected.items():
-        assert engine.finished.get(rid) == want, f"{rid} produced the wrong tokens"
+    for key, want in expected.items():
+        assert engine.finished.get(key) == want, f"{key} produced the wrong tokens"
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_samples_share_the_prompt_full_blocks_and_copy_its_partial_one():
+    engine = FakeEngine(num_blocks=16, max_num_seqs=4, budget=64)
+    prompt = list(range(10))  # 9 tokens prefilled by the first sample: 2 full blocks and 1 token of a third
+    first, *forks = samples("r", prompt, 3, 3)
+    engine.scheduler.add(first)
+    engine.step()
+    assert first.num_computed_tokens == 9 and not first.output_token_ids  # the last prompt token waits
+    assert engine.pool.num_used_blocks == 3
+    engine.step()  # forks, then all three compute the last prompt token and sample
+    assert engine.copies == 2
+    assert all(s.block_table[:2] == first.block_table[:2] for s in forks)
+    assert len({s.block_table[2] for s in [first, *forks]}) == 3
+    assert [engine.pool.blocks[b].ref_count for b in first.block_table[:2]] == [3, 3]
+    assert engine.pool.num_used_blocks == 5
+    engine.check()
+    while engine.scheduler.has_unfinished():
+        engine.step()
+        engine.check()
+    assert engine.finished == {("r", i): unconstrained(prompt, 3, i) for i in range(3)}
     assert engine.pool.num_used_blocks == 0

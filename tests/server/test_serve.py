@@ -263,11 +263,12 @@ def test_strict_clients_get_what_the_http_and_openai_specs_say(client: openai.Op
         ({"top_k": -3}, "top_k"),
         ({"seed": 2**64}, "seed"),
         ({"max_tokens": 5000}, "max_tokens"),  # past the 1024-token context
-        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),  # refused, never silently ignored
-        ({"function_call": "auto"}, "function_call"),
+        ({"functions": [{"name": "f"}], "tools": [{"type": "function", "function": {"name": "g"}}]}, "functions"),
+        ({"function_call": {"name": "f"}}, "function_call"),  # a call asked for, and no functions sent
         ({"tool_choice": "required"}, "tool_choice"),
         ({"stop": 5}, "stop"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 65}, "n"),
         ({"stream": "yes"}, "stream"),
         ({"messages": []}, "messages"),
         ({"messages": "hello"}, "messages"),

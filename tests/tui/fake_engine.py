@@ -81,7 +81,7 @@ class FakeEngine:
             self.calls_when_dead += 1
         self._check_alive()
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         self._call()
         text = "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages) + "<|assistant|>"
         return list(text.encode())

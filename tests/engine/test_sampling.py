@@ -1,0 +1,312 @@
+"""Penalties, logit_bias, min_p and logprobs: the sampler against transformers' processors and plain references,
+and the engine on the tiny model against transformers' generate and logits."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from localpaged import SamplingParams
+from localpaged.engine.sampler import SampledToken, _sample_row, apply_min_p, apply_penalties, make_generator, sample
+from localpaged.engine.sequence import Sequence
+from localpaged.errors import RequestError
+from tests.oracle import load_hf
+
+CPU = torch.device("cpu")
+# Float32 log-softmax of the same model's logits on two implementations (ours, transformers') stays within this.
+LOGPROB_TOL = 1e-4
+
+
+def _seq(params: SamplingParams, prompt: list[int], output: list[int] = ()) -> Sequence:
+    """A sequence as the sampler sees it at a step: the prompt, the reply so far, its generator."""
+    seq = Sequence("r", list(prompt), params)
+    seq.token_ids.extend(output)
+    seq.extra = SimpleNamespace(generator=make_generator(params, CPU))
+    return seq
+
+
+def _random(rows: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Generator]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * 3, g
+
+
+# ----- the processors against transformers' and OpenAI's definitions -------------------------------------
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits, g = _random(8, 64)
+    seqs, expected = [], []
+    for i, penalty in enumerate([0.5, 0.8, 1.2, 1.5, 2.0, 3.0, 1.1, 9.0]):
+        ids = torch.randint(0, 64, (5 + 3 * i,), generator=g).tolist()
+        seqs.append(_seq(SamplingParams(temperature=0, repetition_penalty=penalty), ids[:4], ids[4:]))
+        expected.append(RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([ids]), logits[i : i + 1].clone())[0])
+    ours = logits.clone()
+    apply_penalties(ours, seqs)
+    torch.testing.assert_close(ours, torch.stack(expected))
+
+
+def test_min_p_matches_transformers_after_temperature():
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper
+
+    logits, _ = _random(6, 200, seed=1)
+    settings_ = [(0.5, 0.05), (1.0, 0.1), (1.5, 0.2), (0.7, 0.5), (2.0, 0.01), (1.0, 1.0)]
+    params = [SamplingParams(temperature=t, min_p=m) for t, m in settings_]
+    ours = logits.clone()
+    apply_min_p(ours, params)
+    ids = torch.tensor([[0]])
+    for i, (t, m) in enumerate(settings_):
+        theirs = MinPLogitsWarper(m)(ids, TemperatureLogitsWarper(t)(ids, logits[i : i + 1].clone()))[0]
+        assert torch.equal(torch.isinf(ours[i]), torch.isinf(theirs)), f"row {i}: min_p={m} at temperature {t}"
+        kept = ~torch.isinf(ours[i])
+        assert torch.equal(ours[i][kept], logits[i][kept])  # what min_p keeps is untouched
+    assert int((~torch.isinf(ours[5])).sum()) == 1  # min_p 1 keeps the likeliest alone
+
+
+def test_min_p_leaves_greedy_rows_alone():
+    logits, _ = _random(2, 50)
+    work = logits.clone()
+    apply_min_p(work, [SamplingParams(temperature=0, min_p=0.9), SamplingParams(top_k=1, min_p=0.9)])
+    assert torch.equal(work, logits)
+
+
+def test_presence_and_frequency_penalties_follow_openai():
+    """logit -= presence * (count > 0) + frequency * count, counted over the reply only (not the prompt)."""
+    logits, _ = _random(3, 16, seed=2)
+    prompt = [1, 1, 1, 7]
+    replies = [[3, 3, 5], [], [9, 9, 9, 9, 2]]
+    settings_ = [(0.5, 0.0), (1.0, 1.0), (-0.5, 1.5)]
+    seqs = [
+        _seq(SamplingParams(temperature=0, presence_penalty=pp, frequency_penalty=fp), prompt, out)
+        for (pp, fp), out in zip(settings_, replies)
+    ]
+    ours = logits.clone()
+    apply_penalties(ours, seqs)
+    expected = logits.clone()
+    for i, ((pp, fp), out) in enumerate(zip(settings_, replies)):
+        for token, count in Counter(out).items():
+            expected[i, token] -= pp + fp * count
+    torch.testing.assert_close(ours, expected)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    vocab=st.integers(2, 40),
+    rows=st.integers(1, 6),
+)
+def test_penalties_and_bias_equal_a_plain_reference(data, vocab, rows):
+    """Bias first, then repetition over prompt and reply, then presence/frequency over the reply (vLLM's order)."""
+    token = st.integers(0, vocab - 1)
+    seqs = []
+    for _ in range(rows):
+        prompt = data.draw(st.lists(token, min_size=1, max_size=12))
+        reply = data.draw(st.lists(token, max_size=20))
+        params = SamplingParams(
+            temperature=0,
+            presence_penalty=data.draw(st.sampled_from([0.0, -2.0, 0.3, 2.0])),
+            frequency_penalty=data.draw(st.sampled_from([0.0, -1.0, 0.7, 2.0])),
+            repetition_penalty=data.draw(st.sampled_from([1.0, 0.5, 1.3, 10.0])),
+            logit_bias=data.draw(st.dictionaries(token, st.floats(-100, 100), max_size=4)),
+        )
+        seqs.append(_seq(params, prompt, reply))
+    logits = torch.tensor(data.draw(st.lists(st.floats(-20, 20), min_size=rows * vocab, max_size=rows * vocab)))
+    logits = logits.view(rows, vocab)
+    ours = logits.clone()
+    apply_penalties(ours, seqs)
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        row = logits[i].tolist()
+        for t, b in p.logit_bias.items():
+            row[t] += b
+        for t in set(seq.token_ids):
+            row[t] = row[t] * p.repetition_penalty if row[t] < 0 else row[t] / p.repetition_penalty
+        for t, c in Counter(seq.output_token_ids).items():
+            row[t] -= p.presence_penalty + p.frequency_penalty * c
+        torch.testing.assert_close(ours[i], torch.tensor(row), rtol=1e-5, atol=1e-4)
+
+
+# ----- sample(): tokens and logprobs ---------------------------------------------------------------------
+
+
+def test_rows_without_features_take_the_plain_path_bit_for_bit():
+    """In a batch with every feature beside them, plain rows sample exactly what today's path samples alone."""
+    logits, _ = _random(8, 300, seed=3)
+    plain = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.9, seed=1),
+        SamplingParams(temperature=1.3, top_k=20, seed=2),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+    ]
+    featured = [
+        SamplingParams(temperature=0, repetition_penalty=1.5, logit_bias={4: 5.0}),
+        SamplingParams(temperature=1.0, min_p=0.1, presence_penalty=1.0, seed=4),
+        SamplingParams(temperature=0.7, frequency_penalty=2.0, logprobs=3, seed=5),
+        SamplingParams(temperature=0, logprobs=0),
+    ]
+    params = [p for pair in zip(plain, featured) for p in pair]
+    seqs = [_seq(p, [1, 2, 3], [4, 4, 5]) for p in params]
+    got = sample(logits.clone(), seqs)
+    for i in range(0, 8, 2):
+        p = params[i]
+        want = int(logits[i].argmax()) if p.greedy else _sample_row(logits[i], p, make_generator(p, CPU))
+        assert got[i] == SampledToken(want), f"row {i}: {p}"
+
+
+def test_logprobs_are_the_raw_distribution_whatever_changes_the_choice():
+    logits, _ = _random(5, 120, seed=4)
+    params = [
+        SamplingParams(temperature=0, logprobs=5, logit_bias={7: 100.0}),
+        SamplingParams(temperature=0.5, logprobs=20, repetition_penalty=2.0, min_p=0.2, top_k=10, seed=1),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=1.0, seed=2),
+        SamplingParams(temperature=1.0, top_p=0.5, logprobs=1, frequency_penalty=2.0, seed=3),
+    ]
+    seqs = [_seq(p, [1, 2], [3, 3, 9]) for p in params]
+    got = sample(logits.clone(), seqs)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert got[0].token_id == 7  # the bias chose it, the logprobs are the model's
+    for i, (p, out) in enumerate(zip(params, got)):
+        if p.logprobs is None:
+            assert out.logprob is None
+            continue
+        lp = out.logprob
+        assert lp.token_id == out.token_id
+        assert lp.logprob == pytest.approx(float(raw[i, out.token_id]), abs=1e-6)
+        values, ids = torch.topk(raw[i], p.logprobs)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-6)
+        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))  # likeliest first
+    assert got[2].logprob.top == [] and got[2].logprob.logprob == pytest.approx(float(raw[2].max()), abs=1e-6)
+
+
+def test_a_failing_row_fails_alone_with_logprobs_beside_it():
+    logits, _ = _random(2, 30)
+    logits[1] = float("nan")
+    seqs = [
+        _seq(SamplingParams(temperature=0, logprobs=2), [1]),
+        _seq(SamplingParams(temperature=1.0, logprobs=2), [1]),
+    ]
+    got = sample(logits, seqs)
+    assert isinstance(got[0], SampledToken) and got[0].logprob is not None
+    assert isinstance(got[1], ValueError)
+
+
+# ----- the engine on the tiny model ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_path):
+    from tests.oracle import exact_llm
+
+    return exact_llm(tiny_model_path, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_path):
+    return load_hf(tiny_model_path)
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog, and then"
+
+
+def test_logit_bias_forces_and_bans_tokens(llm):
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    plain = llm.generate(PROMPT, greedy)[0].token_ids
+    forced = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logit_bias={42: 100}))
+    assert forced[0].token_ids == [42] * 8
+    banned = {t: -100.0 for t in set(plain)}
+    outs = llm.generate(
+        [PROMPT] * 3,
+        [
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logit_bias=banned),
+            SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True, logit_bias=banned),
+            greedy,
+        ],
+    )
+    assert not set(outs[0].token_ids) & set(plain) and not set(outs[1].token_ids) & set(plain)
+    assert outs[2].token_ids == plain
+    assert llm.stats().blocks_used == 0
+
+
+def test_logit_bias_beyond_the_vocabulary_is_refused(llm):
+    with pytest.raises(RequestError, match="logit_bias names token 60000: token ids must be below 49152"):
+        llm.generate(PROMPT, SamplingParams(logit_bias={60000: 1.0}))
+
+
+def test_greedy_repetition_penalty_matches_transformers_generate(llm, hf):
+    ids = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
+    for penalty in (1.3, 0.8):
+        ours = llm.generate(
+            [ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, repetition_penalty=penalty)
+        )
+        theirs = hf.generate(
+            torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False, repetition_penalty=penalty
+        )
+        assert ours[0].token_ids == theirs[0, len(ids) :].tolist(), f"repetition_penalty={penalty}"
+
+
+def test_logprobs_equal_transformers_log_softmax(llm, hf):
+    ids = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True, logprobs=3, presence_penalty=2.0),
+    ]
+    for out, p in zip(llm.generate([ids, ids], params), params):
+        assert len(out.logprobs) == len(out.token_ids) == 12
+        with torch.inference_mode():
+            logits = hf(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1 : -1].float()
+        raw = torch.log_softmax(logits, dim=-1)
+        for step, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert lp.token_id == token
+            assert lp.logprob == pytest.approx(float(raw[step, token]), abs=LOGPROB_TOL)
+            assert [t for t, _ in lp.top] == torch.topk(raw[step], p.logprobs).indices.tolist()
+            if p.greedy:
+                assert lp.top[0] == (token, lp.logprob)
+
+
+def test_logprobs_line_up_with_token_ids_through_the_stop_token(llm):
+    """A stop token that ends the reply is the last of ``token_ids`` (not of the text): its logprob is the last."""
+    eos = min(llm.stop_token_ids)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, logprobs=2, logit_bias={eos: 100}))[0]
+    assert out.finish_reason == "stop" and out.token_ids == [eos] and out.text == ""
+    assert [lp.token_id for lp in out.logprobs] == [eos]
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert plain.logprobs is None
+
+
+def test_a_mixed_batch_gives_each_request_what_it_gets_alone(llm):
+    prompts = [f"{PROMPT} {i}" for i in range(16)]
+    kinds = [
+        {},
+        {"repetition_penalty": 1.4},
+        {"presence_penalty": 1.5, "frequency_penalty": 0.5},
+        {"logit_bias": {100: 8.0, 200: -100.0}},
+        {"min_p": 0.1},
+        {"logprobs": 4},
+        {"logprobs": 0, "repetition_penalty": 0.9, "min_p": 0.05},
+        {},
+    ]
+    params = [
+        SamplingParams(max_tokens=10, ignore_eos=True, temperature=0 if i % 2 else 0.9, seed=i, **kinds[i % len(kinds)])
+        for i in range(len(prompts))
+    ]
+    together = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, together):
+        alone = llm.generate(prompt, p)[0]
+        assert out.token_ids == alone.token_ids, p
+        assert (out.logprobs is None) == (p.logprobs is None)
+        if out.logprobs is not None:
+            assert [lp.token_id for lp in out.logprobs] == out.token_ids
+            for a, b in zip(out.logprobs, alone.logprobs):
+                assert a.logprob == pytest.approx(b.logprob, abs=LOGPROB_TOL)
+    plain = [i for i, p in enumerate(params) if not kinds[i % len(kinds)]]
+    only_plain = llm.generate([prompts[i] for i in plain], [params[i] for i in plain])
+    assert [o.token_ids for o in only_plain] == [together[i].token_ids for i in plain]
+    assert llm.stats().blocks_used == 0
