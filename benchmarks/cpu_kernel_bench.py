@@ -9,7 +9,7 @@ measures the engine on the default model instead, each path in a process of its 
 set), its KV cache of ``--kv-cache-dtype`` (default auto: float16 on the native kernels): one chat's decode
 tok/s after its first token (256 tokens) and 16 sessions' aggregate tok/s (benchmarks/throughput.py's
 sessions, 128 tokens each). ``--decode-step`` measures the same two figures in one process on the chosen path,
-with each decode step one native call (engine/cpu_decode.py) and through the model's modules, round by round
+with each decode step one native call (models/llama_cpu_decode.py) and through the model's modules, round by round
 in alternating order, and prints the medians.
 
     python benchmarks/cpu_kernel_bench.py [--rounds 5] [--context 512]

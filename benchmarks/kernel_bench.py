@@ -64,7 +64,7 @@ def main() -> None:
         device = torch.device("cuda")
     else:
         raise SystemExit("kernel_bench: CUDA is not available; use --cpu-smoke for an interpreter smoke run.")
-    from localpaged.kernels import reference
+    from localpaged.kernels import torch_attention
     from localpaged.kernels.paged_decode import MAX_SPLITS, default_num_splits, paged_decode
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -81,7 +81,9 @@ def main() -> None:
 
     check = min(b, 4)
     out = paged_decode(q[:check], k_cache, v_cache, block_tables[:check], context_lens[:check], scale, num_splits=2)
-    ref = reference.paged_decode(q[:check].float(), k_cache, v_cache, block_tables[:check], context_lens[:check], scale)
+    ref = torch_attention.paged_decode(
+        q[:check].float(), k_cache, v_cache, block_tables[:check], context_lens[:check], scale
+    )
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     print(f"check vs reference ({check} sequences): relative error {err:.2e}")
     if not err < 2e-2:

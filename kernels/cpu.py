@@ -39,7 +39,7 @@ import torch
 
 from localpaged.cache_folders import cached_folder, set_aside
 from localpaged.errors import ConfigError, KernelArgumentError, KernelError
-from localpaged.kernels import cpu_isa, reference
+from localpaged.kernels import cpu_isa, torch_attention
 from localpaged.kernels.cpu_isa import KernelPath, choose_path
 from localpaged.locations import kernels_cache_dir
 
@@ -129,8 +129,7 @@ def _load(compiler: str, path: KernelPath) -> ctypes.CDLL:
                 "in kernels/cpu.py and LP_ABI_VERSION in kernels/cpu_kernels.h together)"
             )
     for kernel in KERNELS:
-        function = getattr(lib, kernel.name)
-        function.argtypes, function.restype = kernel.argtypes, ctypes.c_int
+        kernel.declare(lib)
     return lib
 
 
@@ -208,6 +207,15 @@ class Kernel:
         self.argtypes = argtypes
         self.bad_index = bad_index  # what LP_BAD_INDEX means for this kernel
         KERNELS.append(self)
+        # A binding made after the library loaded (a model's, in a module imported later) is declared now:
+        # called undeclared, ctypes would pass its pointers as C ints.
+        if library.cache_info().currsize and (lib := library()) is not None:
+            self.declare(lib)
+
+    def declare(self, lib: ctypes.CDLL) -> None:
+        """Give ``lib``'s function its C parameters and the int status it returns."""
+        function = getattr(lib, self.name)
+        function.argtypes, function.restype = self.argtypes, ctypes.c_int
 
     def __call__(self, *args: object) -> None:
         lib = library()
@@ -226,7 +234,7 @@ class Kernel:
         raise KernelArgumentError(f"{self.name} rejected its sizes, bits or group (status {status})")
 
 
-def _expect(
+def expect(
     name: str, t: object, dtype: torch.dtype | tuple[torch.dtype, ...], dims: int | None, *, contiguous: bool = False
 ) -> None:
     """Raise KernelArgumentError naming ``name`` unless ``t`` is a CPU tensor of ``dtype`` (or one of several) with
@@ -258,7 +266,7 @@ def _expect(
     raise KernelArgumentError(f"{name} " + " and ".join(problems))
 
 
-def _expect_index(name: str, t: object, dims: int, rows: int) -> None:
+def expect_index(name: str, t: object, dims: int, rows: int) -> None:
     """Raise KernelArgumentError unless ``t`` is a CPU integer tensor of ``dims`` dimensions, ``rows`` long."""
     if isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in INDEX_DTYPES and t.dim() == dims and len(t) == rows:
         return
@@ -273,8 +281,8 @@ def _expect_index(name: str, t: object, dims: int, rows: int) -> None:
 def _expect_cache(k_cache: object, v_cache: object) -> tuple[int, int, int, int]:
     """``(num_blocks, kv_heads, head_dim, kv_dtype)`` of caches ``[blocks, 16, KVH, D]`` of one of KV_DTYPES,
     written in place; ``kv_dtype`` is that type's number in KV_DTYPES, which picks the kernel's variant."""
-    _expect("k_cache", k_cache, KV_DTYPES, 4, contiguous=True)
-    _expect("v_cache", v_cache, KV_DTYPES, 4, contiguous=True)
+    expect("k_cache", k_cache, KV_DTYPES, 4, contiguous=True)
+    expect("v_cache", v_cache, KV_DTYPES, 4, contiguous=True)
     if v_cache.shape != k_cache.shape:
         raise KernelArgumentError(f"v_cache has shape {tuple(v_cache.shape)}, k_cache {tuple(k_cache.shape)}")
     if v_cache.dtype != k_cache.dtype:
@@ -291,7 +299,7 @@ def _expect_cache(k_cache: object, v_cache: object) -> tuple[int, int, int, int]
 def _expect_attention(q: object, k_cache: object, v_cache: object) -> tuple[int, int, int]:
     """``(num_blocks, kv_heads, kv_dtype)`` of the caches (see ``_expect_cache``) that float32 queries ``q``
     [rows, H, D] attend over: the same head_dim, a multiple of 8, and a whole number of query heads per KV head."""
-    _expect("q", q, torch.float32, 3)
+    expect("q", q, torch.float32, 3)
     num_blocks, kv_heads, head_dim, kv_dtype = _expect_cache(k_cache, v_cache)
     rows, h, d = q.shape
     if d != head_dim or d % 8 or h % kv_heads:
@@ -304,7 +312,7 @@ def _expect_attention(q: object, k_cache: object, v_cache: object) -> tuple[int,
 
 @dataclass(frozen=True)
 class PackedBlocks:
-    """A weight in the tile layout of cpu_kernels.c: ``q`` in 8, 4 or 5 bits a value, fp32 scale and min per group.
+    """A weight in the tile layout of cpu_qgemm.h: ``q`` in 8, 4 or 5 bits a value, fp32 scale and min per group.
 
     Checked once when made, so ``qgemm`` trusts its fields on every call.
     """
@@ -326,7 +334,7 @@ class PackedBlocks:
             raise KernelArgumentError(
                 f"packed weights of {self.bits} bits in groups of {self.group}: need {widths}, {GROUPS}"
             )
-        _expect("q", self.q, torch.uint8, 2, contiguous=True)
+        expect("q", self.q, torch.uint8, 2, contiguous=True)
         tiles, tile_bytes = self.q.shape
         cols = tile_bytes // (2 * self.bits)
         if tile_bytes != cols * 2 * self.bits or cols % self.group or not 0 <= tiles * TILE - self.rows < TILE:
@@ -337,7 +345,7 @@ class PackedBlocks:
             value = getattr(self, name)
             if value is None and name == "minimum":
                 continue
-            _expect(name, value, torch.float32, 3, contiguous=True)
+            expect(name, value, torch.float32, 3, contiguous=True)
             if value.shape != (tiles, cols // self.group, TILE):
                 raise KernelArgumentError(
                     f"{name} has shape {tuple(value.shape)}, not {(tiles, cols // self.group, TILE)}"
@@ -378,9 +386,9 @@ def pack_blocks(
     ``activations`` (one of ACTIVATIONS) says how ``qgemm`` takes X: float32 and int16 read this layout, int8
     packs in cpu_qgemm_int8.c's quads, in 4 bits or else 8 (5-bit values too), every value shifted to start at 0.
     """
-    _expect("q", q, torch.int8, 2)
-    _expect("scale", scale, torch.float32, 2)
-    _expect("minimum", minimum, torch.float32, 2)
+    expect("q", q, torch.int8, 2)
+    expect("scale", scale, torch.float32, 2)
+    expect("minimum", minimum, torch.float32, 2)
     n, k = q.shape
     if n == 0 or scale.shape[0] != n or scale.shape[1] == 0 or minimum.shape != scale.shape:
         raise KernelArgumentError(
@@ -424,7 +432,7 @@ def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
 
     A weight packed for int16 or int8 activations goes to lp_qgemm_int16 or lp_qgemm_int8, which round each run of
     x to that width first."""
-    _expect("x", x, torch.float32, 2)
+    expect("x", x, torch.float32, 2)
     if not isinstance(w, PackedBlocks):
         raise KernelArgumentError(f"w must be PackedBlocks (from pack_blocks), not {type(w).__name__}")
     x = x.contiguous()
@@ -450,18 +458,18 @@ def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
 
 
 class Cascade(ctypes.Structure):
-    """cpu_kernels.h's lp_cascade: a ``reference.CascadePlan``'s tensors, for one call."""
+    """cpu_kernels.h's lp_cascade: a ``torch_attention.CascadePlan``'s tensors, for one call."""
 
     _fields_ = [("num_groups", SIZE), ("group_starts", POINTER), ("members", POINTER), ("shared_lens", POINTER)]
 
 
-def _cascade(plan: reference.CascadePlan | None, batch: int) -> tuple[int | None, object]:
+def cascade_argument(plan: torch_attention.CascadePlan | None, batch: int) -> tuple[int | None, object]:
     """The address of an lp_cascade for ``plan`` (None: no plan) and what must outlive the call. The C side checks
     every value against the block tables; here only what it reads: int32 rows of lengths that agree."""
     if plan is None or len(plan.shared_lens) == 0:
         return None, None
     for name in ("group_starts", "members", "shared_lens"):
-        _expect(f"cascade.{name}", getattr(plan, name), (torch.int32,), 1, contiguous=True)
+        expect(f"cascade.{name}", getattr(plan, name), (torch.int32,), 1, contiguous=True)
     starts, members, lens = plan.group_starts, plan.members, plan.shared_lens
     if len(starts) != len(lens) + 1 or int(starts[0]) != 0 or int(starts[-1]) != len(members):
         raise KernelArgumentError(
@@ -488,22 +496,22 @@ def paged_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    cascade: reference.CascadePlan | None = None,
+    cascade: torch_attention.CascadePlan | None = None,
 ) -> torch.Tensor:
-    """One query per sequence over its paged context (as ``reference.paged_decode``): ``q`` float32, the caches
+    """One query per sequence over its paged context (as ``torch_attention.paged_decode``): ``q`` float32, the caches
     of any of KV_DTYPES (16-bit values are widened as they are read; the math is float32), the output float32.
     ``cascade`` groups sequences whose tables begin with the same blocks: those keys are read once for the group."""
     num_blocks, kv_heads, kv_dtype = _expect_attention(q, k_cache, v_cache)
     b, h, d = q.shape
-    _expect_index("block_tables", block_tables, 2, b)
-    _expect_index("context_lens", context_lens, 1, b)
+    expect_index("block_tables", block_tables, 2, b)
+    expect_index("context_lens", context_lens, 1, b)
     q, tables, lens = (
         q.contiguous(),
         block_tables.to(torch.int32).contiguous(),
         context_lens.to(torch.int32).contiguous(),
     )
     out = torch.empty_like(q)
-    plan, keep = _cascade(cascade, b)
+    plan, keep = cascade_argument(cascade, b)
     _lp_paged_decode(
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -546,9 +554,9 @@ def paged_prefill(
     context_lens: torch.Tensor,
     scale: float,
     activations: str = "float32",
-    cascade: reference.CascadePlan | None = None,
+    cascade: torch_attention.CascadePlan | None = None,
 ) -> torch.Tensor:
-    """Varlen chunk attention over the paged cache (as ``reference.paged_prefill``): ``q`` [num_q, H, D] float32,
+    """Varlen chunk attention over the paged cache (as ``torch_attention.paged_prefill``): ``q`` [num_q, H, D] float32,
     the rows of sequence b from ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1]``, each seeing its cached prefix and,
     causally, its own chunk; chunks of one query (decode rows) may sit beside longer ones. Caches of any of
     KV_DTYPES, read in place through ``block_tables`` (never gathered); the output is float32.
@@ -561,10 +569,10 @@ def paged_prefill(
         raise KernelArgumentError(f"paged_prefill: activations={activations!r}: need one of {tuple(_PREFILL)}")
     num_blocks, kv_heads, kv_dtype = _expect_attention(q, k_cache, v_cache)
     num_q, h, d = q.shape
-    _expect("context_lens", context_lens, INDEX_DTYPES, 1)
+    expect("context_lens", context_lens, INDEX_DTYPES, 1)
     b = len(context_lens)
-    _expect_index("block_tables", block_tables, 2, b)
-    _expect_index("cu_seqlens_q", cu_seqlens_q, 1, b + 1)
+    expect_index("block_tables", block_tables, 2, b)
+    expect_index("cu_seqlens_q", cu_seqlens_q, 1, b + 1)
     q, tables, cu, lens = (
         q.contiguous(),
         block_tables.to(torch.int32).contiguous(),
@@ -572,7 +580,7 @@ def paged_prefill(
         context_lens.to(torch.int32).contiguous(),
     )
     out = torch.empty_like(q)
-    plan, keep = _cascade(cascade, b)
+    plan, keep = cascade_argument(cascade, b)
     _PREFILL[activations](
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -603,13 +611,13 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)`` for float32 rows whose width is a multiple of 8."""
-    _expect("x", x, torch.float32, 2)
-    _expect("weight", weight, torch.float32, 1, contiguous=True)
+    expect("x", x, torch.float32, 2)
+    expect("weight", weight, torch.float32, 1, contiguous=True)
     m, d = x.shape
     if d % 8 or weight.shape[0] != d:
         raise KernelArgumentError(f"x has rows of {d} and weight {weight.shape[0]}: need equal widths, a multiple of 8")
     if residual is not None:
-        _expect("residual", residual, torch.float32, 2)
+        expect("residual", residual, torch.float32, 2)
         if residual.shape != x.shape:
             raise KernelArgumentError(f"residual has shape {tuple(residual.shape)}, x {tuple(x.shape)}")
     x = x.contiguous()
@@ -633,7 +641,7 @@ _lp_silu_mul = Kernel("lp_silu_mul", [POINTER, SIZE, SIZE, POINTER])
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` [M, 2I] (gate first), float32, I a multiple of 8."""
-    _expect("gate_up", gate_up, torch.float32, 2)
+    expect("gate_up", gate_up, torch.float32, 2)
     gate_up = gate_up.contiguous()
     m, two_i = gate_up.shape
     if two_i % 16:
@@ -666,9 +674,9 @@ def rope_write_kv(
     multiple of 16.
     """
     num_blocks, kv_heads, d, kv_dtype = _expect_cache(k_cache, v_cache)
-    _expect("qkv", qkv, torch.float32, 2)
-    _expect("cos", cos, torch.float32, None)
-    _expect("sin", sin, torch.float32, None)
+    expect("qkv", qkv, torch.float32, 2)
+    expect("cos", cos, torch.float32, None)
+    expect("sin", sin, torch.float32, None)
     n, width = qkv.shape
     if d % 16 or width != (num_heads + 2 * kv_heads) * d:
         raise KernelArgumentError(
@@ -679,7 +687,7 @@ def rope_write_kv(
         raise KernelArgumentError(
             f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)}: need [{n}, {d // 2}] values each, one row a token"
         )
-    _expect_index("slot_mapping", slot_mapping, 1, n)
+    expect_index("slot_mapping", slot_mapping, 1, n)
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     q = qkv.new_empty(n, num_heads, d)
@@ -699,117 +707,3 @@ def rope_write_kv(
         q.data_ptr(),
     )
     return q
-
-
-class Projection(ctypes.Structure):
-    """cpu_kernels.h's lp_projection: a packed weight as lp_qgemm takes it."""
-
-    _fields_ = [
-        ("q", POINTER),
-        ("scale", POINTER),
-        ("min", POINTER),
-        ("rows", SIZE),
-        ("bits", ctypes.c_int32),
-        ("offset", ctypes.c_int32),
-        ("group", ctypes.c_int32),
-        ("activations", ctypes.c_int32),  # LP_ACT_*: ACTIVATIONS' index
-    ]
-
-    @classmethod
-    def of(cls, w: PackedBlocks) -> Projection:
-        """``w``'s pointers and sizes (the caller keeps ``w`` alive); its rows must fill whole tiles."""
-        if w.rows != w.q.shape[0] * TILE:
-            raise KernelArgumentError(f"a packed weight of {w.rows} rows pads its last tile: need a multiple of {TILE}")
-        minimum = w.minimum.data_ptr() if w.minimum is not None else None
-        activations = ACTIVATIONS.index(w.activations)
-        return cls(w.q.data_ptr(), w.scale.data_ptr(), minimum, w.rows, w.bits, w.offset, w.group, activations)
-
-
-class DecoderLayer(ctypes.Structure):
-    """cpu_kernels.h's lp_decoder_layer."""
-
-    _fields_ = [
-        ("input_norm", POINTER),
-        ("post_attention_norm", POINTER),
-        ("qkv", Projection),
-        ("o", Projection),
-        ("gate_up", Projection),
-        ("down", Projection),
-        ("k_cache", POINTER),
-        ("v_cache", POINTER),
-    ]
-
-
-class Llama(ctypes.Structure):
-    """cpu_kernels.h's lp_llama: a model's decoder layers, prepared once for lp_llama_decode."""
-
-    _fields_ = [
-        ("num_layers", SIZE),
-        ("hidden", SIZE),
-        ("num_heads", SIZE),
-        ("num_kv_heads", SIZE),
-        ("head_dim", SIZE),
-        ("intermediate", SIZE),
-        ("num_blocks", SIZE),
-        ("eps", FLOAT),
-        ("scale", FLOAT),
-        ("kv_dtype", ctypes.c_int32),
-        ("layers", ctypes.POINTER(DecoderLayer)),
-        ("final_norm", POINTER),
-    ]
-
-
-_lp_llama_decode = Kernel(
-    "lp_llama_decode",
-    [ctypes.POINTER(Llama), *[POINTER] * 6, SIZE, SIZE, POINTER, POINTER],
-    bad_index="a slot_mapping entry is past the cache, a context length is below 1 or longer than its block table "
-    "row, or a block id is outside the cache",
-)
-
-
-def llama_decode(
-    model: Llama,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    cascade: reference.CascadePlan | None = None,
-) -> torch.Tensor:
-    """A decode step through every decoder layer of ``model`` and the final norm: ``x`` [B, hidden] float32 (the
-    embedded tokens, one per sequence) -> [B, hidden]. ``cos``/``sin`` hold [B, head_dim / 2] values; each token's
-    K and V go to its slot, and it attends through its block table row over ``context_lens`` tokens (``cascade``: as
-    ``paged_decode`` takes it, in every layer)."""
-    _expect("x", x, torch.float32, 2)
-    b, hidden = x.shape
-    if hidden != model.hidden:
-        raise KernelArgumentError(f"x has rows of {hidden}; the model's hidden size is {model.hidden}")
-    half = b * model.head_dim // 2
-    for name, t in (("cos", cos), ("sin", sin)):
-        _expect(name, t, torch.float32, None)
-        if t.numel() != half or (t.dim() and len(t) != b):
-            raise KernelArgumentError(f"{name} has shape {tuple(t.shape)}: need [{b}, {model.head_dim // 2}] values")
-    _expect_index("slot_mapping", slot_mapping, 1, b)
-    _expect_index("block_tables", block_tables, 2, b)
-    _expect_index("context_lens", context_lens, 1, b)
-    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-    slots = slot_mapping.to(torch.int64).contiguous()
-    tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(x)
-    plan, keep = _cascade(cascade, b)
-    _lp_llama_decode(
-        ctypes.byref(model),
-        x.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        slots.data_ptr(),
-        tables.data_ptr(),
-        lens.data_ptr(),
-        b,
-        tables.shape[1],
-        plan,
-        out.data_ptr(),
-    )
-    del keep
-    return out

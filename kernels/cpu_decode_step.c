@@ -4,8 +4,8 @@
  * Why: a decode step of one chat on the default model (30 layers) is hundreds of kernel calls, and each one through
  * the model's modules costs Python (module dispatch, argument checks, ctypes, output tensors) on top of its
  * arithmetic, a sizeable share of a small model's step (benchmarks/cpu_kernel_bench.py --decode-step times both
- * ways). Here the pointers and sizes of every layer are prepared once
- * (engine/cpu_decode.py builds the lp_llama below when the runner binds the KV cache), and one call runs them all,
+ * ways). Here the pointers and sizes of every layer are prepared once (localpaged/models/llama_cpu_decode.py, beside
+ * the model it mirrors, builds the lp_llama below when the runner binds the KV cache), and one call runs them all,
  * the CPU counterpart of a CUDA graph. Each step is the very kernel the module path calls, on the same inputs, so
  * the hidden states are bit for bit the same.
  */

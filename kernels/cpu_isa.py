@@ -25,15 +25,18 @@ from localpaged.errors import ConfigError
 
 HERE = Path(__file__).parent
 HEADER = HERE / "cpu_kernels.h"  # the interface every build exports
-QGEMM_INSTANCES = HERE / "cpu_qgemm_instances.h"  # lp_qgemm's dispatch, included by both kernel sources
+QGEMM = HERE / "cpu_qgemm.h"  # lp_qgemm's panel, tiling, OpenMP and dispatch, included by both kernel sources
 KV_DISPATCH = HERE / "cpu_kv_dispatch.h"  # lp_paged_decode's and lp_rope_write_kv's, included by both as well
 CASCADE = HERE / "cpu_cascade.h"  # shared-prefix attention's plan and merge, for the dispatch and the int16 prefill
 PACK = HERE / "cpu_pack.c"
+# lp_round_rows: the int8 and int16 kernels' activations, rounded per group; lp_has_vnni, their run-time test
+INT_ACTIVATIONS = HERE / "cpu_activations.c"
+INT_ACTIVATIONS_HEADER = HERE / "cpu_activations.h"
 DECODE_STEP = HERE / "cpu_decode_step.c"  # lp_llama_decode: a decode step's layers over the path's own kernels
 QGEMM_INT8 = HERE / "cpu_qgemm_int8.c"  # lp_qgemm_int8: int8 activations, plain C and AVX-512 VNNI chosen at run time
 QGEMM_INT16 = HERE / "cpu_qgemm_int16.c"  # lp_qgemm_int16: int16 activations, the same way
 PREFILL_INT16 = HERE / "cpu_prefill_int16.c"  # lp_paged_prefill_int16: VNNI and BF16 products, where the CPU has them
-# What the CPU must report for lp_qgemm_int8 and lp_qgemm_int16 to run their VNNI kernels (the C files' own test).
+# What the CPU must report for lp_qgemm_int8 and lp_qgemm_int16 to run their VNNI kernels (lp_has_vnni's test).
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx512vl", "avx512bw"})
 # And for lp_paged_prefill_int16's (cpu_prefill_int16.c), which adds bfloat16 dot products.
 PREFILL_INT16_FLAGS = VNNI_FLAGS | {"avx512_bf16"}
@@ -46,7 +49,7 @@ class KernelPath:
     """One build of the kernels: its sources, its flags, and the x86 CPU flags it needs (none: any CPU)."""
 
     name: str
-    source: Path  # the kernels; PACK, DECODE_STEP, QGEMM_INT8, QGEMM_INT16 and the headers go into every build
+    source: Path  # the inner loops; the shared sources (``sources``) and the headers go into every build
     flags: tuple[str, ...]
     cpu_flags: frozenset[str]
     includes: tuple[Path, ...] = ()  # other sources the kernels' file includes
@@ -59,16 +62,16 @@ class KernelPath:
     @property
     def sources(self) -> tuple[Path, ...]:
         """The C files compiled together."""
-        return (self.source, PACK, DECODE_STEP, QGEMM_INT8, QGEMM_INT16, PREFILL_INT16)
+        return (self.source, PACK, INT_ACTIVATIONS, DECODE_STEP, QGEMM_INT8, QGEMM_INT16, PREFILL_INT16)
 
     @property
     def inputs(self) -> tuple[Path, ...]:
         """Every file whose bytes decide the library: the sources and the headers they include."""
-        return (*self.sources, *self.includes, HEADER, QGEMM_INSTANCES, KV_DISPATCH, CASCADE)
+        return (*self.sources, *self.includes, HEADER, QGEMM, KV_DISPATCH, CASCADE, INT_ACTIVATIONS_HEADER)
 
 
 # Widest first: "auto" takes the first one the CPU runs. The AVX2 source is built with contraction off (its
-# weight expansion must round step by step, see cpu_kernels.c); the portable one marks those spots itself.
+# weight expansion must round step by step, see cpu_qgemm.h); the portable one marks those spots itself.
 PATHS = (
     KernelPath(
         "avx512",
@@ -79,7 +82,7 @@ PATHS = (
     ),
     KernelPath(
         "avx2",
-        HERE / "cpu_kernels.c",
+        HERE / "cpu_kernels_avx2.c",
         ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", *COMMON_FLAGS),
         frozenset({"avx2", "fma", "f16c"}),
     ),

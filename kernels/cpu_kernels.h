@@ -1,5 +1,5 @@
 /* The interface every build of the native CPU kernels exports (kernels/cpu.py binds it): the AVX2 source
- * (cpu_kernels.c), the portable one (cpu_kernels_portable.c, also built with AVX-512 flags through
+ * (cpu_kernels_avx2.c), the portable one (cpu_kernels_portable.c, also built with AVX-512 flags through
  * cpu_kernels_avx512.c) and the packer they share (cpu_pack.c). Declared once here, so a definition that drifts
  * from it fails to compile.
  *
@@ -77,7 +77,7 @@ int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const
 enum { LP_ACT_F32 = 0, LP_ACT_INT16 = 1, LP_ACT_INT8 = 2 };
 
 /* A Llama model's decoder layers as lp_llama_decode (cpu_decode_step.c) runs them, prepared once by
- * engine/cpu_decode.py; kernels/cpu.py declares the same structures field for field. */
+ * localpaged/models/llama_cpu_decode.py, which declares the same structures field for field. */
 typedef struct {
     const int8_t *q; /* packed tiles, scales and mins as lp_qgemm takes them (min NULL where every min is 0) */
     const float *scale, *min;

@@ -1,8 +1,9 @@
 /* Native CPU kernels in plain C: GCC/Clang vector extensions and OpenMP, no intrinsics (kernels/cpu.py's
  * "portable" path on ARM and on x86 CPUs without AVX2, and its "avx512" path: this source built with AVX-512
  * flags, where each 16-float vector below is one register, included by cpu_kernels_avx512.c for F16C's fp16
- * conversions). Same interface (cpu_kernels.h), packed layout and numbers as the AVX2 kernels of cpu_kernels.c:
- * read that file for how each kernel works; here only what differs.
+ * conversions): the generic fallback. Same interface (cpu_kernels.h), shared scaffolding (cpu_qgemm.h,
+ * cpu_kv_dispatch.h) and numbers as the AVX2 kernels of cpu_kernels_avx2.c: read that file for how each kernel
+ * works; here only what differs.
  *
  * Built with -ffp-contract=fast, so a product and a sum fuse into one FMA wherever the CPU has it (dot products,
  * exp's polynomial). Where the result must be rounded step by step, the product goes through ROUNDED, which no
@@ -59,8 +60,10 @@ static ALWAYS_INLINE void store8(float *p, floats8 v) { memcpy(p, &v, sizeof v);
 
 int lp_abi_version(void) { return LP_ABI_VERSION; }
 
-static __thread float *panel = NULL; /* one per OpenMP thread, grown to the widest K seen */
-static __thread long panel_floats = 0;
+/* The stored values' offset, as lp_qgemm takes it: narrowed to the int8_t the loops take off each value where a
+ * tile's loops are called. */
+typedef int qgemm_offset;
+static ALWAYS_INLINE qgemm_offset qgemm_offset_of(int q_offset) { return q_offset; }
 
 /* 16 signed bytes as 32-bit integers, written the way GCC 12 turns into vector code on each target (as read in
  * its output): its direct conversion goes one byte at a time, and each other form is good on one target only. */
@@ -182,71 +185,27 @@ static ALWAYS_INLINE void rows_times_tile(const int BITS, const int HAS_OFFSET, 
     for (int i = 0; i < R; i++) store16(Y + i * ldy, a[i]);
 }
 
-static ALWAYS_INLINE int qgemm_tile(const int BITS, const int HAS_OFFSET, const int GROUP, const int HAS_MIN, long t,
-                                    const float *X, long M, long K, const int8_t *q, int8_t offset, const float *scale,
-                                    const float *min, long N_padded, float *Y) {
-    const long groups = K / GROUP, tile_bytes = K * 2 * BITS;
-    const int8_t *qt = q + t * tile_bytes;
-    const float *st = scale + t * groups * TILE, *mt = HAS_MIN ? min + t * groups * TILE : NULL;
-    float *y = Y + t * TILE;
-    if (M <= 4) {
-        switch (M) {
-            case 4: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 4, X, K, qt, offset, st, mt, y, N_padded); break;
-            case 3: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 3, X, K, qt, offset, st, mt, y, N_padded); break;
-            case 2: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 2, X, K, qt, offset, st, mt, y, N_padded); break;
-            case 1: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 1, X, K, qt, offset, st, mt, y, N_padded); break;
-        }
-        return LP_OK;
-    }
-    if (panel_floats < K * TILE) {
-        free(panel);
-        panel = aligned_alloc(64, K * TILE * sizeof(float));
-        panel_floats = panel ? K * TILE : 0;
-        if (!panel) return LP_OUT_OF_MEMORY;
-    }
-    for (long kb = 0; kb < groups; kb++) {
-        const floats16 s = load16(st + kb * TILE), m = HAS_MIN ? load16(mt + kb * TILE) : (floats16){0};
+/* A tile into the fp32 panel P: each column's weights (see weights) at P + k * TILE. */
+static ALWAYS_INLINE void expand_panel(const int BITS, const int HAS_OFFSET, const int GROUP, const int HAS_MIN,
+                                       const int8_t *q, int8_t offset, const float *scale, const float *min, long K,
+                                       float *P) {
+    for (long kb = 0; kb < K / GROUP; kb++) {
+        const floats16 s = load16(scale + kb * TILE), m = HAS_MIN ? load16(min + kb * TILE) : (floats16){0};
         for (long k = kb * GROUP; k < (kb + 1) * GROUP; k += 2) {
             floats16 q2[2];
-            load_columns(BITS, HAS_OFFSET, qt, K, k, offset, q2);
-            for (int c = 0; c < 2; c++) store16(panel + (k + c) * TILE, weights(HAS_MIN, q2[c], s, m));
+            load_columns(BITS, HAS_OFFSET, q, K, k, offset, q2);
+            for (int c = 0; c < 2; c++) store16(P + (k + c) * TILE, weights(HAS_MIN, q2[c], s, m));
         }
     }
-    long r = 0;
-    for (; r + 6 <= M; r += 6) rows_times_panel(6, X + r * K, K, panel, y + r * N_padded, N_padded);
-    const float *x = X + r * K;
-    y += r * N_padded;
-    switch (M - r) {
-        case 5: rows_times_panel(5, x, K, panel, y, N_padded); break;
-        case 4: rows_times_panel(4, x, K, panel, y, N_padded); break;
-        case 3: rows_times_panel(3, x, K, panel, y, N_padded); break;
-        case 2: rows_times_panel(2, x, K, panel, y, N_padded); break;
-        case 1: rows_times_panel(1, x, K, panel, y, N_padded); break;
-    }
-    return LP_OK;
 }
 
-/* One function per (bits, offset or not, group, min or not), its OpenMP region where those are literals (why: see
- * QGEMM_FN in cpu_kernels.c). */
-#define QGEMM_FN(BITS, HAS_OFFSET, GROUP, HAS_MIN)                                                                   \
-    static int qgemm_##BITS##_##HAS_OFFSET##_##GROUP##_##HAS_MIN(const float *X, long M, long K, const int8_t *q,     \
-                                                                 int q_offset, const float *scale, const float *min,  \
-                                                                 long N_padded, float *Y) {                           \
-        int status = LP_OK;                                                                                           \
-        _Pragma("omp parallel for schedule(static)") for (long t = 0; t < N_padded / TILE; t++) {                    \
-            if (qgemm_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, t, X, M, K, q, (int8_t)q_offset, scale, min, N_padded,   \
-                           Y) != LP_OK)                                                                               \
-                _Pragma("omp atomic write") status = LP_OUT_OF_MEMORY;                                                \
-        }                                                                                                             \
-        return status;                                                                                                \
-    }
-#include "cpu_qgemm_instances.h"
+#include "cpu_qgemm.h" /* qgemm_tile over the loops above, every (bits, offset, group, min) instance, lp_qgemm */
 
 static ALWAYS_INLINE floats8 select8(ints8 mask, floats8 yes, floats8 no) {
     return (floats8)((mask & (ints8)yes) | (~mask & (ints8)no));
 }
 
-/* exp for 8 floats, as exp8 in cpu_kernels.c (Cephes' expf, inputs clamped to [-87.3, 88.3]); n = round(x / ln 2)
+/* exp for 8 floats, as exp8 in cpu_kernels_avx2.c (Cephes' expf, inputs clamped to [-87.3, 88.3]); n = round(x / ln 2)
  * by adding and taking off 1.5 * 2^23, which rounds to the nearest integer as the AVX2 version's round does. */
 static ALWAYS_INLINE floats8 exp8(floats8 x) {
     const floats8 lowest = (floats8){0} - 87.3f, highest = (floats8){0} + 88.3f;
@@ -345,7 +304,7 @@ static ALWAYS_INLINE void store_kv8(const int KV, void *p, long i, floats8 x) {
 
 /* How many query heads of a KV head one walk over its keys serves: each K and V row is widened once for all of them,
  * and each 8 keys' dot products are summed across lanes together (sum8x8) instead of one by one. Three heads'
- * accumulators (3 x 8 vectors of 8) fit AVX-512's 32 registers; elsewhere one head a walk (cpu_kernels.c does three
+ * accumulators (3 x 8 vectors of 8) fit AVX-512's 32 registers; elsewhere one head a walk (cpu_kernels_avx2.c does three
  * heads with 4 keys at a time in AVX2's 16). Against one head a walk it decodes a batch of sequences faster
  * (benchmarks/cpu_kernel_bench.py's paged_decode timings of 16 sequences, avx512 column). */
 #if defined(__AVX512F__)
@@ -450,7 +409,7 @@ static ALWAYS_INLINE void exp_scores(float *s, long n, float *max, float *sum) {
     *max = mx, *sum = total;
 }
 
-/* The small per-layer steps, as in cpu_kernels.c: rows to OpenMP threads only when there are many. */
+/* The small per-layer steps, as in cpu_kernels_avx2.c: rows to OpenMP threads only when there are many. */
 
 int lp_add_rms_norm(const float *x, const float *residual, const float *weight, int64_t M, int64_t D, float eps,
                     float *sum, float *out) {
@@ -486,7 +445,7 @@ int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
     return LP_OK;
 }
 
-/* Token n of lp_rope_write_kv, as rope_write_row in cpu_kernels.c; each product ROUNDED, so q and k equal torch's
+/* Token n of lp_rope_write_kv, as rope_write_row in cpu_kernels_avx2.c; each product ROUNDED, so q and k equal torch's
  * bit for bit before the cache's rounding. */
 static ALWAYS_INLINE void rope_write_row(const int KV, long n, long slot, const float *qkv, const float *cos,
                                          const float *sin, long H, long KVH, long D, void *k_cache, void *v_cache,

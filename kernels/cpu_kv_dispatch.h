@@ -1,4 +1,4 @@
-/* lp_paged_decode, lp_paged_prefill and lp_rope_write_kv, the same for every path: cpu_kernels.c and
+/* lp_paged_decode, lp_paged_prefill and lp_rope_write_kv, the same for every path: cpu_kernels_avx2.c and
  * cpu_kernels_portable.c each define the steps below, each inlined for KV a constant LP_KV_* type, then include this
  * file once:
  *   HEADS_A_WALK: how many query heads of a KV head one walk over its keys serves (each K and V row widened once);
@@ -291,7 +291,7 @@ static inline __attribute__((always_inline)) int shared_task(const int KV, long 
                      st.k1, H, KVH, D, scale, spart, st.first, sstats);
 }
 
-/* Varlen chunk attention over the paged cache (as kernels/reference.py's paged_prefill): q [num_q, H, D] fp32, the
+/* Varlen chunk attention over the paged cache (as kernels/torch_attention.py's paged_prefill): q [num_q, H, D] fp32, the
  * rows of sequence b being cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, caches [num_blocks, 16, KVH, D] of kv_dtype,
  * out [num_q, H, D] fp32. context_lens[b] counts the sequence's keys including its chunk, whose K/V are already in
  * the cache: query i sits at position context_lens[b] - q_len + i and sees every key up to its own. Sequences of one

@@ -1,5 +1,5 @@
 /* lp_pack_q, plain C: every path's library (AVX2, AVX-512, portable) is built with it, since the tile layout it
- * writes (described in cpu_kernels.c) is what all their qgemm kernels read. */
+ * writes (described in cpu_qgemm.h) is what all their qgemm kernels read. */
 #include <stdint.h>
 
 #include "cpu_kernels.h"
@@ -9,7 +9,7 @@ static inline int value(const int8_t *q, int64_t N, int64_t K, long t, long k, i
     return (t * TILE + j < N ? q[(t * TILE + j) * K + k] : 0) + offset;
 }
 
-/* q [N, K] int8, row-major (a GGUF tensor's rows, unpacked) -> out: the tiles of the layout in cpu_kernels.c, 2 * bits
+/* q [N, K] int8, row-major (a GGUF tensor's rows, unpacked) -> out: the tiles of the layout in cpu_qgemm.h, 2 * bits
  * bytes per tile column. One pass, in place of a dozen torch ops over the whole weight, which made packing a large
  * share of a model's load (benchmarks/gguf_load.py times a start). 4 and 5 bits need an even K (columns go in
  * pairs). */

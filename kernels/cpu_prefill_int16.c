@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_activations.h"
 #include "cpu_cascade.h"
 #include "cpu_kernels.h"
 
@@ -39,10 +40,7 @@
 #define Q_LIMIT 8191 /* 128 x 8191 x 2047 < 2^31: heads of up to 128 values take it whole */
 #define K_LIMIT 2047.0f
 
-static int has_vnni_bf16(void) {
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
-}
+static int has_vnni_bf16(void) { return lp_has_vnni() && __builtin_cpu_supports("avx512bf16"); }
 
 /* 16 values of a cache row as fp32. */
 static inline __attribute__((always_inline)) VNNI_BF16 __m512 load_kv16(const int KV, const void *cache, long i) {

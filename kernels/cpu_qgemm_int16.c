@@ -1,14 +1,13 @@
 /* lp_qgemm_int16: Y[M, N] = X[M, K] @ W[N, K]^T with X's rows rounded to int16, on the same packed tiles as lp_qgemm
- * (cpu_kernels.c's layout, lp_pack_q). Built into every path's library: plain C, plus an AVX-512 VNNI kernel
+ * (cpu_qgemm.h's layout, lp_pack_q). Built into every path's library: plain C, plus an AVX-512 VNNI kernel
  * (vpdpwssd: 32 products of int16 pairs a register, added into 16 int32 lanes) compiled for that instruction set
  * alone and chosen at run time where the CPU has it.
  *
  * Why: for a batch of decode rows the float32 kernel is bound by its FMAs, 16 products an instruction; vpdpwssd
  * makes 32 in the same time (on Zen 4 both issue one a cycle), and a weight's small integer is an
  * int16 as it is. Each run ("group") of 32 or 16 values of a row of X becomes int16 with one fp32 scale
- * (amax / 32767, values rounded to nearest even), and a group's dot product is exact integer arithmetic:
- *   sum_k w_k x_k ~= w_scale * x_scale * (sum_k u_k xq_k - offset * sum_k xq_k) + w_min * sum_k x_k
- * (u the stored value, q + offset; the last term in fp32 from X itself). The only rounding added is X's to 16 bits,
+ * (amax / 32767), and a group's dot product is exact integer arithmetic (lp_round_rows, cpu_activations.h says
+ * how). The only rounding added is X's to 16 bits,
  * a relative error under 2^-16 of each group's largest value, where a float16 KV cache rounds every value to 11
  * bits (engine/setup.py says when a model runs this way, and how its greedy output compares with the exact path).
  *
@@ -23,81 +22,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_activations.h"
 #include "cpu_kernels.h"
-
-/* X's rows in groups of G: xq [M, K] int16, and per (row, group) its scale, the sum of its int16 values (for the
- * offset) and the sum of its fp32 values (for the min term), in one allocation. */
-typedef struct {
-    int16_t *xq;
-    float *scale, *sum;
-    int32_t *qsum;
-} rows16;
-
-/* One group of G values of x: its int16 values, scale, sum of ints and sum of floats, in plain C. */
-static void quantize_group_plain(const float *x, long G, int16_t *xq, float *scale, float *sum, int32_t *qsum) {
-    float amax = 0.0f, total = 0.0f;
-    for (long k = 0; k < G; k++) {
-        amax = fmaxf(amax, fabsf(x[k]));
-        total += x[k];
-    }
-    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-    int32_t qtotal = 0;
-    for (long k = 0; k < G; k++) {
-        const float v = nearbyintf(x[k] * inv); /* |x inv| <= 32767 (+ an ulp) */
-        xq[k] = (int16_t)(v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v);
-        qtotal += xq[k];
-    }
-    *scale = amax / 32767.0f, *sum = total, *qsum = qtotal;
-}
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define VNNI16 __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")))
-
-/* The same with AVX-512, a group in one or two registers: the same ints and scale (the same divisions, and the
- * conversion rounds to nearest even as nearbyintf does), the float sum in another order. A plain C loop here was
- * most of a 16-row matmul's time. */
-static VNNI16 void quantize_group_avx512(const float *x, long G, int16_t *xq, float *scale, float *sum,
-                                         int32_t *qsum) {
-    const __m512 a = _mm512_loadu_ps(x), b = G == 32 ? _mm512_loadu_ps(x + 16) : _mm512_setzero_ps();
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-    _mm256_storeu_si256((__m256i *)xq, _mm512_cvtsepi32_epi16(qa));
-    if (G == 32) _mm256_storeu_si256((__m256i *)(xq + 16), _mm512_cvtsepi32_epi16(qb));
-    *scale = amax / 32767.0f;
-    *sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-    *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-}
-
-static int has_vnni16(void) {
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw");
-}
 #endif
 
-static int quantize_rows16(const float *X, long M, long K, long G, int vector, rows16 *r) {
-    const long groups = M * (K / G);
-    char *memory = malloc(M * K * sizeof(int16_t) + groups * (2 * sizeof(float) + sizeof(int32_t)) + 64);
-    if (!memory) return LP_OUT_OF_MEMORY;
-    r->scale = (float *)memory;
-    r->sum = r->scale + groups;
-    r->qsum = (int32_t *)(r->sum + groups);
-    r->xq = (int16_t *)(r->qsum + groups);
-#pragma omp parallel for schedule(static) if (M >= 16)
-    for (long g = 0; g < groups; g++) {
-#if defined(__x86_64__)
-        if (vector) {
-            quantize_group_avx512(X + g * G, G, r->xq + g * G, r->scale + g, r->sum + g, r->qsum + g);
-            continue;
-        }
-#endif
-        quantize_group_plain(X + g * G, G, r->xq + g * G, r->scale + g, r->sum + g, r->qsum + g);
-    }
-    return LP_OK;
-}
-
-/* Row j of tile qt at column k: its stored u (lp_pack_q's layout, see cpu_kernels.c). */
+/* Row j of tile qt at column k: its stored u (lp_pack_q's layout, see cpu_qgemm.h). */
 static inline int stored16(const int8_t *qt, int bits, long K, long k, int j) {
     if (bits == 8) return qt[k * TILE + j];
     const uint8_t byte = (uint8_t)qt[k / 2 * TILE + j];
@@ -116,14 +49,14 @@ static inline float scaled_group(float acc, int32_t dot, float w_scale, float x_
 }
 
 /* Every row of X against tile t, in plain C: any CPU. */
-static void tile_rows_plain16(const rows16 *x, long M, long K, long G, const int8_t *qt, int bits, int offset,
-                              const float *scale, const float *min, float *y, long ldy) {
+static void tile_rows_plain16(const lp_rounded_rows *x, long M, long K, long G, const int8_t *qt, int bits,
+                              int offset, const float *scale, const float *min, float *y, long ldy) {
     for (long i = 0; i < M; i++)
         for (int j = 0; j < TILE; j++) {
             float acc = 0.0f;
             for (long g = 0; g < K / G; g++) {
                 int32_t dot = 0;
-                for (long k = g * G; k < (g + 1) * G; k++) dot += stored16(qt, bits, K, k, j) * x->xq[i * K + k];
+                for (long k = g * G; k < (g + 1) * G; k++) dot += stored16(qt, bits, K, k, j) * x->xq16[i * K + k];
                 dot -= offset * x->qsum[i * (K / G) + g];
                 acc = scaled_group(acc, dot, scale[g * TILE + j], x->scale[i * (K / G) + g]);
                 if (min) acc = fmaf(min[g * TILE + j], x->sum[i * (K / G) + g], acc);
@@ -172,7 +105,7 @@ static inline __attribute__((always_inline)) VNNI16 __m512i add_pair_products(__
  * into fp32 accumulators as scaled_group does. */
 static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
     const int BITS, const int GROUP, const int HAS_OFFSET, const int HAS_MIN, const int PANEL, const int R,
-    const rows16 *x, long r0, long K, const int8_t *qt, const __m512i *P, int offset, const float *scale,
+    const lp_rounded_rows *x, long r0, long K, const int8_t *qt, const __m512i *P, int offset, const float *scale,
     const float *min, float *y, long ldy) {
     const long groups = K / GROUP;
     __m512 f[6];
@@ -182,7 +115,7 @@ static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
         for (int i = 0; i < R; i++) a[i] = _mm512_setzero_si512();
         for (long p = g * GROUP / 2; p < (g + 1) * GROUP / 2; p++) {
             const __m512i w = PANEL ? _mm512_load_si512(P + p) : pair_weights(BITS, qt, K, p);
-            for (int i = 0; i < R; i++) a[i] = add_pair_products(a[i], w, x->xq + (r0 + i) * K + 2 * p);
+            for (int i = 0; i < R; i++) a[i] = add_pair_products(a[i], w, x->xq16 + (r0 + i) * K + 2 * p);
         }
         const __m512 s = _mm512_loadu_ps(scale + g * TILE);
         for (int i = 0; i < R; i++) {
@@ -198,12 +131,12 @@ static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
 
 /* Up to 4 rows take each pair straight from the packed bytes; more unpack the tile once into a panel of pairs (in
  * L1/L2, K * 32 bytes, one per thread) swept 6 rows at a time. One instance per (bits, group, offset or not, min or
- * not), each with its OpenMP loop where those are literals (see cpu_kernels.c's QGEMM_FN for why). */
+ * not), each with its OpenMP loop where those are literals (see cpu_qgemm.h's QGEMM_FN for why). */
 #define TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, PANEL, R) \
     tile_rows_vnni16(BITS, GROUP, HAS_OFFSET, HAS_MIN, PANEL, R, x, r, K, qt, panel, offset, st, mt, y, N_padded)
 #define QGEMM_INT16_FN(BITS, GROUP, HAS_OFFSET, HAS_MIN)                                                              \
     static VNNI16 int qgemm_int16_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(                                         \
-        const rows16 *x, long M, long K, const int8_t *q, int offset, const float *scale, const float *min,          \
+        const lp_rounded_rows *x, long M, long K, const int8_t *q, int offset, const float *scale, const float *min,  \
         long N_padded, float *Y) {                                                                                     \
         const long groups = K / GROUP, tile_bytes = K * 2 * BITS;                                                      \
         int status = LP_OK;                                                                                            \
@@ -270,19 +203,15 @@ int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const 
     if ((bits != 4 && bits != 5 && bits != 8) || (bits == 8 && offset) || (group != 16 && group != 32) || K % group ||
         N_padded % TILE || M < 0 || K <= 0)
         return LP_BAD_ARGUMENT;
-    int vnni = 0;
-#if defined(__x86_64__)
-    vnni = has_vnni16();
-#endif
-    rows16 x;
-    int status = quantize_rows16(X, M, K, group, vnni, &x);
+    lp_rounded_rows x;
+    int status = lp_round_rows(X, M, K, group, 16, &x);
     if (status != LP_OK) return status;
 #if defined(__x86_64__)
-    if (vnni) {
+    if (lp_has_vnni()) {
         status = bits == 4   ? QGEMM_INT16_BY_GROUP(4)
                  : bits == 5 ? QGEMM_INT16_BY_GROUP(5)
                              : (group == 16 ? QGEMM_INT16_BY_MIN(8, 16, 0) : QGEMM_INT16_BY_MIN(8, 32, 0));
-        free(x.scale);
+        lp_free_rows(&x);
         return status;
     }
 #endif
@@ -291,6 +220,6 @@ int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const 
     for (long t = 0; t < N_padded / TILE; t++)
         tile_rows_plain16(&x, M, K, group, q + t * tile_bytes, bits, offset, scale + t * groups * TILE,
                           min ? min + t * groups * TILE : NULL, Y + t * TILE, N_padded);
-    free(x.scale);
+    lp_free_rows(&x);
     return status;
 }

@@ -3,12 +3,11 @@
  * vpdpbusd multiplies 32 byte pairs and adds them in fours) compiled for that instruction set alone and chosen at
  * run time where the CPU has it.
  *
- * Why: the float32 kernels (cpu_kernels.c) widen every weight to fp32 before one multiply-add per weight and row;
+ * Why: the float32 kernels (cpu_qgemm.h) widen every weight to fp32 before one multiply-add per weight and row;
  * for the few rows of a decode step that widening is most of the work. Here each run ("group") of 32 or 16
- * values of a row of X becomes int8 with one fp32 scale (amax / 127, rounded to nearest even), every weight
- * stays the small unsigned integer the file stores, and a group's dot product is exact integer arithmetic:
- *   sum_k w_k x_k ~= w_scale * x_scale * (sum_k u_k xq_k - offset * sum_k xq_k) + w_min * sum_k x_k
- * (u = q + offset >= 0; the last term in fp32 from X itself). The only rounding added is X's to 8 bits, so the
+ * values of a row of X becomes int8 with one fp32 scale (amax / 127), every weight stays the small unsigned
+ * integer the file stores (u = q + offset >= 0), and a group's dot product is exact integer arithmetic
+ * (lp_round_rows, cpu_activations.h says how). The only rounding added is X's to 8 bits, so the
  * values differ from the exact path's (engine/setup.py says when a model runs this way, and how far they differ).
  *
  * Packed layout ("quads", lp_pack_quads): tile t of 16 weight rows, quad c = columns 4c .. 4c + 3, j = row within
@@ -17,13 +16,13 @@
  *           in its high half;
  *   8 bits: 64 bytes a quad; byte 4j + i holds row j's u at column 4c + i (5-bit values are stored this way too).
  * Each 32-bit lane then holds one row's four columns: one vpdpbusd against four int8 values of X broadcast to
- * every lane adds 4 columns x 8 rows. scale and min are laid out as for lp_qgemm (cpu_kernels.c).
+ * every lane adds 4 columns x 8 rows. scale and min are laid out as for lp_qgemm (cpu_qgemm.h).
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_activations.h"
 #include "cpu_kernels.h"
 
 /* q [N, K] int8 (a GGUF tensor's rows, unpacked) -> the quads layout above, bits 4 or 8, u = q + offset (which
@@ -47,44 +46,6 @@ int lp_pack_quads(const int8_t *q, int64_t N, int64_t K, int bits, int offset, u
     return LP_OK;
 }
 
-/* X's rows in groups of G: xq [M, K] int8, and per (row, group) its scale, the sum of its int8 values and the sum
- * of its fp32 values (for the min term), in one allocation. */
-typedef struct {
-    int8_t *xq;
-    float *scale, *sum;
-    int32_t *qsum;
-} quantized_rows;
-
-static int quantize_rows(const float *X, long M, long K, long G, quantized_rows *r) {
-    const long groups = M * (K / G);
-    char *memory = malloc(M * K + groups * (2 * sizeof(float) + sizeof(int32_t)) + 64);
-    if (!memory) return LP_OUT_OF_MEMORY;
-    r->scale = (float *)memory;
-    r->sum = r->scale + groups;
-    r->qsum = (int32_t *)(r->sum + groups);
-    r->xq = (int8_t *)(r->qsum + groups);
-#pragma omp parallel for schedule(static) if (M >= 16)
-    for (long g = 0; g < groups; g++) {
-        const float *x = X + g * G;
-        int8_t *xq = r->xq + g * G;
-        float amax = 0.0f, sum = 0.0f;
-        for (long k = 0; k < G; k++) {
-            amax = fmaxf(amax, fabsf(x[k]));
-            sum += x[k];
-        }
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t qsum = 0;
-        for (long k = 0; k < G; k++) {
-            xq[k] = (int8_t)nearbyintf(x[k] * inv); /* |x inv| <= 127 (+ an ulp): always an int8 */
-            qsum += xq[k];
-        }
-        r->scale[g] = amax / 127.0f;
-        r->sum[g] = sum;
-        r->qsum[g] = qsum;
-    }
-    return LP_OK;
-}
-
 /* Row j of tile qt at column k: its stored u. */
 static inline int stored(const uint8_t *qt, int bits, long k, int j) {
     if (bits == 8) return qt[k / 4 * 64 + 4 * j + k % 4];
@@ -93,14 +54,14 @@ static inline int stored(const uint8_t *qt, int bits, long k, int j) {
 }
 
 /* Rows r0 .. r0 + R - 1 of X against tile t, in plain C: any CPU. */
-static void tile_rows_plain(const quantized_rows *x, long r0, long R, long K, long G, const uint8_t *qt, int bits,
+static void tile_rows_plain(const lp_rounded_rows *x, long r0, long R, long K, long G, const uint8_t *qt, int bits,
                             int offset, const float *scale, const float *min, float *y, long ldy) {
     for (long i = r0; i < r0 + R; i++)
         for (int j = 0; j < TILE; j++) {
             float acc = 0.0f;
             for (long g = 0; g < K / G; g++) {
                 int32_t dot = 0;
-                for (long k = g * G; k < (g + 1) * G; k++) dot += stored(qt, bits, k, j) * x->xq[i * K + k];
+                for (long k = g * G; k < (g + 1) * G; k++) dot += stored(qt, bits, k, j) * x->xq8[i * K + k];
                 dot -= offset * x->qsum[i * (K / G) + g];
                 acc += scale[g * TILE + j] * (x->scale[i * (K / G) + g] * (float)dot);
                 if (min) acc += min[g * TILE + j] * x->sum[i * (K / G) + g];
@@ -116,7 +77,7 @@ static void tile_rows_plain(const quantized_rows *x, long r0, long R, long K, lo
 /* R rows (<= 4, a constant after inlining) from r0 against one tile: per group, each row's 16 integer dot products
  * in two registers of 8 lanes (rows 0-7 and 8-15 of the tile), then scaled into fp32 accumulators. */
 static inline __attribute__((always_inline)) VNNI void tile_rows_vnni(
-    const int BITS, const int GROUP, const int HAS_OFFSET, const int HAS_MIN, const int R, const quantized_rows *x,
+    const int BITS, const int GROUP, const int HAS_OFFSET, const int HAS_MIN, const int R, const lp_rounded_rows *x,
     long r0, long K, const uint8_t *qt, int offset, const float *scale, const float *min, float *y, long ldy) {
     const long groups = K / GROUP;
     __m256 f_lo[4], f_hi[4];
@@ -137,7 +98,7 @@ static inline __attribute__((always_inline)) VNNI void tile_rows_vnni(
             }
             for (int i = 0; i < R; i++) {
                 int32_t four; /* X's four int8 values at these columns */
-                memcpy(&four, x->xq + (r0 + i) * K + 4 * c, sizeof four);
+                memcpy(&four, x->xq8 + (r0 + i) * K + 4 * c, sizeof four);
                 const __m256i xb = _mm256_set1_epi32(four);
                 a_lo[i] = _mm256_dpbusd_epi32(a_lo[i], lo, xb);
                 a_hi[i] = _mm256_dpbusd_epi32(a_hi[i], hi, xb);
@@ -168,10 +129,10 @@ static inline __attribute__((always_inline)) VNNI void tile_rows_vnni(
 }
 
 /* Every tile against every row, 4 rows at a time: one instance per (bits, group, offset or not, min or not), each
- * with its OpenMP loop where those are literals (see cpu_kernels.c's QGEMM_FN for why). */
+ * with its OpenMP loop where those are literals (see cpu_qgemm.h's QGEMM_FN for why). */
 #define QGEMM_INT8_FN(BITS, GROUP, HAS_OFFSET, HAS_MIN)                                                              \
     static VNNI void qgemm_int8_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(                                         \
-        const quantized_rows *x, long M, long K, const uint8_t *q, int offset, const float *scale, const float *min, \
+        const lp_rounded_rows *x, long M, long K, const uint8_t *q, int offset, const float *scale, const float *min, \
         long N_padded, float *Y) {                                                                                    \
         const long groups = K / GROUP, tile_bytes = K * 2 * BITS;                                                     \
         _Pragma("omp parallel for schedule(static)") for (long t = 0; t < N_padded / TILE; t++) {                    \
@@ -203,10 +164,6 @@ QGEMM_INT8_FNS(8, 16)
     (offset ? QGEMM_INT8_BY_MIN(BITS, GROUP, 1) : QGEMM_INT8_BY_MIN(BITS, GROUP, 0))
 #define QGEMM_INT8_BY_GROUP(BITS) (group == 16 ? QGEMM_INT8_BY_OFFSET(BITS, 16) : QGEMM_INT8_BY_OFFSET(BITS, 32))
 
-static int has_vnni(void) {
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw");
-}
 #endif
 
 /* X: [M, K] fp32; q in the quads layout of `bits` (4 or 8) with `offset`; scale and min (or NULL) as for lp_qgemm,
@@ -216,14 +173,14 @@ int lp_qgemm_int8(const float *X, int64_t M, int64_t K, const int8_t *q_signed, 
     if ((bits != 4 && bits != 8) || (group != 16 && group != 32) || K % group || N_padded % TILE || M < 0 || K <= 0)
         return LP_BAD_ARGUMENT;
     const uint8_t *q = (const uint8_t *)q_signed;
-    quantized_rows x;
-    const int status = quantize_rows(X, M, K, group, &x);
+    lp_rounded_rows x;
+    const int status = lp_round_rows(X, M, K, group, 8, &x);
     if (status != LP_OK) return status;
 #if defined(__x86_64__)
-    if (has_vnni()) {
+    if (lp_has_vnni()) {
         if (bits == 4) QGEMM_INT8_BY_GROUP(4);
         else QGEMM_INT8_BY_GROUP(8);
-        free(x.scale);
+        lp_free_rows(&x);
         return LP_OK;
     }
 #endif
@@ -232,6 +189,6 @@ int lp_qgemm_int8(const float *X, int64_t M, int64_t K, const int8_t *q_signed, 
     for (long t = 0; t < N_padded / TILE; t++)
         tile_rows_plain(&x, 0, M, K, group, q + t * tile_bytes, bits, offset, scale + t * groups * TILE,
                         min ? min + t * groups * TILE : NULL, Y + t * TILE, N_padded);
-    free(x.scale);
+    lp_free_rows(&x);
     return LP_OK;
 }

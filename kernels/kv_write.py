@@ -57,7 +57,7 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store ``key``/``value`` ``[N, Hkv, D]`` into their slots (same contract as ``reference.write_kv``).
+    """Store ``key``/``value`` ``[N, Hkv, D]`` into their slots (same contract as ``torch_attention.write_kv``).
 
     ``slot_mapping`` ``[N]`` int32 or int64; slot -1 is skipped. Values are cast to the cache dtype.
     """

@@ -197,7 +197,7 @@ def paged_decode(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention, same contract as ``reference.paged_decode``.
+    """Decode attention, same contract as ``torch_attention.paged_decode``.
 
     ``q`` ``[B, Hq, D]``; caches ``[num_blocks, 16, Hkv, D]``; ``block_tables`` ``[B, max_blocks]``
     int32 (entries past a sequence's length are never read); ``context_lens`` ``[B]`` int32 >= 1.

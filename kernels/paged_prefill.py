@@ -9,7 +9,7 @@ position with an online softmax in fp32. The grid's first axis is sized from the
 tiles past a sequence's own chunk exit at once.
 
 ``cascade_prefill`` is shared-prefix ("cascade") attention over the same kernel, FlashInfer's way: a
-step's groups of sequences whose tables begin with the same blocks (``reference.CascadePlan``) attend
+step's groups of sequences whose tables begin with the same blocks (``torch_attention.CascadePlan``) attend
 each group's query rows together, as one unmasked tile sequence, to the shared keys (each page read once
 per tile of ``BLOCK_M`` rows of all the members instead of once per member), every sequence attends its
 own keys after them as before, and the two results are merged by their log-sum-exp.
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .paged_decode import BLOCK_N, dot, dot_precision, load_page_tile, softmax_step
-from .reference import CascadePlan
+from .torch_attention import CascadePlan
 
 BLOCK_M = 32  # query rows per program
 
@@ -113,7 +113,7 @@ def paged_prefill(
     max_q_len: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Chunk attention, same contract as ``reference.paged_prefill``.
+    """Chunk attention, same contract as ``torch_attention.paged_prefill``.
 
     ``q`` ``[num_q, Hq, D]``; ``cu_seqlens_q`` ``[B+1]`` int32; ``context_lens`` ``[B]`` int32, each
     sequence's KV length including its chunk. ``max_q_len`` (the longest chunk) sizes the grid;

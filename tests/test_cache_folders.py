@@ -140,7 +140,7 @@ def test_a_kernel_library_of_another_abi_version_is_rebuilt(cache: Path, tmp_pat
 
 @needs_compiler
 def test_a_fresh_build_of_another_abi_version_is_refused(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """cpu.py and cpu_kernels.c disagreeing: rebuilding cannot mend it, so a clear error instead of a crash."""
+    """cpu.py and cpu_kernels.h disagreeing: rebuilding cannot mend it, so a clear error instead of a crash."""
     from localpaged.kernels import cpu
 
     monkeypatch.setattr(cpu, "ABI_VERSION", cpu.ABI_VERSION + 1)

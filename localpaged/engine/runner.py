@@ -13,13 +13,13 @@ import mmap
 import torch
 
 from localpaged.engine import cascade as cascade_groups
-from localpaged.engine.cpu_decode import NativeDecode
 from localpaged.engine.cuda_graphs import DecodeGraphs
 from localpaged.engine.sampler import SampledToken, sample
 from localpaged.engine.scheduler import ScheduledBatch
 from localpaged.engine.structured import apply_grammar_bitmask
-from localpaged.kernels.reference import CascadePlan
+from localpaged.kernels.torch_attention import CascadePlan
 from localpaged.layers.attention import Attention, AttentionMetadata
+from localpaged.models.llama_cpu_decode import NativeDecode
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

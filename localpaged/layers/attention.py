@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from localpaged.kernels import cpu, reference
+from localpaged.kernels import cpu, torch_attention
 from localpaged.layers.rotary_embedding import apply_rope
 
 
@@ -26,8 +26,10 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32: KV length after this step's tokens
     max_q_len: int
     block_size: int
-    plan: reference.GatherPlan | None = None  # torch path only
-    cascade: reference.CascadePlan | None = None  # groups sharing leading blocks (runner.cascade_plan); None: none
+    plan: torch_attention.GatherPlan | None = None  # torch path only
+    cascade: torch_attention.CascadePlan | None = (
+        None  # groups sharing leading blocks (runner.cascade_plan); None: none
+    )
 
 
 class TorchAttention:
@@ -60,10 +62,12 @@ class TorchAttention:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if self._use_torch(meta):
-            meta.plan = reference.build_plan(meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.block_size)
+            meta.plan = torch_attention.build_plan(
+                meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.block_size
+            )
 
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        reference.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        torch_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self._use_native_decode(meta):
@@ -77,7 +81,7 @@ class TorchAttention:
             cascade = meta.cascade if products == "float32" else None
             return cpu.paged_prefill(q, k_cache, v_cache, tables, cu_seqlens_q, lens, scale, products, cascade)
         assert meta.plan is not None, "prepare() was not called for this step"
-        return reference.paged_attention(q, k_cache, v_cache, meta.plan, scale)
+        return torch_attention.paged_attention(q, k_cache, v_cache, meta.plan, scale)
 
 
 class TritonAttention:

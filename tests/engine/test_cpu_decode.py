@@ -1,4 +1,4 @@
-"""A decode step in one native call (engine/cpu_decode.py): the module path's logits bit for bit, where it applies."""
+"""A Llama decode step in one native call (models/llama_cpu_decode.py): the module path's logits bit for bit."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from localpaged import LLM, SamplingParams
-from localpaged.engine.cpu_decode import NativeDecode
 from localpaged.errors import KernelArgumentError
 from localpaged.kernels import cpu
+from localpaged.models.llama_cpu_decode import NativeDecode, llama_decode
 from tests.gguf_models import MIXED_TYPES, tiny_hf_model, write_gguf
 from tests.oracle import exact_llm
 
@@ -99,12 +99,12 @@ def test_a_wrong_input_is_refused_by_name_and_the_step_still_runs(native_llama):
     x, cos, sin = torch.zeros(1, hidden), torch.ones(1, half), torch.zeros(1, half)
     table, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(KernelArgumentError, match="x has rows of 8"):
-        cpu.llama_decode(weights, torch.zeros(1, 8), cos, sin, torch.tensor([-1]), table, lens)
+        llama_decode(weights, torch.zeros(1, 8), cos, sin, torch.tensor([-1]), table, lens)
     with pytest.raises(KernelArgumentError, match=r"cos has shape \(1, 3\)"):
-        cpu.llama_decode(weights, x, torch.ones(1, 3), sin, torch.tensor([-1]), table, lens)
+        llama_decode(weights, x, torch.ones(1, 3), sin, torch.tensor([-1]), table, lens)
     with pytest.raises(KernelArgumentError, match="lp_llama_decode: a slot_mapping entry is past the cache"):
-        cpu.llama_decode(weights, x, cos, sin, torch.tensor([weights.num_blocks * 16]), table, lens)
+        llama_decode(weights, x, cos, sin, torch.tensor([weights.num_blocks * 16]), table, lens)
     with pytest.raises(KernelArgumentError, match="lp_llama_decode: .*a block id is outside the cache"):
-        cpu.llama_decode(weights, x, cos, sin, torch.tensor([-1]), table + weights.num_blocks, lens)
+        llama_decode(weights, x, cos, sin, torch.tensor([-1]), table + weights.num_blocks, lens)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and llm.stats().blocks_used == 0

@@ -1,11 +1,11 @@
-"""The CPU attention path (kernels/reference.py) against a per-sequence loop, shared prefixes included."""
+"""The CPU attention path (kernels/torch_attention.py) against a per-sequence loop, shared prefixes included."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from localpaged.kernels import reference
+from localpaged.kernels import torch_attention
 
 BS = 16
 
@@ -53,9 +53,9 @@ def test_matches_naive_attention(shared_blocks, lens, q_lens):
     lens_t = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(int(cu[-1]), hkv * group, d, generator=g, dtype=torch.float64)
 
-    plan = reference.build_plan(tables_t, cu, lens_t, BS)
+    plan = torch_attention.build_plan(tables_t, cu, lens_t, BS)
     decode_group = plan.groups[0]
     assert (decode_group.prefix_blocks is not None) == (shared_blocks > 0)
-    got = reference.paged_attention(q, k_cache, v_cache, plan, 0.2)
+    got = torch_attention.paged_attention(q, k_cache, v_cache, plan, 0.2)
     want = naive(q, k_cache, v_cache, tables, cu, lens, 0.2)
     assert torch.allclose(got, want, atol=1e-10)

@@ -19,6 +19,7 @@ import torch
 
 from localpaged.errors import KernelArgumentError, KernelError
 from localpaged.kernels import cpu, cpu_isa
+from localpaged.models import llama_cpu_decode  # noqa: F401  (binds lp_llama_decode, with the model it mirrors)
 
 needs_library = pytest.mark.skipif(
     cpu.library() is None, reason="no C compiler or no 64-bit CPU: the torch path runs instead"
@@ -277,6 +278,20 @@ def test_the_checks_hold_under_python_dash_o():
         [sys.executable, "-O", "-c", code], check=False, capture_output=True, text=True, timeout=120
     )
     assert result.stdout.startswith("KernelArgumentError gate_up is torch.float64"), result.stderr
+
+
+@needs_library
+def test_a_binding_made_after_the_library_loaded_is_declared_on_it():
+    """A model's binding may be imported after the library loaded; undeclared, ctypes would pass its pointers as C
+    ints."""
+    lib = cpu.library()
+    late = cpu.Kernel("lp_silu_mul", [cpu.POINTER, cpu.SIZE, cpu.SIZE, cpu.POINTER, cpu.INT])
+    try:
+        assert lib.lp_silu_mul.argtypes == late.argtypes
+    finally:
+        cpu.KERNELS.remove(late)
+        next(k for k in cpu.KERNELS if k.name == "lp_silu_mul").declare(lib)
+    assert lib.lp_silu_mul.argtypes == [cpu.POINTER, cpu.SIZE, cpu.SIZE, cpu.POINTER]
 
 
 @needs_library

@@ -1,4 +1,4 @@
-"""Shared-prefix ("cascade") attention in the native CPU kernels (a reference.CascadePlan passed to cpu.paged_decode,
+"""Shared-prefix ("cascade") attention in the native CPU kernels (a torch_attention.CascadePlan passed to cpu.paged_decode,
 cpu.paged_prefill and through lp_llama_decode): on each instruction-set path this CPU runs, every KV type, float32
 and int16 products, for batches holding several groups (members beside sequences in none), group sizes past one
 tile of CASCADE_TOKENS, shared ranges of several chunks, decode rows beside chunks. Against the float64 reference
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from localpaged.errors import KernelArgumentError
-from localpaged.kernels import cpu, reference
+from localpaged.kernels import cpu, torch_attention
 from tests.kernels.test_cpu_prefill_int16 import INT16_TOLERANCE
 
 pytestmark = [
@@ -66,7 +66,7 @@ def make_batch(groups, loners, num_kv_heads, head_dim, kv_dtype, gen):
         starts.append(len(members))
         shared_lens.append(shared_blocks * PAGE)
     i32 = {"dtype": torch.int32}
-    plan = reference.CascadePlan(
+    plan = torch_attention.CascadePlan(
         torch.tensor(starts, **i32), torch.tensor(members, **i32), torch.tensor(shared_lens, **i32)
     )
     q_lens = [s[2] for s in seqs]
@@ -85,7 +85,7 @@ def run(groups, loners, num_kv_heads, gqa, head_dim, kv_dtype, seed, activations
     q = torch.randn(sum(q_lens), num_kv_heads * gqa, head_dim, generator=gen)
     cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     scale = head_dim**-0.5
-    ref = reference.paged_prefill(q.double(), k_ref, v_ref, tables, cu, lens, scale)
+    ref = torch_attention.paged_prefill(q.double(), k_ref, v_ref, tables, cu, lens, scale)
     if activations is None:
         return cpu.paged_decode(q, k, v, tables, lens, scale, plan), cpu.paged_decode(q, k, v, tables, lens, scale), ref
     with_plan = cpu.paged_prefill(q, k, v, tables, cu, lens, scale, activations, plan)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localpaged.kernels import cpu, reference
+from localpaged.kernels import cpu, torch_attention
 from localpaged.models.gguf_weights import BlockQuantized
 
 pytestmark = [
@@ -137,7 +137,7 @@ def test_paged_decode_matches_reference(
     q = torch.randn(len(context_lens), num_kv_heads * gqa, head_dim, generator=gen)
     lens = torch.tensor(context_lens, dtype=torch.int32)
     out = cpu.paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
-    assert_close(out, reference.paged_decode(q.double(), k_ref, v_ref, tables, lens, head_dim**-0.5))
+    assert_close(out, torch_attention.paged_decode(q.double(), k_ref, v_ref, tables, lens, head_dim**-0.5))
 
 
 def test_small_row_kernels_equal_torch():

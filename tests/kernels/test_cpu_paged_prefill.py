@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localpaged.kernels import cpu, reference
+from localpaged.kernels import cpu, torch_attention
 
 pytestmark = [
     pytest.mark.skipif(cpu.library() is None, reason="no C compiler or no 64-bit CPU: the torch path runs instead"),
@@ -43,7 +43,7 @@ def prefill_and_reference(
     lens = torch.tensor(context_lens, dtype=torch.int32)
     scale = head_dim**-0.5
     out = cpu.paged_prefill(q, k_cache, v_cache, tables, cu_seqlens_q, lens, scale, activations)
-    return out, reference.paged_prefill(q.double(), k_ref, v_ref, tables, cu_seqlens_q, lens, scale)
+    return out, torch_attention.paged_prefill(q.double(), k_ref, v_ref, tables, cu_seqlens_q, lens, scale)
 
 
 def run_case(q_lens, prefix_lens, num_kv_heads, gqa, head_dim, kv_dtype, make_paged_kv, assert_close, seed):

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localpaged.kernels import cpu, reference
+from localpaged.kernels import cpu, torch_attention
 from tests.kernels.test_cpu_paged_prefill import CASES, chunks, prefill_and_reference
 
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler or no 64-bit CPU: nothing to call")
@@ -77,7 +77,7 @@ def test_int16_scores_stay_inside_int32_at_their_largest(head_dim, make_paged_kv
     q = torch.full((16, 2, head_dim), 2.0)
     cu, lens = torch.tensor([0, 16], dtype=torch.int32), torch.tensor([48], dtype=torch.int32)
     out = cpu.paged_prefill(q, k_cache, v_cache, tables, cu, lens, 1.0, "int16")
-    check(out, reference.paged_prefill(q.double(), k_ref, v_ref, tables, cu, lens, 1.0), head_dim, assert_close)
+    check(out, torch_attention.paged_prefill(q.double(), k_ref, v_ref, tables, cu, lens, 1.0), head_dim, assert_close)
 
 
 def test_int16_prefill_skips_a_sequence_without_rows(make_paged_kv, assert_close):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localpaged.kernels import reference
+from localpaged.kernels import torch_attention
 from localpaged.kernels.kv_write import write_kv
 
 
@@ -32,7 +32,7 @@ def test_write_kv_matches_reference_and_skips_minus_one(
     k_cache = torch.randn(shape, generator=gen).to(device, cache_dtype)
     v_cache = torch.randn(shape, generator=gen).to(device, cache_dtype)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
-    reference.write_kv(key, value, k_expected, v_expected, slot_mapping)
+    torch_attention.write_kv(key, value, k_expected, v_expected, slot_mapping)
 
     write_kv(key, value, k_cache, v_cache, slot_mapping)
     assert torch.equal(k_cache, k_expected)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localpaged.kernels import reference
+from localpaged.kernels import torch_attention
 from localpaged.kernels.paged_decode import paged_decode
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -40,6 +40,6 @@ def test_paged_decode_matches_reference(
 
     out = torch.full_like(q, float("nan"))
     paged_decode(q, k_cache, v_cache, block_tables, lens, scale, num_splits=num_splits, out=out)
-    ref = reference.paged_decode(q.double(), k_ref, v_ref, block_tables, lens, scale)
+    ref = torch_attention.paged_decode(q.double(), k_ref, v_ref, block_tables, lens, scale)
     assert_close(out, ref)
     assert paged_decode(q, k_cache, v_cache, block_tables, lens, scale, num_splits=num_splits).dtype == dtype

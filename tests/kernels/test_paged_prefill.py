@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localpaged.kernels import reference
+from localpaged.kernels import torch_attention
 from localpaged.kernels.paged_prefill import paged_prefill
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -36,7 +36,7 @@ def test_paged_prefill_matches_reference(
 
     out = torch.full_like(q, float("nan"))
     paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale, max_q_len=max(q_lens), out=out)
-    ref = reference.paged_prefill(q.double(), k_ref, v_ref, block_tables, cu_seqlens_q, lens, scale)
+    ref = torch_attention.paged_prefill(q.double(), k_ref, v_ref, block_tables, cu_seqlens_q, lens, scale)
     assert_close(out, ref)
     assert paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale).dtype == dtype
 
@@ -63,8 +63,8 @@ def test_cascade_prefill_matches_reference(
     q = torch.randn(sum(q_lens), num_kv_heads * gqa, head_dim, generator=gen).to(dtype)
     cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     scale = head_dim**-0.5
-    ref = reference.paged_prefill(q.double(), k_ref, v_ref, tables, cu, lens, scale)
+    ref = torch_attention.paged_prefill(q.double(), k_ref, v_ref, tables, cu, lens, scale)
     to = {"device": device}
-    plan = reference.CascadePlan(*(t.to(**to) for t in plan))
+    plan = torch_attention.CascadePlan(*(t.to(**to) for t in plan))
     out = cascade_prefill(q.to(**to), k.to(**to), v.to(**to), tables.to(**to), cu.to(**to), lens.to(**to), scale, plan)
     assert_close(out.cpu(), ref)

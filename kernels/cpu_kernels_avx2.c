@@ -1,28 +1,13 @@
-/* Native CPU kernels for decode-sized batches (AVX2 + FMA + F16C, OpenMP), loaded by kernels/cpu.py.
- *
- * qgemm: Y[M, N] = X[M, K] @ W[N, K]^T where W is kept as a GGUF file stores it, in runs ("groups")
- * of 32 weights along each row (16 for Q6_K, whose sub-blocks are that short): w = scale * q + min,
- * q a small integer. Torch's fp32 GEMM reads 4 bytes per weight and reaches well under the CPU's
- * peak on 16-row batches; here q takes 4 bits (Q4_0, Q4_1, Q4_K), 5 (Q5_0, Q5_1, Q5_K) or 8 (Q8_0,
- * Q6_K), plus 8 bytes of scale and min per group. For 5 or more rows of X each tile of 16 weight
- * rows is expanded once into an fp32 panel in L1/L2, then swept by a 6x16 register kernel over all
- * rows; for 1-4 rows each column is expanded in registers instead. The expansion multiplies then
- * adds in separate roundings (this file is built with -ffp-contract=off), so the weights used are
- * exactly the fp32 values of gguf-py's dequantisation: only the order of the dot products'
- * additions differs from a float32 run.
- *
- * Packed layout (see kernels/cpu.py pack_blocks): for tile t of 16 rows, j = row within the tile,
- * k = column, q = stored value - offset (one integer per weight; Q4_0's -8..7 are stored as 0..15):
- *   8 bits: q[t][k][j] int8
- *   4 bits: q[t][k/2][j] for even k, a byte holding row j's value in column k in its low four bits and in
- *           column k + 1 in its high four (a tile column's 16 values in 8 bytes, read two columns at a time)
- *   5 bits: those K * 8 bytes, then K 16-bit words: bit j of word k is bit 4 of row j's value in column k
- *   scale[t][k/G][j] fp32,  min[t][k/G][j] fp32     (G: the group, 32 or 16; min NULL where every min is 0:
- *                                                    Q4_0, Q5_0, Q8_0, Q6_K, whose weights are scale * q alone)
+/* The "avx2" path of kernels/cpu_isa.py: the native CPU kernels written with AVX2 + FMA + F16C intrinsics (OpenMP),
+ * loaded by kernels/cpu.py where the CPU has those but not AVX-512. The scaffolding every path shares is included:
+ * lp_qgemm's (cpu_qgemm.h: the packed layout, the panel, the tiling, the OpenMP wrapper) and the attention
+ * kernels' (cpu_kv_dispatch.h); this file holds their inner loops, under the names those headers call. The weights'
+ * expansion multiplies then adds in separate roundings (this file is built with -ffp-contract=off), so the weights
+ * used are exactly gguf-py's dequantised fp32 values.
  *
  * The interface kernels/cpu.py binds (statuses, ABI version, signatures) is declared in cpu_kernels.h; lp_pack_q,
- * plain C, is cpu_pack.c, built into every path's library. kernels/cpu.py picks this AVX2 build, the AVX-512 or the
- * portable one (cpu_kernels_portable.c) by what the CPU reports.
+ * plain C, is cpu_pack.c, built into every path's library. kernels/cpu.py picks this build, the AVX-512 one
+ * (cpu_kernels_avx512.c) or the portable one (cpu_kernels_portable.c) by what the CPU reports.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -33,8 +18,9 @@
 
 int lp_abi_version(void) { return LP_ABI_VERSION; }
 
-static __thread float *panel = NULL; /* one per OpenMP thread, grown to the widest K seen */
-static __thread long panel_floats = 0;
+/* The stored values' offset, one byte in every lane, taken off a column's 16 bytes at once. */
+typedef __m128i qgemm_offset;
+static inline qgemm_offset qgemm_offset_of(int q_offset) { return _mm_set1_epi8((char)q_offset); }
 
 /* Columns k and k + 1 of a tile (k even): their 16 q values each as two vectors of 8 floats (rows 0-7 and 8-15),
  * w[c][0] and w[c][1] for column k + c. 4-bit values with no offset (Q4_1, Q4_K: 0..15) widen straight from their
@@ -163,61 +149,7 @@ static inline __attribute__((always_inline)) void rows_times_tile(
     }
 }
 
-/* One tile of 16 weight rows against all M rows of X: LP_OK, or LP_OUT_OF_MEMORY when no panel can be had. */
-static inline __attribute__((always_inline)) int qgemm_tile(
-    const int BITS, const int HAS_OFFSET, const int GROUP, const int HAS_MIN, long t, const float *X, long M, long K,
-    const int8_t *q, __m128i offset, const float *scale, const float *min, long N_padded, float *Y) {
-    const long groups = K / GROUP, tile_bytes = K * 2 * BITS; /* 16 rows: 2 bytes a bit */
-    const int8_t *qt = q + t * tile_bytes;
-    const float *st = scale + t * groups * TILE, *mt = HAS_MIN ? min + t * groups * TILE : NULL;
-    float *y = Y + t * TILE;
-    if (M <= 4) {
-        switch (M) {
-            case 4: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 4, X, K, qt, offset, st, mt, y, N_padded); break;
-            case 3: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 3, X, K, qt, offset, st, mt, y, N_padded); break;
-            case 2: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 2, X, K, qt, offset, st, mt, y, N_padded); break;
-            case 1: rows_times_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, 1, X, K, qt, offset, st, mt, y, N_padded); break;
-        }
-        return LP_OK;
-    }
-    if (panel_floats < K * TILE) {
-        free(panel);
-        panel = aligned_alloc(64, K * TILE * sizeof(float));
-        panel_floats = panel ? K * TILE : 0;
-        if (!panel) return LP_OUT_OF_MEMORY;
-    }
-    expand_panel(BITS, HAS_OFFSET, GROUP, HAS_MIN, qt, offset, st, mt, K, panel);
-    long r = 0;
-    for (; r + 6 <= M; r += 6) rows_times_panel(6, X + r * K, K, panel, y + r * N_padded, N_padded);
-    const float *x = X + r * K;
-    y += r * N_padded;
-    switch (M - r) {
-        case 5: rows_times_panel(5, x, K, panel, y, N_padded); break;
-        case 4: rows_times_panel(4, x, K, panel, y, N_padded); break;
-        case 3: rows_times_panel(3, x, K, panel, y, N_padded); break;
-        case 2: rows_times_panel(2, x, K, panel, y, N_padded); break;
-        case 1: rows_times_panel(1, x, K, panel, y, N_padded); break;
-    }
-    return LP_OK;
-}
-
-/* One function per (bits, offset or not, group, min or not), its OpenMP loop written where those are literals.
- * GCC outlines a parallel region before it inlines, so a region inside an inlined function would see them as
- * variables: the inner loops lose their constant bounds and unrolling, and a one-row projection runs markedly
- * slower (benchmarks/cpu_kernel_bench.py times the default model's one-row projections). */
-#define QGEMM_FN(BITS, HAS_OFFSET, GROUP, HAS_MIN)                                                                   \
-    static int qgemm_##BITS##_##HAS_OFFSET##_##GROUP##_##HAS_MIN(const float *X, long M, long K, const int8_t *q,     \
-                                                                 int q_offset, const float *scale, const float *min,  \
-                                                                 long N_padded, float *Y) {                           \
-        const __m128i offset = _mm_set1_epi8((char)q_offset);                                                         \
-        int status = LP_OK;                                                                                           \
-        _Pragma("omp parallel for schedule(static)") for (long t = 0; t < N_padded / TILE; t++) {                    \
-            if (qgemm_tile(BITS, HAS_OFFSET, GROUP, HAS_MIN, t, X, M, K, q, offset, scale, min, N_padded, Y) != LP_OK) \
-                _Pragma("omp atomic write") status = LP_OUT_OF_MEMORY;                                                \
-        }                                                                                                             \
-        return status;                                                                                                \
-    }
-#include "cpu_qgemm_instances.h" /* every (bits, offset, group, min) instance, and lp_qgemm */
+#include "cpu_qgemm.h" /* qgemm_tile over the loops above, every (bits, offset, group, min) instance, lp_qgemm */
 
 /* exp for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial), ~1-2 ulp.
  * Inputs are clamped to [-87.3, 88.3]: below, about 1e-38 rather than 0; above, about 2e38. */

@@ -1,4 +1,5 @@
-"""Plain-torch paged attention: the oracle for the Triton kernels, and the engine's CPU path.
+"""Plain-torch paged attention: the engine's CPU attention where the native kernels do not run (and its KV write
+wherever they do), and the oracle the Triton and native kernels are tested against.
 
 The KV cache layout is shared with the Triton kernels: per layer, one tensor for K and one for V,
 each shaped ``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's *slot* is
