@@ -208,7 +208,7 @@ def test_control_token_text_in_content_stays_text(tokenizers: list) -> None:
 @pytest.mark.parametrize(
     ("messages", "match"),
     [
-        ([{"role": "tool", "content": "x"}], "message 0 has an unknown role 'tool'"),
+        ([{"role": "narrator", "content": "x"}], "message 0 has an unknown role 'narrator'"),
         ([{"role": "user", "content": "a"}, {"role": "user", "content": b"x"}], "message 1 content must be text"),
         ([{"role": "user", "content": None}], "message 0 content must be text"),
         ([{"role": "user"}], "message 0 content must be text"),

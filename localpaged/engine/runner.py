@@ -212,7 +212,7 @@ class ModelRunner:
             return sampled
         logits = self.model.compute_logits(hidden[logit_rows])
         rows = [batch.seqs[i] for i in to_sample]
-        apply_grammar_bitmask(logits, rows)  # constrained rows only: the others sample as they would alone
-        for i, token in zip(to_sample, sample(logits, rows)):
+        # The grammar masks constrained rows only (the others sample as they would alone), after the raw logprobs.
+        for i, token in zip(to_sample, sample(logits, rows, mask=lambda raw: apply_grammar_bitmask(raw, rows))):
             sampled[i] = token
         return sampled

@@ -260,9 +260,9 @@ def test_preemption_mid_object_keeps_the_matcher_right(tiny_model_path):
 
 def test_abort_frees_blocks_and_the_matcher(llm):
     rid = llm.add_request("Describe a person:", json_params())
-    while not llm.requests[rid].output_token_ids:
+    while not llm.requests[rid][0].output_token_ids:
         llm.step()
-    matcher = weakref.ref(llm.requests[rid].extra.grammar.matcher)
+    matcher = weakref.ref(llm.requests[rid][0].extra.grammar.matcher)
     llm.abort(rid)
     gc.collect()
     assert matcher() is None
@@ -279,7 +279,7 @@ class Gate:
 
         def held(manager, kind, grammar):
             self.started += 1
-            self.opened.wait()
+            self.opened.wait(timeout=120)  # a failing test never leaves the compile worker (and exit) hanging
             return compile_(manager, kind, grammar)
 
         monkeypatch.setattr(StructuredOutputManager, "_compile", held)
@@ -298,7 +298,7 @@ def test_a_slow_compile_does_not_stall_other_requests(tiny_model_path, monkeypat
     while free not in done:
         done.update({o.request_id: o for o in llm.step() if o.finished})
     assert gate.started == 1 and not gate.opened.is_set()  # the free request finished while the compile was held
-    assert llm.requests[slow].status is SequenceStatus.WAITING_FOR_FSM and not llm.requests[slow].output_token_ids
+    assert llm.requests[slow][0].status is SequenceStatus.WAITING_FOR_FSM and not llm.requests[slow][0].output_token_ids
     assert llm.stats().blocks_used == 0  # the waiting request holds no blocks
     gate.opened.set()
     while slow not in done:
