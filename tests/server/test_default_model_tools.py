@@ -102,3 +102,30 @@ def test_instructor_extracts_a_person(served, mode: str) -> None:
         max_retries=0,
     )
     assert (person.name, person.age) == ("John Smith", 31), person
+
+
+def test_instructor_json_mode_gets_a_json_object(served) -> None:
+    """instructor's JSON mode sends ``response_format: json_object`` with the schema in a message: the reply is
+    held to a JSON object. Which object is the model's part: this one writes the schema back (docs/serving.md),
+    so instructor's own validation refuses it, not the server."""
+    from instructor.core.exceptions import InstructorRetryException
+
+    url, model = served
+    replies: list[str] = []
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300), mode=instructor.Mode.JSON
+    )
+    client.on("completion:response", lambda response: replies.append(response.choices[0].message.content))
+    try:
+        person = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "John Smith is 31 years old."}],
+            response_model=Person,
+            temperature=0,
+            max_tokens=200,
+            max_retries=0,
+        )
+        assert isinstance(person, Person)
+    except InstructorRetryException as exc:
+        assert "validation error" in str(exc).lower(), exc
+    assert len(replies) == 1 and isinstance(json.loads(replies[0]), dict), replies
