@@ -11,6 +11,9 @@ from localpaged.server.app import build_app
 from localpaged.server.runner import Server, listen
 from tests.chat.test_async_llm import wait_until
 
+# The tiny model's engine settings for a server test: small, exact, on the CPU.
+TINY = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "64MiB", "max_model_len": 1024}
+
 
 @contextmanager
 def running_server(

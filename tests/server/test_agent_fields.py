@@ -10,7 +10,6 @@ into the non-streamed one, greedy logprobs pick their top token.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Literal
 
 import openai
@@ -25,7 +24,6 @@ from localpaged.sampling import SamplingParams, StructuredOutputs
 from tests.server.running import running_server
 from tests.server.test_serve import call as http_call
 
-TINY = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "64MiB", "max_model_len": 1024}
 USER = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
 # Bounded values only (enums, booleans): the random model's greedy strings would run to max_tokens.
 WEATHER = {
@@ -48,13 +46,6 @@ TOOLS = [WEATHER, CLOCK]
 class Forecast(BaseModel):
     city: Literal["Paris", "Rome"]
     sunny: bool
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path: Path):
-    engine = AsyncLLM(str(tiny_model_path), **TINY)
-    yield engine
-    engine.shutdown()
 
 
 _SERVED: list[str] = []

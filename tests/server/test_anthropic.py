@@ -11,7 +11,6 @@ import http.client
 import json
 import urllib.error
 import urllib.request
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import anthropic
@@ -24,26 +23,10 @@ from localpaged.engine.output import RequestMetrics, RequestOutput
 from localpaged.server.anthropic import stop_reason
 from tests.server.running import running_server
 
-TINY = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "64MiB", "max_model_len": 1024}
 KEY = "sk-ant-test-key"
 SYSTEM = "Be brief."
 USER = [{"role": "user", "content": "What is a paged KV cache?"}]
 CHAT = [{"role": "system", "content": SYSTEM}, *USER]  # the same conversation as the chat template takes it
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path: Path):
-    engine = AsyncLLM(str(tiny_model_path), **TINY)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_path: Path):
-    """The synchronous engine on the same model: what the server's greedy replies must equal."""
-    from localpaged import LLM
-
-    return LLM(str(tiny_model_path), **TINY)
 
 
 @pytest.fixture(scope="module")

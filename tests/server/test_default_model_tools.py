@@ -86,21 +86,29 @@ def test_it_answers_in_text_where_no_tool_fits(served) -> None:
     assert reply.message.tool_calls is None and reply.finish_reason == "stop" and reply.message.content
 
 
-@pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS"])
-def test_instructor_extracts_a_person(served, mode: str) -> None:
+def extract_person(served, mode: str, max_tokens: int, replies: list[str] | None = None) -> Person:
+    """instructor in ``mode`` against the server: the Person it extracts from one sentence (``replies``: the raw
+    replies, as they come)."""
     url, model = served
     client = instructor.from_openai(
         openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300),
         mode=getattr(instructor.Mode, mode),
     )
-    person = client.chat.completions.create(
+    if replies is not None:
+        client.on("completion:response", lambda response: replies.append(response.choices[0].message.content))
+    return client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "John Smith is 31 years old."}],
         response_model=Person,
         temperature=0,
-        max_tokens=80,
+        max_tokens=max_tokens,
         max_retries=0,
     )
+
+
+@pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS"])
+def test_instructor_extracts_a_person(served, mode: str) -> None:
+    person = extract_person(served, mode, 80)
     assert (person.name, person.age) == ("John Smith", 31), person
 
 
@@ -110,22 +118,9 @@ def test_instructor_json_mode_gets_a_json_object(served) -> None:
     so instructor's own validation refuses it, not the server."""
     from instructor.core.exceptions import InstructorRetryException
 
-    url, model = served
     replies: list[str] = []
-    client = instructor.from_openai(
-        openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300), mode=instructor.Mode.JSON
-    )
-    client.on("completion:response", lambda response: replies.append(response.choices[0].message.content))
     try:
-        person = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "John Smith is 31 years old."}],
-            response_model=Person,
-            temperature=0,
-            max_tokens=200,
-            max_retries=0,
-        )
-        assert isinstance(person, Person)
+        assert isinstance(extract_person(served, "JSON", 200, replies), Person)
     except InstructorRetryException as exc:
         assert "validation error" in str(exc).lower(), exc
     assert len(replies) == 1 and isinstance(json.loads(replies[0]), dict), replies

@@ -26,27 +26,11 @@ from tests.chat.test_async_llm import wait_until
 from tests.server.running import running_server
 
 REPO = Path(__file__).resolve().parent.parent.parent
-TINY = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "64MiB", "max_model_len": 1024}
 KEY = "sk-test-key"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a paged KV cache?"}]
 LONG_SYSTEM = "You are a careful assistant who answers questions about operating systems. " * 12
 # Greedy, and long enough to be interrupted: the tiny model would otherwise stop at a random EOS.
 ENDLESS = {"max_tokens": 900, "temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path: Path):
-    engine = AsyncLLM(str(tiny_model_path), **TINY)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_path: Path):
-    """The synchronous engine on the same model: what the server's greedy replies must equal."""
-    from localpaged import LLM
-
-    return LLM(str(tiny_model_path), **TINY)
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,10 @@ import pytest
 
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.engine.tokenizer import encode_chat
-from tests.server.running import running_server
+from tests.server.running import TINY, running_server
 from tests.server.test_agent_fields import TOOLS, USER, check_weather, reassemble
 from tests.server.test_tool_calls import HERMES_TEMPLATE
 
-TINY = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "64MiB", "max_model_len": 1024}
 HISTORY = [
     *USER,
     {
