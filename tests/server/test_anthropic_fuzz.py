@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from localpaged.engine.async_llm import AsyncLLM
 from tests.chat.test_async_llm import wait_until
 from tests.server.running import running_server
+from tests.server.test_fuzz_http import json_value
 
 ENGINE = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "8MiB", "max_model_len": 128, "kv_disk": False}
 ROUTES = ["/v1/messages", "/v1/messages/count_tokens"]
@@ -23,14 +24,6 @@ FIELDS = [
     "model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "metadata",
     "stream", "tools", "tool_choice", "thinking", "output_config",
 ]  # fmt: skip
-json_scalar = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=12)
-)
-json_value = st.recursive(
-    json_scalar,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=8,
-)
 block = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20) | json_value}),
     st.fixed_dictionaries(
