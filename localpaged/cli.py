@@ -425,7 +425,11 @@ def cmd_serve(args: argparse.Namespace, engines: list[EngineClient]) -> None:
         app = build_app(engine, api_key=api_key, allowed_hosts=args.allowed_hosts)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        print(f"serving {engine.info.model_name} at {url}/v1 (OpenAI API; Ctrl-C stops)", file=sys.stderr, flush=True)
+        print(
+            f"serving {engine.info.model_name} at {url}/v1 (OpenAI and Anthropic APIs; Ctrl-C stops)",
+            file=sys.stderr,
+            flush=True,
+        )
         if api_key is None and not _is_loopback(args.host):
             print(
                 f"warning: listening on {args.host} without an API key: anyone who can reach port {port} can use "
