@@ -21,3 +21,15 @@ def not_unicode(text: str) -> str | None:
             "decode bytes with errors='replace', or remove it"
         )
     return None
+
+
+def check_text(what: str, value: object, error: type[Exception], *, optional: bool = False) -> None:
+    """``value`` is Unicode text (or None where ``optional``), else ``error`` naming ``what``: the public methods and
+    the store's text columns take str only (None, bytes or an int would fail far from the mistake, or be stored as a
+    value no reader expects)."""
+    if optional and value is None:
+        return
+    if not isinstance(value, str):
+        raise error(f"the {what} must be text (str){' or None' if optional else ''}, not {type(value).__name__}")
+    if reason := not_unicode(value):
+        raise error(f"the {what} cannot be stored: {reason}")

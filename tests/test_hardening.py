@@ -153,6 +153,20 @@ def test_session_rejects_non_text_message(engine, store, bad: object) -> None:
     assert store.messages(session.id) == []
 
 
+def test_session_and_store_check_text_with_one_rule(engine, store) -> None:
+    """One check (unicode_text.check_text) for both layers, each raising its own error: a lone surrogate is
+    refused by Session before anything is sent or stored, as the store refuses it."""
+    from localpaged.chat.session import Session
+    from localpaged.errors import RequestError, StoreError
+
+    session = Session.new(engine, store)
+    with pytest.raises(RequestError, match="the message cannot be stored: it holds a lone surrogate"):
+        session.send("hi \ud800")
+    with pytest.raises(StoreError, match="the session title cannot be stored: it holds a lone surrogate"):
+        store.rename_session(session.id, "\udfff")
+    assert store.messages(session.id) == []
+
+
 # ----- C: chat encoding: control-token text stays text, roles and contents are checked ----
 
 

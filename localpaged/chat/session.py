@@ -45,6 +45,7 @@ from localpaged.chat.store import ChatStore, MessageRecord, SessionRecord
 from localpaged.engine.output import FINISH_REASONS
 from localpaged.errors import ConfigError, RequestError
 from localpaged.sampling import MAX_TOKENS_LIMIT, SamplingParams
+from localpaged.unicode_text import check_text
 
 if TYPE_CHECKING:
     from localpaged.engine.output import RequestMetrics, RequestOutput
@@ -112,8 +113,8 @@ class Session:
         max_tokens: int | None = None,
     ) -> Session:
         """Start a stored, empty session; without a title, the first user message names it."""
-        _check_text("system", system, optional=True)
-        _check_text("title", title, optional=True)
+        check_text("system", system, RequestError, optional=True)
+        check_text("title", title, RequestError, optional=True)
         record = store.create_session(title=title, system=system, prompt_name=prompt_name, model=engine.info.model_name)
         return cls(engine, store, record, truncate=truncate, sampling=sampling, max_tokens=max_tokens)
 
@@ -285,7 +286,7 @@ class Session:
         and every reply after the system prompt depend on it, so the original chat stays as it was.
         A chat with no messages yet is simply changed, and returned.
         """
-        _check_text("system prompt", system, optional=True)
+        check_text("system prompt", system, RequestError, optional=True)
         system = system or None
         self._check_idle()
         history = self.history
@@ -326,7 +327,7 @@ class Session:
         return self._turn_prompt_tokens + self._turn_generated
 
     def rename(self, title: str) -> None:
-        _check_text("title", title)
+        check_text("title", title, RequestError)
         self.store.rename_session(self.id, title)
         self.title = title
 
@@ -343,7 +344,7 @@ class Session:
     ) -> tuple[_Prompt, SamplingParams]:
         """Check the turn fits, then store the user message (before any generation); the prompt ids and params."""
         self._check_idle()
-        _check_text("message", text)
+        check_text("message", text, RequestError)
         if not text.strip():
             raise RequestError("the message is empty; type something to send")
         turns = _replayable(self.history) + [{"role": "user", "content": text}]
@@ -601,14 +602,6 @@ class _ReplyRecorder:
         if output is not None and self.keep_ids:
             self.store.set_token_ids(self.message.id, self.base_ids + list(output.token_ids))
         return self.store.get_message(self.message.id)
-
-
-def _check_text(what: str, value: object, *, optional: bool = False) -> None:
-    """The public methods take text only: None or bytes would otherwise fail deep inside (AttributeError)
-    or be stored as a value no reader expects."""
-    if isinstance(value, str) or (optional and value is None):
-        return
-    raise RequestError(f"the {what} must be text (str){' or None' if optional else ''}, not {type(value).__name__}")
 
 
 def limit_note(message: object, max_model_len: int | None = None) -> str:

@@ -26,7 +26,7 @@ from localpaged.chat.migrations import migrate, pending
 from localpaged.engine.output import FINISH_REASONS, FinishReason
 from localpaged.errors import StoreError, UnknownSessionError
 from localpaged.locations import chat_db_path, create_private_file, make_private
-from localpaged.unicode_text import not_unicode
+from localpaged.unicode_text import check_text
 
 if TYPE_CHECKING:
     from typing import Self
@@ -216,7 +216,7 @@ class ChatStore:
     ) -> SessionRecord:
         """Start an empty session and return it; its id is a short random hex string."""
         for field, value in (("title", title), ("system", system), ("prompt_name", prompt_name), ("model", model)):
-            _check_text(f"session {field}", value, optional=True)
+            check_text(f"session {field}", value, StoreError, optional=True)
         now = time.time()
         with self._write():
             session_id = self._new_session_id()
@@ -240,7 +240,7 @@ class ChatStore:
 
     def rename_session(self, session_id: str, title: str) -> None:
         """Set the title. Leaves ``updated`` alone, so renaming does not reorder the list."""
-        _check_text("session title", title)
+        check_text("session title", title, StoreError)
         with self._write():
             cursor = self._conn.execute("UPDATE sessions SET title = ? WHERE id = ?", (title, session_id))
             if not cursor.rowcount:
@@ -261,9 +261,9 @@ class ChatStore:
         and including ``upto_message_id``. The title defaults to the source's plus " (fork)".
         Given ``system``, the fork has that system prompt instead (no prompt name: it is the user's own).
         """
-        _check_text("session title", title, optional=True)
+        check_text("session title", title, StoreError, optional=True)
         if system is not _SAME:
-            _check_text("session system", system, optional=True)
+            check_text("session system", system, StoreError, optional=True)
         with self._write():
             source = self.get_session(session_id)
             if self.get_message(upto_message_id).session_id != session_id:
@@ -299,7 +299,7 @@ class ChatStore:
         A session with messages keeps its system prompt, since its replies were written under it:
         fork it with ``fork_session(..., system=...)`` instead.
         """
-        _check_text("session system", system, optional=True)
+        check_text("session system", system, StoreError, optional=True)
         with self._write():
             if self._conn.execute("SELECT 1 FROM messages WHERE session_id = ? LIMIT 1", (session_id,)).fetchone():
                 raise StoreError(
@@ -350,8 +350,8 @@ class ChatStore:
         ``metrics`` are any of: prompt_tokens, cached_tokens, completion_tokens, ttft_s,
         tokens_per_s, model. A streaming reply starts as ``status="partial"``.
         """
-        _check_text("message content", content)
-        _check_text("message error", error, optional=True)
+        check_text("message content", content, StoreError)
+        check_text("message error", error, StoreError, optional=True)
         _check_choice("role", role, ROLES)
         _check_choice("status", status, STATUSES)
         if finish_reason is not None:
@@ -385,8 +385,8 @@ class ChatStore:
         Called repeatedly while a reply streams in, then once with ``status="complete"``
         (or ``"error"`` and ``error=...``), the engine's ``finish_reason`` and the final metrics.
         """
-        _check_text("message content", content, optional=True)
-        _check_text("message error", error, optional=True)
+        check_text("message content", content, StoreError, optional=True)
+        check_text("message error", error, StoreError, optional=True)
         if status is not None:
             _check_choice("status", status, STATUSES)
         if finish_reason is not None:
@@ -458,7 +458,7 @@ class ChatStore:
         separates words (FTS5 reads it as the end of the query); ``limit`` is capped at
         MAX_SEARCH_LIMIT, so a huge one is not an SQLite overflow.
         """
-        _check_text("search text", text)
+        check_text("search text", text, StoreError)
         if isinstance(limit, bool) or not isinstance(limit, int):
             raise StoreError(f"The search limit must be a whole number (int); got {type(limit).__name__}.")
         limit = min(max(limit, 0), MAX_SEARCH_LIMIT)
@@ -596,17 +596,6 @@ def _explain(exc: sqlite3.Error, where: str, timeout: float) -> str:
             "Check that the path is a file in a folder you can write to, or pass --db with another path."
         )
     return f"The chat database {where} failed: {text}."
-
-
-def _check_text(field: str, value: object, *, optional: bool = False) -> None:
-    """Text columns take str only: SQLite would store bytes or an int as they are, and every reader
-    (export, search, the app) would then fail far from the mistake."""
-    if optional and value is None:
-        return
-    if not isinstance(value, str):
-        raise StoreError(f"The {field} must be text (str){' or None' if optional else ''}; got {type(value).__name__}.")
-    if reason := not_unicode(value):
-        raise StoreError(f"The {field} cannot be stored: {reason}.")
 
 
 def _check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:
