@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import urllib.error
-import urllib.request
 from urllib.parse import urlsplit
 
 import anthropic
@@ -22,6 +20,7 @@ from localpaged.engine.async_llm import AsyncLLM
 from localpaged.engine.output import RequestMetrics, RequestOutput
 from localpaged.server.anthropic import stop_reason
 from tests.server.running import running_server
+from tests.server.test_serve import call
 
 KEY = "sk-ant-test-key"
 SYSTEM = "Be brief."
@@ -45,22 +44,10 @@ def greedy(llm, messages: list[dict], max_tokens: int) -> RequestOutput:
 
 
 def post(base_url: str, path: str, body: object = None, *, headers: dict | None = None, raw: bytes | None = None):
-    """(status, parsed JSON or text, response headers) of a plain POST: for what the SDK would not send."""
-    data = raw if raw is not None else json.dumps(body).encode()
-    request = urllib.request.Request(f"{base_url}{path}", data=data, method="POST")
-    request.add_header("Content-Type", "application/json")
-    for name, value in ({"x-api-key": KEY, "anthropic-version": "2023-06-01"} | (headers or {})).items():
-        if value is not None:
-            request.add_header(name, value)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            status, text = response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        status, text = error.code, error.read().decode()
-    try:
-        return status, json.loads(text)
-    except json.JSONDecodeError:
-        return status, text
+    """(status, parsed JSON or text) of a plain POST with Anthropic's headers: for what the SDK would not send."""
+    anthropic_headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"} | (headers or {})
+    payload = raw if raw is not None else json.dumps(body).encode()
+    return call(base_url, path, key=None, raw=payload, headers=anthropic_headers)
 
 
 def events(text: str) -> list[tuple[str, dict]]:

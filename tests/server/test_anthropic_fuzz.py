@@ -5,20 +5,14 @@ under a minute."""
 
 from __future__ import annotations
 
-import http.client
 import json
-from urllib.parse import urlsplit
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localpaged.engine.async_llm import AsyncLLM
 from tests.chat.test_async_llm import wait_until
-from tests.server.running import running_server
-from tests.server.test_fuzz_http import json_value
+from tests.server.test_fuzz_http import json_value, send
 
-ENGINE = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "8MiB", "max_model_len": 128, "kv_disk": False}
 ROUTES = ["/v1/messages", "/v1/messages/count_tokens"]
 FIELDS = [
     "model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "metadata",
@@ -71,33 +65,15 @@ body = st.one_of(
 )
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_path):
-    engine = AsyncLLM(str(tiny_model_path), engine_process=False, **ENGINE)
-    with running_server(engine) as url:
-        yield url, engine
-    engine.shutdown()
-
-
-def send(url: str, path: str, payload: bytes) -> tuple[int, bytes]:
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-    conn.request("POST", path, body=payload, headers={"Content-Type": "application/json"})
-    response = conn.getresponse()
-    data = response.read()
-    conn.close()
-    return response.status, data
-
-
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(
     path=st.sampled_from(ROUTES), payload=st.one_of(body.map(lambda b: json.dumps(b).encode()), st.binary(max_size=40))
 )
-def test_no_generated_request_gets_a_5xx_or_keeps_blocks(server, path: str, payload: bytes) -> None:
-    url, engine = server
+def test_no_generated_request_gets_a_5xx_or_keeps_blocks(fuzz_server, path: str, payload: bytes) -> None:
+    url, engine = fuzz_server
     # The served model's name, where the body names one: more requests reach the engine.
     payload = payload.replace(b'"model": "x"', json.dumps({"model": engine.info.model_name}).encode()[1:-1])
-    status, data = send(url, path, payload)
+    status, data = send(url, "POST", path, payload)
     assert status < 500, (status, data[:300])
     if status >= 400:
         reply = json.loads(data)

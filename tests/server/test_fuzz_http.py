@@ -9,15 +9,11 @@ import http.client
 import json
 from urllib.parse import urlsplit
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localpaged.engine.async_llm import AsyncLLM
 from tests.chat.test_async_llm import wait_until
-from tests.server.running import running_server
 
-ENGINE = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "8MiB", "max_model_len": 128, "kv_disk": False}
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/models", "/v1/models/x"]
 FIELDS = [
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
@@ -50,14 +46,6 @@ body = st.one_of(
 )
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_path):
-    engine = AsyncLLM(str(tiny_model_path), engine_process=False, **ENGINE)
-    with running_server(engine) as url:
-        yield url, engine
-    engine.shutdown()
-
-
 def send(url: str, method: str, path: str, payload: bytes | None) -> tuple[int, bytes]:
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
@@ -74,8 +62,8 @@ def send(url: str, method: str, path: str, payload: bytes | None) -> tuple[int, 
     path=st.sampled_from(ROUTES),
     payload=st.one_of(body.map(lambda b: json.dumps(b).encode()), st.binary(max_size=40)),
 )
-def test_no_generated_request_gets_a_5xx_or_keeps_blocks(server, method: str, path: str, payload: bytes) -> None:
-    url, engine = server
+def test_no_generated_request_gets_a_5xx_or_keeps_blocks(fuzz_server, method: str, path: str, payload: bytes) -> None:
+    url, engine = fuzz_server
     status, data = send(url, method, path, payload if method in ("POST", "PUT") else None)
     assert status < 500, (status, data[:300])
     if status >= 400:

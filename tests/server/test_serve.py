@@ -44,13 +44,25 @@ def client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def call(base_url: str, path: str, body: object = None, *, key: str | None = KEY, raw: bytes | None = None):
-    """(status, parsed JSON or text) of a plain HTTP request: for what the official client would not send."""
+def call(
+    base_url: str,
+    path: str,
+    body: object = None,
+    *,
+    key: str | None = KEY,
+    raw: bytes | None = None,
+    headers: dict[str, str | None] | None = None,
+):
+    """(status, parsed JSON or text) of a plain HTTP request: for what the official client would not send.
+    ``headers``: more of them, a None value leaving that one out."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(f"{base_url}{path}", data=data, method="GET" if data is None else "POST")
     request.add_header("Content-Type", "application/json")
     if key is not None:
         request.add_header("Authorization", f"Bearer {key}")
+    for name, value in (headers or {}).items():
+        if value is not None:
+            request.add_header(name, value)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             status, text = response.status, response.read().decode()
