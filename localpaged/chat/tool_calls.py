@@ -265,9 +265,12 @@ class _JsonReply:
 
     def _event(self, event: Event, out: list[Delta]) -> None:
         path = event.path
-        if event.kind == "start" and self.whole_args is not None and path == ():
-            call = self._new(())
-            call.name, call.args_start = self.whole_args, event.pos
+        if self.whole_args is not None:  # a named call: every key inside is an argument, "name" too
+            if path == () and event.kind == "start":
+                call = self._new(())
+                call.name, call.args_start = self.whole_args, event.pos
+            elif path == () and event.kind == "end":
+                self.calls[()].args_end = event.pos
             return
         if event.kind == "start" and event.text == "object" and self.call_at(path):
             self._new(path)
@@ -277,9 +280,7 @@ class _JsonReply:
             return
         owner = self.calls.get(path[:-1]) if path else None
         if owner is None:
-            if event.kind == "end" and path in self.calls and self.whole_args is not None:
-                self.calls[path].args_end = event.pos
-            elif event.kind == "end" and path in self.calls:
+            if event.kind == "end" and path in self.calls:
                 self._close(self.calls[path], out)
             return
         key = path[-1]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import xgrammar as xgr
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from localpaged.chat.json_scan import JsonScanner, ScanError
@@ -295,6 +295,7 @@ def test_generic_replies_read_back_whatever_the_split(content: str, made: list, 
 
 @settings(max_examples=100, deadline=None)
 @given(made=calls, cut_at=cuts)
+@example(made=[("get_weather", {"name": None})], cut_at=[])  # a named call's own "name" argument
 def test_required_and_named_replies_read_back_whatever_the_split(made: list, cut_at: list[int]) -> None:
     reply = json.dumps([{"name": name, "arguments": args} for name, args in made])
     got = read("hermes", dataclasses.replace(PLAN, choice="required"), reply, cut_at)
