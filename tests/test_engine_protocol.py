@@ -44,6 +44,7 @@ def test_the_protocol_declares_what_front_ends_use() -> None:
     """The list this test checks against is not empty by accident."""
     assert set(methods(EngineClient)) == {
         "encode_chat",
+        "vocabulary",
         "stream",
         "iter_stream",
         "abort",

@@ -41,6 +41,7 @@ from localpaged.engine.tokenizer import (
     encode_prompt,
     max_prompt_chars,
 )
+from localpaged.engine.vocabulary import Vocabulary
 from localpaged.errors import EngineDeadError, LocalpagedError, RequestError
 from localpaged.sampling import SamplingParams
 
@@ -223,6 +224,11 @@ class AsyncLLM:
         messages = check_messages(messages)
         with self._tokenizer_lock:
             return encode_chat(self.tokenizer, messages, tools)
+
+    def vocabulary(self) -> Vocabulary | None:
+        """A copy of the front end's tokenizer, for the caller's own use."""
+        with self._tokenizer_lock:
+            return Vocabulary(self.tokenizer)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         """``prompt`` as token ids, encoded and checked against the context here, before the core sees it.

@@ -24,6 +24,7 @@ from localpaged.engine.tokenizer import Prompt
 
 if TYPE_CHECKING:
     from localpaged.engine.output import KVMap, RequestOutput
+    from localpaged.engine.vocabulary import Vocabulary
     from localpaged.sampling import SamplingParams
 
 __all__ = ["LOCAL", "EngineCapabilities", "EngineClient", "EngineInfo", "EngineStats", "Prompt"]
@@ -93,6 +94,11 @@ class EngineClient(Protocol):
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation under the model's chat template, ending with the assistant's turn;
         ``tools`` (OpenAI's tool definitions) rendered by the template's tool format where it has one."""
+        ...
+
+    def vocabulary(self) -> Vocabulary | None:
+        """A copy of the engine's tokenizer for the caller's own use (ids to text and back, each token's bytes,
+        the chat template); None where the tokenizer is not here (a remote server)."""
         ...
 
     def stream(

@@ -38,6 +38,7 @@ import openai
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
 from localpaged.engine.protocol import EngineCapabilities, EngineInfo, EngineStats, Prompt
 from localpaged.engine.tokenizer import check_messages
+from localpaged.engine.vocabulary import Vocabulary
 from localpaged.errors import ConfigError, LocalpagedError, RemoteEngineError, RequestError
 from localpaged.sampling import MAX_TOKENS_LIMIT, SamplingParams, StructuredOutputs
 
@@ -100,6 +101,10 @@ class RemoteEngine:
         if self._tokenize is None:
             raise RequestError(f"{self.url} has no /tokenize, so its token counts are unknown here")
         return self._tokenize(check_messages(messages), tools)
+
+    def vocabulary(self) -> Vocabulary | None:
+        """None: the server's tokenizer is not here (its /tokenize counts, through encode_chat)."""
+        return None
 
     def stats(self) -> EngineStats:
         """What is known here: the replies in flight and their tok/s; the server's pool is not visible."""

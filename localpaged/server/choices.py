@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from localpaged.chat.tool_calls import CallDelta, ContentDelta, Delta, ToolCallParser, ToolFormat, ToolPlan, collect
 from localpaged.engine.output import RequestOutput
-from localpaged.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs, new_logprobs
+from localpaged.engine.vocabulary import Vocabulary
+from localpaged.server.logprobs import chat_logprobs, completion_logprobs, new_logprobs
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class ToolSetup:
 class ChatChoice:
     """Choice ``index`` of a chat reply; ``texts`` set when the request asked for logprobs."""
 
-    def __init__(self, index: int, tools: ToolSetup | None, texts: TokenTexts | None) -> None:
+    def __init__(self, index: int, tools: ToolSetup | None, texts: Vocabulary | None) -> None:
         self.index, self.tools, self.texts = index, tools, texts
         self.parser = ToolCallParser(tools.fmt, tools.plan) if tools is not None else None
         self.sent_logprobs = 0
@@ -112,7 +113,7 @@ class ChatChoice:
 class CompletionChoice:
     """Choice ``index`` of a text completion; ``texts`` set when the request asked for logprobs."""
 
-    def __init__(self, index: int, texts: TokenTexts | None) -> None:
+    def __init__(self, index: int, texts: Vocabulary | None) -> None:
         self.index, self.texts = index, texts
         self.sent_logprobs = 0
         self.offset = 0  # characters of the reply the logprobs handed out so far cover

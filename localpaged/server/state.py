@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import logging
 import re
-import threading
 import time
 import uuid
-from typing import Any
 
 from starlette.requests import Request
 
 from localpaged.chat.tool_calls import ToolFormat, ToolPlan, detect_format, render
 from localpaged.engine.output import RequestOutput
 from localpaged.engine.protocol import EngineClient, Prompt
+from localpaged.engine.vocabulary import Vocabulary
 from localpaged.errors import EngineDeadError, LocalpagedError, RequestError
 from localpaged.sampling import SamplingParams
 from localpaged.server.choices import ToolSetup
 from localpaged.server.errors import APIError, bad_request
-from localpaged.server.logprobs import TokenTexts
 from localpaged.server.metrics import ServerMetrics
 from localpaged.server.protocol import ChatCompletionRequest, has_tool_turns
 from localpaged.unicode_text import not_unicode
@@ -41,14 +38,12 @@ class ServerState:
         self.metrics = ServerMetrics(engine.stats)
         self.runs: dict[str, Run] = {}
         self.stopping = False
-        # A tokenizer of our own for /tokenize and /detokenize: the engine's may be in use on its core
-        # thread, and a fast tokenizer used from two threads at once fails ("Already borrowed").
-        tokenizer = getattr(engine, "tokenizer", None)
-        self._tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
-        self._tokenizer_lock = threading.Lock()
-        # The event loop's own copy, for the texts of logprobs' tokens (looked up once each, then kept).
-        self.token_texts = TokenTexts(copy.deepcopy(tokenizer)) if tokenizer is not None else None
-        self.tool_format: ToolFormat = detect_format(getattr(tokenizer, "chat_template", None))
+        # One copy for /tokenize and the prompts encoded off the loop, one for the loop's logprob texts, so
+        # that neither waits for the other's lock. None: an engine whose tokenizer is not here (a remote one).
+        self.vocabulary = engine.vocabulary()
+        self.token_texts = engine.vocabulary()
+        chat_template = self.vocabulary.chat_template if self.vocabulary is not None else None
+        self.tool_format: ToolFormat = detect_format(chat_template)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -86,7 +81,7 @@ class ServerState:
 
     def check_params(self, params: SamplingParams) -> None:
         """What only the vocabulary can tell: the token ids of logit_bias (400 naming the field)."""
-        vocab = len(self._tokenizer) if self._tokenizer is not None else None
+        vocab = self.vocabulary.size if self.vocabulary is not None else None
         if vocab is not None and any(t >= vocab for t in params.logit_bias):
             bad = sorted(t for t in params.logit_bias if t >= vocab)[:5]
             raise bad_request(
@@ -133,27 +128,22 @@ class ServerState:
 
         literal: control-token strings in ``text`` (``<|im_end|>``) are ordinary text, as in a message.
         """
-        tokenizer = self._need_tokenizer()
+        vocabulary = self._need_vocabulary()
         if reason := not_unicode(text):
             raise bad_request(f"the prompt cannot be encoded: {reason}", "prompt")
-        with self._tokenizer_lock:
-            if not text:
-                return []
-            return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=literal))
+        return vocabulary.encode(text, literal=literal)
 
     def decode(self, tokens: list[int], *, skip_special_tokens: bool = False) -> str:
-        tokenizer = self._need_tokenizer()
-        vocab = len(tokenizer)
-        bad = [t for t in tokens if not 0 <= t < vocab]
+        vocabulary = self._need_vocabulary()
+        bad = [t for t in tokens if not 0 <= t < vocabulary.size]
         if bad:
-            raise bad_request(f"tokens must be ids in [0, {vocab}); got {bad[:5]}", "tokens")
-        with self._tokenizer_lock:
-            return tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+            raise bad_request(f"tokens must be ids in [0, {vocabulary.size}); got {bad[:5]}", "tokens")
+        return vocabulary.decode(tokens, skip_special_tokens=skip_special_tokens)
 
-    def _need_tokenizer(self) -> Any:
-        if self._tokenizer is None:
+    def _need_vocabulary(self) -> Vocabulary:
+        if self.vocabulary is None:
             raise APIError(501, "this engine does not expose its tokenizer", type="server_error")
-        return self._tokenizer
+        return self.vocabulary
 
 
 class Run:

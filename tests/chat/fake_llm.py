@@ -40,6 +40,9 @@ class FakeTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode("".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>")
 
+    def __len__(self) -> int:
+        return 0x110000  # every code point
+
     def get_vocab(self) -> dict[str, int]:
         return {"a": ord("a")}  # every token is one character long
 

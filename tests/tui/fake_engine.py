@@ -20,6 +20,7 @@ from localpaged.errors import EngineDeadError, RequestError
 
 if TYPE_CHECKING:
     from localpaged.engine.protocol import Prompt
+    from localpaged.engine.vocabulary import Vocabulary
     from localpaged.sampling import SamplingParams
 
 BLOCK_SIZE = 16
@@ -85,6 +86,9 @@ class FakeEngine:
         self._call()
         text = "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages) + "<|assistant|>"
         return list(text.encode())
+
+    def vocabulary(self) -> Vocabulary | None:
+        return None  # the fake's "tokens" are UTF-8 bytes, with no tokenizer behind them
 
     def prefetch(self, prompt: Prompt) -> int:
         """Record the chat whose blocks the app asked to load; the fake has no disk tier to read."""
