@@ -175,3 +175,21 @@ def user_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "prompts"
     folder.mkdir()
     return folder
+
+
+@pytest.fixture
+def fake():
+    """The scripted FakeLLM (tests/engine/fake_llm.py): replies that depend on the prompt, no model."""
+    from tests.engine.fake_llm import FakeLLM
+
+    return FakeLLM()
+
+
+@pytest.fixture
+def engine(fake):
+    """An AsyncLLM over ``fake``, on a thread: the front end as the chat layer and the app use it."""
+    from localpaged.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(llm=fake)
+    yield engine
+    engine.shutdown()

@@ -16,7 +16,7 @@ import pytest
 from localpaged import cli
 from localpaged.chat.store import ChatStore
 from localpaged.engine.async_llm import AsyncLLM
-from tests.chat.fake_llm import FakeLLM
+from tests.engine.fake_llm import FakeLLM
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ from localpaged.config_file import Settings, load_settings, save_theme
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.errors import ConfigError
 from localpaged.locations import config_file_path
-from tests.chat.fake_llm import FakeLLM
+from tests.engine.fake_llm import FakeLLM
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ some later test that happens to pass the new argument.
 - The synchronous LLM's members that the engine core calls: the chat tests' FakeLLM, which AsyncLLM
   wraps in their place.
 
-RemoteEngine's instance attribute (info) needs a server; tests/chat/test_remote.py
+RemoteEngine's instance attribute (info) needs a server; tests/engine/test_remote.py
 checks ``isinstance(engine, EngineClient)`` on a connected one.
 """
 
@@ -22,7 +22,7 @@ from localpaged.engine.async_llm import AsyncLLM
 from localpaged.engine.llm import LLM
 from localpaged.engine.protocol import EngineCapabilities, EngineClient, EngineInfo, EngineStats
 from localpaged.engine.remote import RemoteEngine
-from tests.chat.fake_llm import FakeLLM
+from tests.engine.fake_llm import FakeLLM
 from tests.tui.fake_engine import FakeEngine
 
 # What the engine core (localpaged/engine/core.py) and AsyncLLM call on the LLM they drive.

@@ -112,7 +112,7 @@ def store(tmp_path: Path):
 @pytest.fixture
 def engine():
     from localpaged.engine.async_llm import AsyncLLM
-    from tests.chat.fake_llm import FakeLLM
+    from tests.engine.fake_llm import FakeLLM
 
     engine = AsyncLLM(llm=FakeLLM())
     yield engine
@@ -383,7 +383,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def engines(monkeypatch: pytest.MonkeyPatch) -> list:
     """Every engine `run` opens: a FakeLLM behind an AsyncLLM."""
     from localpaged.engine.async_llm import AsyncLLM
-    from tests.chat.fake_llm import FakeLLM
+    from tests.engine.fake_llm import FakeLLM
 
     opened: list[AsyncLLM] = []
 

@@ -53,7 +53,7 @@ def test_run_never_lets_a_reply_or_an_error_drive_the_terminal(tmp_path: Path, m
     from localpaged import cli
     from localpaged.engine.async_llm import AsyncLLM
     from localpaged.errors import RequestError
-    from tests.chat.fake_llm import FakeLLM
+    from tests.engine.fake_llm import FakeLLM
 
     monkeypatch.setenv("LOCALPAGED_HOME", str(tmp_path))
     fake = FakeLLM(lambda ids: EVIL)
@@ -207,7 +207,7 @@ def test_run_takes_the_truncate_its_error_suggests(tmp_path: Path, monkeypatch, 
     from localpaged import cli
     from localpaged.chat.store import ChatStore
     from localpaged.engine.async_llm import AsyncLLM
-    from tests.chat.fake_llm import FakeLLM
+    from tests.engine.fake_llm import FakeLLM
 
     monkeypatch.setenv("LOCALPAGED_HOME", str(tmp_path))
     monkeypatch.setattr(cli, "open_engine", lambda model, **config: AsyncLLM(llm=FakeLLM(lambda ids: "ok")))

@@ -16,7 +16,7 @@ from localpaged.chat.store import ChatStore
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.errors import ConfigError, RequestError
 from localpaged.sampling import SamplingParams
-from tests.chat.fake_llm import FakeLLM
+from tests.engine.fake_llm import FakeLLM
 
 SCRIPT = "The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun."
 TINY = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "64MiB", "max_model_len": 1024}

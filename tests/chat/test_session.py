@@ -23,7 +23,7 @@ from localpaged.chat.store import ChatStore
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.errors import LocalpagedError, RequestError, UnknownSessionError
 from localpaged.sampling import SamplingParams
-from tests.chat.fake_llm import FakeLLM
+from tests.engine.fake_llm import FakeLLM
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

@@ -20,7 +20,7 @@ from localpaged.chat.store import ChatStore, MessageRecord
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.errors import ConfigError, RequestError
 from localpaged.sampling import SamplingParams, StructuredOutputs
-from tests.chat.fake_llm import FakeLLM
+from tests.engine.fake_llm import FakeLLM
 
 PERSON = {
     "type": "object",

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from localpaged.engine.protocol import EngineClient
 from localpaged.server.app import build_app
 from localpaged.server.runner import Server, listen
-from tests.chat.test_async_llm import wait_until
+from tests.support import wait_until
 
 # The tiny model's engine settings for a server test: small, exact, on the CPU.
 TINY = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "64MiB", "max_model_len": 1024}

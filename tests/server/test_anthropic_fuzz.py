@@ -10,8 +10,8 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.chat.test_async_llm import wait_until
 from tests.server.test_fuzz_http import json_value, send
+from tests.support import wait_until
 
 ROUTES = ["/v1/messages", "/v1/messages/count_tokens"]
 FIELDS = [

@@ -14,8 +14,8 @@ import pytest
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.server.app import build_app
 from localpaged.server.runner import Server, listen
-from tests.chat.fake_llm import FakeLLM
-from tests.chat.test_async_llm import wait_until
+from tests.engine.fake_llm import FakeLLM
+from tests.support import wait_until
 
 
 def test_stopping_mid_stream_is_an_error_event_the_sdk_raises() -> None:

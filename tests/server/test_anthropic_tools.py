@@ -18,7 +18,7 @@ from localpaged.chat.tool_calls import ToolPlan, constraint
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.sampling import SamplingParams
 from localpaged.server.anthropic_tools import ReplyBlocks
-from tests.chat.fake_llm import FakeLLM
+from tests.engine.fake_llm import FakeLLM
 from tests.server.running import running_server
 
 KEY = "sk-ant-tools"

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.chat.test_async_llm import wait_until
+from tests.support import wait_until
 
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/models", "/v1/models/x"]
 FIELDS = [

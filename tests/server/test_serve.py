@@ -22,8 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from localpaged.engine.async_llm import AsyncLLM
-from tests.chat.test_async_llm import wait_until
 from tests.server.running import running_server
+from tests.support import wait_until
 
 REPO = Path(__file__).resolve().parent.parent.parent
 KEY = "sk-test-key"

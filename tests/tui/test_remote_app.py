@@ -12,8 +12,8 @@ from localpaged.engine.remote import RemoteEngine
 from localpaged.tui.app import LocalpagedApp
 from localpaged.tui.screens.engine_dead import EngineDeadScreen
 from localpaged.tui.widgets.kv_map import KVMapPanel
-from tests.chat.test_remote import free_port
 from tests.server.running import running_server
+from tests.support import free_port
 
 pytestmark = pytest.mark.anyio
 SHORT = Settings().with_flags({"sampling.max_tokens": 10, "sampling.temperature": 0.0})

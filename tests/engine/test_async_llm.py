@@ -19,7 +19,8 @@ import pytest
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.errors import LocalpagedError, RequestError
 from localpaged.sampling import SamplingParams
-from tests.chat.fake_llm import FakeLLM
+from tests.engine.fake_llm import FakeLLM
+from tests.support import wait_until
 
 REPO = Path(__file__).resolve().parent.parent.parent
 GREEDY = SamplingParams(max_tokens=400, temperature=0.0)
@@ -27,13 +28,6 @@ GREEDY = SamplingParams(max_tokens=400, temperature=0.0)
 
 async def collect(engine: AsyncLLM, prompt, params=GREEDY, request_id=None):
     return [out async for out in engine.stream(prompt, params, request_id=request_id)]
-
-
-def wait_until(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)
 
 
 def test_stream_deltas_add_up_to_the_text(engine: AsyncLLM, fake: FakeLLM) -> None:
@@ -248,7 +242,7 @@ def test_pass_throughs(engine: AsyncLLM, fake: FakeLLM) -> None:
 
 def test_ctrl_c_in_a_script_does_not_hang() -> None:
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.chat.sigint_child"],
+        [sys.executable, "-m", "tests.engine.sigint_child"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -17,7 +17,7 @@ from localpaged.engine.async_llm import AsyncLLM
 from localpaged.engine.protocol import EngineClient
 from localpaged.errors import RequestError
 from localpaged.sampling import SamplingParams
-from tests.chat.test_async_llm import wait_until
+from tests.support import wait_until
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 LONG = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +24,8 @@ from localpaged.engine.protocol import EngineClient
 from localpaged.engine.remote import RemoteEngine
 from localpaged.errors import RemoteEngineError, RequestError
 from localpaged.sampling import SamplingParams
-from tests.chat.test_async_llm import wait_until
 from tests.server.running import running_server
+from tests.support import free_port, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from peers import LlamaServer, llama_bin_dir  # llama-server, started as the benchmarks start it
@@ -78,12 +77,6 @@ def remote(request: pytest.FixtureRequest) -> Iterator[RemoteEngine]:
 def store() -> Iterator[ChatStore]:
     with ChatStore(":memory:") as store:
         yield store
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----- connecting ----------------------------------------------------------------------------

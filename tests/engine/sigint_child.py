@@ -8,7 +8,7 @@ import signal
 
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.sampling import SamplingParams
-from tests.chat.fake_llm import FakeLLM
+from tests.engine.fake_llm import FakeLLM
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack if we hang
 # Ctrl-C as in a terminal: a test run started in the background (`make test &`) hands its children SIGINT ignored,
