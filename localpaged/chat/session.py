@@ -68,6 +68,7 @@ from localpaged.chat.tool_calls import (
 )
 from localpaged.chat.tool_turn import (
     DENIED,
+    MAX_ROUND_TOKENS,
     MAX_TOOL_ROUNDS,
     STOPPED,
     Approve,
@@ -614,6 +615,10 @@ class Session:
         fmt = self.tool_format()
         prompt_plan, parse_plan, grammar = self._round(tools, choice, fmt)
         prompt, round_params = self._begin_turn(text, params, reply_format(None, None), prompt_plan, grammar)
+        # With no limit of the user's, a round stops at MAX_ROUND_TOKENS: a small model's JSON string (a call's
+        # argument, an answer) may otherwise run on until the context is full.
+        unbounded = params is None and self.reply_sampling()[1] is None
+        round_params = _bounded(round_params) if unbounded else round_params
         self._in_tool_turn, self._stop_requested = True, False
         allowed = set(self.settings.get("tools_allowed", []))
         made: dict[tuple[str, str], str] = {}  # this turn's calls (tool, arguments) and what they returned
@@ -659,6 +664,7 @@ class Session:
                 prompt_plan, parse_plan, grammar = self._round(tools, "none" if last else "auto", fmt)
                 prompt, round_params = self._fit(_replayable(self.history), params, plan=prompt_plan)
                 round_params = _constrained(round_params, grammar)
+                round_params = _bounded(round_params) if unbounded else round_params
         finally:
             self._in_tool_turn = False
 
@@ -1076,6 +1082,10 @@ def _tool_plan(tools: list[Tool], choice: str) -> ToolPlan:
         return ToolPlan(definitions, "named", name=choice)
     names = ", ".join(tool.name for tool in tools)
     raise ConfigError(f"tool_choice={choice!r}: use auto, required, none, or the name of one of the tools ({names})")
+
+
+def _bounded(params: SamplingParams) -> SamplingParams:
+    return dataclasses.replace(params, max_tokens=min(params.max_tokens, MAX_ROUND_TOKENS))
 
 
 def _call_key(call: ToolCallRequest) -> tuple[str, str]:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 Approval = Literal["once", "chat", "deny"]  # allow this call, allow this tool for the rest of the chat, refuse
 APPROVALS = ("once", "chat", "deny")
 MAX_TOOL_ROUNDS = 8  # rounds of calls a turn may make before the model must answer in text
+MAX_ROUND_TOKENS = 1024  # a round's reply when the user set no limit (see Session._tool_turn)
 DENIED = "The user did not allow this call."
 STOPPED = "The user stopped the turn before this call ran."
 

@@ -225,17 +225,20 @@ def test_sync_and_async_twins_take_the_same_turn(tmp_path: Path) -> None:
     def shape(session: Session) -> list[tuple]:
         return [(m.role, m.content, [c["function"] for c in m.calls], m.status) for m in session.history]
 
-    with ChatStore(tmp_path / "a.db") as a, ChatStore(tmp_path / "b.db") as b:
-        with AsyncLLM(llm=FakeLLM(reply=caller("add", {"a": 2, "b": 3}))) as engine:
-            sync = Session.new(engine, a)
-            sync.send("what is 2+3?", tools=[add])
+    with (
+        ChatStore(tmp_path / "a.db") as a,
+        ChatStore(tmp_path / "b.db") as b,
+        AsyncLLM(llm=FakeLLM(reply=caller("add", {"a": 2, "b": 3}))) as engine,
+    ):
+        sync = Session.new(engine, a)
+        sync.send("what is 2+3?", tools=[add])
 
-            async def run() -> Session:
-                session = Session.new(engine, b)
-                await session.asend("what is 2+3?", tools=[add])
-                return session
+        async def run() -> Session:
+            session = Session.new(engine, b)
+            await session.asend("what is 2+3?", tools=[add])
+            return session
 
-            assert shape(sync) == shape(asyncio.run(run()))
+        assert shape(sync) == shape(asyncio.run(run()))
 
 
 def test_bad_tool_arguments_to_send_store_nothing(store: ChatStore) -> None:
