@@ -79,13 +79,12 @@ class LocalpagedApp(App[None]):
         self.engine: EngineClient | None = None
         self.engine_lost = False  # the engine died and no new one has taken over yet
         self.engine_remote = False  # the engine that died was a remote one
-        # The settings' MCP servers, started with the app in a thread of their own: the first screen never
+        # The settings' MCP servers, started in a thread of their own once the first screen is up: it never
         # waits for one, and each server's failure is one notice naming it.
         self.mcp = McpServers(self.settings.mcp_servers, on_change=self._mcp_changed)
         self._mcp_told: set[str] = set()
 
     def on_mount(self) -> None:
-        self.mcp.start()
         loading = LoadingScreen()
         self.push_screen(loading)
         try:
@@ -172,6 +171,8 @@ class LocalpagedApp(App[None]):
             return
         main = MainScreen(self.engine, self.store, self.clock, open_id, settings=self.settings)
         self.call_from_thread(self.switch_screen, main)
+        # Only now: on a machine of few cores their start would compete with loading the model.
+        self.mcp.start()
 
     # ----- engine death and restart ----------------------------------------------------
 
