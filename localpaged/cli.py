@@ -16,8 +16,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from contextlib import closing
+from collections.abc import Iterator, Sequence
+from contextlib import closing, contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -28,6 +28,9 @@ from localpaged.chat.store import MAX_SEARCH_LIMIT, ChatStore
 from localpaged.errors import ConfigError, LocalpagedError, PromptError, RequestError
 
 if TYPE_CHECKING:
+    from localpaged.chat.session import Session
+    from localpaged.chat.tool_turn import ToolCallRequest
+    from localpaged.chat.tools import Tool
     from localpaged.config_file import Settings
     from localpaged.engine.protocol import EngineClient
 
@@ -129,6 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="when the conversation outgrows the context, drop its oldest turns (default: refuse, saying by how much)",
     )
+    run.add_argument(
+        "--tool",
+        action="append",
+        metavar="NAME",
+        help="let the model call this tool of an [mcp.servers] server of the settings file (NAME or SERVER/NAME; "
+        "repeat for more); each call is asked about on the terminal",
+    )
+    run.add_argument(
+        "--tool-choice",
+        metavar="CHOICE",
+        default="auto",
+        help="auto (default), required (the model must call a tool first), none, or a tool's name",
+    )
+    run.add_argument("--allow-tools", action="store_true", help="run the tools' calls without asking")
     run.set_defaults(func=cmd_run)
 
     serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
@@ -364,11 +381,15 @@ def cmd_run(args: argparse.Namespace, engines: list[EngineClient]) -> None:
         else:
             session = Session.new(engine, store, system=system, prompt_name=prompt_name, **reply)
         try:
-            # closing(): on Ctrl-C the reply is finalised (stored as partial) before the engine stops.
-            with closing(session.stream(args.message)) as deltas:
-                for delta in deltas:
-                    sys.stdout.write(_shown(delta))
-                    sys.stdout.flush()
+            if args.tool:
+                with _mcp_tools(settings, args.tool) as tools:
+                    _run_with_tools(session, args, tools)
+            else:
+                # closing(): on Ctrl-C the reply is finalised (stored as partial) before the engine stops.
+                with closing(session.stream(args.message)) as deltas:
+                    for delta in deltas:
+                        sys.stdout.write(_shown(delta))
+                        sys.stdout.flush()
         except BaseException:
             # A first turn rejected before anything was stored (too long, ...) leaves no empty session behind.
             if not args.session and not store.messages(session.id):
@@ -386,6 +407,59 @@ def cmd_run(args: argparse.Namespace, engines: list[EngineClient]) -> None:
             print(f"note: the reply {note} (raise --max-tokens or max_tokens in {settings.path})", file=sys.stderr)
     if not args.no_store:
         print(f"session {session.id} (continue with --session {session.id})", file=sys.stderr)
+
+
+@contextmanager
+def _mcp_tools(settings: Settings, names: list[str]) -> Iterator[list[Tool]]:
+    """The settings' MCP servers started (and, on the way out, stopped), and the tools ``names`` picks."""
+    from localpaged.chat.tools import START_TIMEOUT_S, McpServers
+
+    if not settings.mcp_servers:
+        raise ConfigError(f"--tool: no MCP server is set up; add an [mcp.servers.NAME] table to {settings.path}")
+    servers = McpServers(settings.mcp_servers)
+    servers.start()
+    try:
+        servers.wait(START_TIMEOUT_S + 1)
+        for error in servers.errors():
+            print(f"warning: {_shown(error, stream=sys.stderr)}", file=sys.stderr)
+        available = servers.tools()
+        picked = []
+        for name in names:
+            found = [t for t in available if name in (t.name, t.key)]
+            if not found:
+                listed = ", ".join(t.key for t in available) or "none: no server is running"
+                raise ConfigError(f"--tool {name}: no running MCP server has a tool of that name; tools: {listed}")
+            picked.append(found[0])
+        yield picked
+    finally:
+        servers.close()
+
+
+def _run_with_tools(session: Session, args: argparse.Namespace, tools: list[Tool]) -> None:
+    """One turn with tools: its text on stdout; each call, its approval and its result on stderr."""
+    from localpaged.chat.tool_turn import TextDelta, ToolCallEvent, ToolResultEvent
+
+    def approve(call: ToolCallRequest, tool: Tool) -> str:
+        if args.allow_tools:
+            return "once"
+        if not sys.stdin.isatty():
+            print("note: the call was denied (pass --allow-tools to run calls without asking)", file=sys.stderr)
+            return "deny"
+        answer = input("allow this call? [y]es once / [a]ll this chat / [N]o: ").strip().lower()
+        return {"y": "once", "yes": "once", "a": "chat"}.get(answer, "deny")
+
+    events = session.stream_events(args.message, tools=tools, approve=approve, tool_choice=args.tool_choice)
+    with closing(events):
+        for event in events:
+            if isinstance(event, TextDelta):
+                sys.stdout.write(_shown(event.text))
+                sys.stdout.flush()
+            elif isinstance(event, ToolCallEvent):
+                arguments = _shown(event.call.arguments, one_line=True, stream=sys.stderr)
+                print(f"\n[tool call] {event.call.name} {arguments}", file=sys.stderr)
+            elif isinstance(event, ToolResultEvent):
+                outcome = f"error: {event.error}" if event.error else "result"
+                print(f"[{outcome}] {_shown(event.content, stream=sys.stderr)}", file=sys.stderr)
 
 
 def open_engine(model: str | None, **engine_config: object) -> EngineClient:

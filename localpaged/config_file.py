@@ -28,6 +28,14 @@ the built-in default, and :meth:`Settings.entries` says which, for ``localpaged 
     [keys]                       # Textual keymap: binding id -> key
     new_chat = "ctrl+t"
 
+    [mcp.servers.files]          # an MCP server the app starts (stdio): its tools, for chats that pick them
+    command = "npx"
+    args = ["-y", "@modelcontextprotocol/server-filesystem", "~/notes"]
+    env = { LOG_LEVEL = "warn" }
+
+    [mcp.servers.search]         # one already running, over streamable HTTP
+    url = "http://127.0.0.1:8931/mcp"
+
 The file is checked in full when it is read: a value of the wrong type or out of range, an unknown
 key or table, or a file that is not TOML is one ConfigError naming the file, the key, and the line
 where it can tell; sampling values go through SamplingParams' own checks, engine values through
@@ -100,6 +108,25 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
+class McpServerConfig:
+    """One ``[mcp.servers.NAME]`` table: a command to start (stdio) or the ``url`` of a running server."""
+
+    name: str
+    command: str | None = None
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    url: str | None = None
+
+    def describe(self) -> str:
+        """The server in a few words, for `config show` and notices: its URL, or its command line."""
+        return self.url or " ".join([self.command or "", *self.args])
+
+
+MCP_SERVER_KEYS = ("command", "args", "env", "url")
+_MCP_NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")  # it prefixes tool names that clash, which OpenAI limits so
+
+
+@dataclass(frozen=True)
 class Settings:
     """The effective settings, and where each came from (``origins``: dotted key -> origin; absent is built-in)."""
 
@@ -109,6 +136,7 @@ class Settings:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    mcp_servers: Mapping[str, McpServerConfig] = field(default_factory=lambda: MappingProxyType({}))
     path: Path | None = None  # the file that was read (it may not exist); None: built-in defaults only
     origins: Mapping[str, Origin] = field(default_factory=lambda: MappingProxyType({}))
     flags: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # dotted key -> flag name
@@ -159,6 +187,8 @@ class Settings:
                 yield key, getattr(values, f.name), self.origin(key)
         for binding, key in sorted(self.keys.items()):
             yield f"keys.{binding}", key, self.origin(f"keys.{binding}")
+        for name, server in self.mcp_servers.items():
+            yield f"mcp.servers.{name}", server.describe(), str(self.path)
 
 
 TOP_KEYS = ("model", "prompt", "theme")
@@ -166,6 +196,7 @@ TABLE_KEYS = {
     "sampling": tuple(f.name for f in dataclasses.fields(SamplingSettings)),
     "engine": tuple(f.name for f in dataclasses.fields(EngineSettings)),
     "keys": (),  # any binding id
+    "mcp": ("servers",),  # [mcp.servers.NAME] tables, checked by _mcp_servers
 }
 # What an unset value means, for `config show`.
 UNSET = {
@@ -238,8 +269,11 @@ def _settings(document: Mapping[str, Any], path: Path, text: str) -> Settings:
     top: dict[str, Any] = {}
     tables: dict[str, dict[str, Any]] = {"sampling": {}, "engine": {}, "keys": {}}
     origins: dict[str, Origin] = {}
+    servers: dict[str, McpServerConfig] = {}
     for name, value in document.items():
-        if name in TABLE_KEYS:
+        if name == "mcp":
+            servers = _mcp_servers(value, path, text)
+        elif name in TABLE_KEYS:
             if not isinstance(value, dict):
                 raise ConfigError(f"{_where(path, text, '', name)}: must be a table, [{name}], not a value")
             for key, item in value.items():
@@ -259,9 +293,45 @@ def _settings(document: Mapping[str, Any], path: Path, text: str) -> Settings:
         sampling=SamplingSettings(**tables["sampling"]),
         engine=EngineSettings(**tables["engine"]),
         keys=MappingProxyType(dict(tables["keys"])),
+        mcp_servers=MappingProxyType(servers),
         path=path,
         origins=MappingProxyType(origins),
     )
+
+
+def _mcp_servers(value: Any, path: Path, text: str) -> dict[str, McpServerConfig]:
+    """The ``[mcp.servers.NAME]`` tables, each checked: ConfigError naming the server and the key to fix."""
+    example = '[mcp.servers.NAME] with command = "..." (and args = [...]) or url = "http://..."'
+    if not isinstance(value, dict) or set(value) - {"servers"} or not isinstance(value.get("servers", {}), dict):
+        raise ConfigError(f"{path}: [mcp] holds only server tables: write {example}")
+    servers = {}
+    for name, table in value.get("servers", {}).items():
+        line = _line_of(text, "", f"mcp.servers.{name}")
+        where = f"{path}{f', line {line}' if line else ''}: [mcp.servers.{name}]"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: must be a table: write {example}")
+        if not _MCP_NAME.match(name):
+            raise ConfigError(f"{where}: name the server with 1 to 32 letters, digits, '_' or '-'")
+        unknown = sorted(set(table) - set(MCP_SERVER_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(MCP_SERVER_KEYS)}")
+        command, url, args, env = table.get("command"), table.get("url"), table.get("args", []), table.get("env", {})
+        if (command is None) == (url is None):
+            raise ConfigError(f"{where}: give exactly one of command (a server to start) or url (one running)")
+        if command is not None and (not isinstance(command, str) or not command.strip()):
+            raise ConfigError(f"{where}: command must be the program to run, a non-empty string")
+        if url is not None and (not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url)):
+            raise ConfigError(f"{where}: url must be an http(s) URL, e.g. http://127.0.0.1:8931/mcp")
+        if url is not None and ("args" in table or "env" in table):
+            raise ConfigError(f"{where}: args and env are for a server started by command, not one at a url")
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise ConfigError(f'{where}: args must be a list of strings, e.g. args = ["--root", "~/notes"]')
+        if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+            raise ConfigError(f'{where}: env must be a table of strings, e.g. env = {{ LOG_LEVEL = "warn" }}')
+        servers[name] = McpServerConfig(
+            name, command, tuple(os.path.expanduser(a) for a in args), MappingProxyType(dict(env)), url
+        )
+    return servers
 
 
 def _check_value(table: str, key: str, value: Any, where: Any) -> Any:

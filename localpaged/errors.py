@@ -59,3 +59,8 @@ class UnknownSessionError(StoreError, KeyError):
 
 class PromptError(LocalpagedError):
     """A system prompt is missing or its file is malformed."""
+
+
+class ToolError(LocalpagedError):
+    """A tool call failed: the tool raised, its MCP server answered with an error or is not running. The
+    message goes back to the model as the call's result, and is shown to the user under the call."""

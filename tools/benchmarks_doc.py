@@ -366,6 +366,22 @@ def render_sampling_cost(data: dict) -> str:
     return out
 
 
+def render_tool_rounds(data: dict) -> str:
+    screen = data.get("first_screen_s") or {}
+    rows = [[name, num(seconds, 2)] for name, seconds in screen.items()]
+    if data.get("first_screen_ratio") is not None:
+        rows.append(["three servers / none", f"**{data['first_screen_ratio']:.2f}x**"])
+    out = table(["MCP servers configured", "first screen (s)"], rows)
+    replay = data.get("replay") or {}
+    turns = replay.get("turns") or []
+    rows = [[str(i), num(t.get("prompt_tokens"), 0), num(t.get("cached_tokens"), 0)] for i, t in enumerate(turns, 1)]
+    out += "\n\nEach turn's first prompt, replaying the earlier turns' tool rounds:\n\n"
+    out += table(["turn", "prompt tokens", "served by the prefix cache"], rows)
+    if replay.get("third_turn_cached_share") is not None:
+        out += f"\n\nThe third turn: **{replay['third_turn_cached_share']:.0%}** of its prompt from the cache."
+    return out
+
+
 def render_generic(data: object) -> str:
     """Any other results file: its figures as recorded, one row a value (lists as their median)."""
     rows: list[list[str]] = []
@@ -453,6 +469,15 @@ KNOWN: dict[str, Spec] = {
         "caching on, each run on a prompt of its own (cold).",
         "`python benchmarks/parallel_samples.py [--prompt-tokens 1000] [--new-tokens 64]` (part of `make bench`).",
         render_parallel_samples,
+    ),
+    "tool_rounds": Spec(
+        "Tools: MCP servers at start, and replayed tool rounds",
+        "The app's time from start to its chat screen with no MCP server and with three (one five seconds slow "
+        "to start), the default model loading for real, medians of alternating rounds; then a chat of three "
+        "turns of one grammar-held tool call each (tool_choice required) and what the prefix cache serves of "
+        "each turn's first prompt.",
+        "`python benchmarks/tool_rounds.py [--rounds 2]` (part of `make bench`).",
+        render_tool_rounds,
     ),
     "sampling_cost": Spec(
         "What penalties and logprobs cost",

@@ -18,6 +18,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
+from localpaged.chat.tools import McpServers
 from localpaged.config_file import Settings, save_theme
 from localpaged.engine.factory import make_engine
 from localpaged.engine.protocol import EngineClient
@@ -78,6 +79,10 @@ class LocalpagedApp(App[None]):
         self.engine: EngineClient | None = None
         self.engine_lost = False  # the engine died and no new one has taken over yet
         self.engine_remote = False  # the engine that died was a remote one
+        # The settings' MCP servers, started in a thread of their own once the first screen is up: it never
+        # waits for one, and each server's failure is one notice naming it.
+        self.mcp = McpServers(self.settings.mcp_servers, on_change=self._mcp_changed)
+        self._mcp_told: set[str] = set()
 
     def on_mount(self) -> None:
         loading = LoadingScreen()
@@ -92,6 +97,20 @@ class LocalpagedApp(App[None]):
             self.set_interval(TERMINAL_CHECK_S, self._quit_if_terminal_gone)
         if not self.is_headless:  # `kill PID` quits as the quit key does: partial replies are kept
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: self.call_later(self.action_quit))
+
+    def _mcp_changed(self) -> None:
+        """From the servers' thread: a server became ready or failed."""
+        with suppress(RuntimeError):  # the app is closing: nobody left to tell
+            self.call_from_thread(self._tell_mcp_errors)
+
+    def _tell_mcp_errors(self) -> None:
+        for error in self.mcp.errors():
+            if error not in self._mcp_told:
+                self._mcp_told.add(error)
+                self.notify(error, title="MCP server", severity="error", timeout=10, markup=False)
+
+    def on_unmount(self) -> None:
+        self.mcp.close()
 
     def apply_settings(self) -> None:
         """The settings' theme and keymap; from then on, a theme the user picks is remembered.
@@ -152,6 +171,8 @@ class LocalpagedApp(App[None]):
             return
         main = MainScreen(self.engine, self.store, self.clock, open_id, settings=self.settings)
         self.call_from_thread(self.switch_screen, main)
+        # Only now: on a machine of few cores their start would compete with loading the model.
+        self.mcp.start()
 
     # ----- engine death and restart ----------------------------------------------------
 
@@ -242,6 +263,7 @@ class LocalpagedApp(App[None]):
         replies = [w for w in self.workers if w.group == "replies"]
         if replies:  # given none, Textual waits for every worker, and one it cancelled raises WorkerCancelled
             await self.workers.wait_for_complete(replies)
+        await asyncio.to_thread(self.mcp.close)
         if self.engine is not None:
             with suppress(LocalpagedError):  # a dead engine has nothing left to shut down
                 await asyncio.to_thread(self.engine.shutdown)

@@ -91,9 +91,34 @@ class LiveChat:
         return self.session.engine_messages()
 
     def send(self, text: str) -> None:
-        """Store `text` as the user's message and stream the reply."""
-        self.before = [(m.role, m.content) for m in self.visible_history()] + [("user", text)]
-        self._run(self.session.astream(text), text)
+        """Store `text` as the user's message and stream the reply; with the chat's tools (those of its
+        choice that a running MCP server has), a turn of rounds whose calls the user approves."""
+        self.before = [(m.role, m.content) for m in self.visible_history() if m.role != "tool"] + [("user", text)]
+        chosen = set(self.session.tools_chosen)
+        mcp = getattr(self.app, "mcp", None)
+        tools = [t for t in mcp.tools() if t.key in chosen] if chosen and mcp is not None else []
+        if tools:
+            self._run(self._tool_text(self.session.astream_events(text, tools=tools, approve=self._approve)), text)
+        else:
+            self._run(self.session.astream(text), text)
+
+    async def _tool_text(self, events: AsyncIterator[Any]) -> AsyncIterator[str]:
+        """The text of a turn with tools; its calls and results are drawn from the store when it ends."""
+        from localpaged.chat.tool_turn import TextDelta
+
+        async for event in events:
+            if isinstance(event, TextDelta):
+                yield event.text
+
+    async def _approve(self, call: Any, tool: Any) -> str:
+        """Ask the user about a call (a dialog over whatever is on screen); escape denies and stops the turn."""
+        from localpaged.tui.screens.tool_approval import ToolApprovalDialog
+
+        answer = await self.app.push_screen_wait(ToolApprovalDialog(call.name, tool.source, call.arguments))
+        if answer == "stop":
+            await self.stop()
+            return "deny"
+        return answer
 
     def regenerate(self) -> None:
         """Replace the last reply with a fresh one."""

@@ -141,3 +141,49 @@ def m006_messages_token_ids(db: Database) -> None:
     # generated (re-encoding the text may not give them back) and hit the prefix cache. NULL: not known.
     if "token_ids" not in db["messages"].columns_dict:
         db["messages"].add_column("token_ids", str)
+
+
+@migration
+def m007_messages_tools(db: Database) -> None:
+    # Tool calls and their results as OpenAI has them: an assistant message's calls (tool_calls, a JSON list
+    # of {"id", "type", "function": {"name", "arguments"}}), and role "tool" messages answering one call each
+    # (tool_call_id). SQLite cannot widen the role CHECK in place, so the table is rebuilt: same columns, same
+    # ids, the AUTOINCREMENT counter carried over, its index and FTS triggers made again.
+    columns = db["messages"].columns_dict
+    if "tool_call_id" in columns:
+        return
+    db.execute(
+        """
+        CREATE TABLE messages_new (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            session_id TEXT NOT NULL REFERENCES sessions (id),
+            role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant', 'tool')),
+            content TEXT NOT NULL,
+            status TEXT NOT NULL DEFAULT 'complete'
+                CHECK (status IN ('complete', 'partial', 'error')),
+            error TEXT,
+            prompt_tokens INTEGER,
+            cached_tokens INTEGER,
+            completion_tokens INTEGER,
+            ttft_s FLOAT,
+            tokens_per_s FLOAT,
+            model TEXT,
+            created FLOAT NOT NULL,
+            updated FLOAT NOT NULL,
+            finish_reason TEXT,
+            token_ids TEXT,
+            tool_calls TEXT,
+            tool_call_id TEXT
+        )
+        """
+    )
+    kept = ", ".join(columns)
+    db.execute(f"INSERT INTO messages_new ({kept}) SELECT {kept} FROM messages")
+    counter = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'messages'").fetchone()
+    db.execute("DROP TABLE IF EXISTS messages_fts")
+    db.execute("DROP TABLE messages")
+    db.execute("ALTER TABLE messages_new RENAME TO messages")
+    if counter is not None:
+        db.execute("UPDATE sqlite_sequence SET seq = max(seq, ?) WHERE name = 'messages'", [counter[0]])
+    db.execute("CREATE INDEX IF NOT EXISTS messages_session ON messages (session_id, id)")
+    db["messages"].enable_fts(["content"], create_triggers=True, replace=True)

@@ -26,30 +26,74 @@ A local engine gets token ids (the chat template's, as the prefix cache keys the
 /tokenize where it has one, else sent as they are for the server to judge. There, continue sends the
 reply so far as a final assistant message, on servers that can go on from one.
 
+Tools: ``send``/``stream`` and their twins take ``tools`` (chat/tools.py: Python functions or MCP tools),
+an ``approve`` callback and ``tool_choice``; ``stream_events``/``astream_events`` yield the turn's events
+(text, calls, results: chat/tool_turn.py). Calls and results are stored messages (an assistant message's
+``tool_calls``, role "tool" with its ``tool_call_id``), so every later prompt, fork, regenerate, export and
+search sees them; the prompt renders them through the model's tool format (chat/tool_calls.py), the same
+rendering every round, so a turn's rounds and later turns extend one prefix the engine's cache serves.
+
 This module imports no torch at import time (the CLI exports sessions without a model).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import inspect
+import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from contextlib import aclosing, closing, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from localpaged.chat.reply_format import ReplyFormat, reply_format
 from localpaged.chat.store import ChatStore, MessageRecord, SessionRecord
+from localpaged.chat.tool_calls import (
+    ContentDelta,
+    Delta,
+    ToolCallParser,
+    ToolFormat,
+    ToolPlan,
+    call_schema,
+    collect,
+    detect_format,
+    for_format,
+    generic_round_schema,
+    render,
+    schema_constraint,
+)
+from localpaged.chat.tool_turn import (
+    DENIED,
+    MAX_ROUND_TOKENS,
+    MAX_TOOL_ROUNDS,
+    STOPPED,
+    Approve,
+    Ask,
+    Emit,
+    Generate,
+    Run,
+    Step,
+    TextDelta,
+    ToolCallEvent,
+    ToolCallRequest,
+    ToolResultEvent,
+    TurnEvent,
+    approval,
+)
+from localpaged.chat.tools import Tool, as_tools
 from localpaged.engine.output import FINISH_REASONS
-from localpaged.errors import ConfigError, RequestError
+from localpaged.errors import ConfigError, RequestError, ToolError
 from localpaged.sampling import MAX_TOKENS_LIMIT, SamplingParams
 from localpaged.unicode_text import check_text
 
 if TYPE_CHECKING:
     from localpaged.engine.output import RequestMetrics, RequestOutput
     from localpaged.engine.protocol import EngineClient, Prompt
+    from localpaged.sampling import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +140,8 @@ class Session:
         self.last_reply: MessageRecord | None = None  # the assistant message of the latest turn
         self.warning: str | None = None  # set when the latest turn's prompt had to drop old turns
         self._request_id: str | None = None
+        self._in_tool_turn = False  # between the rounds of a turn with tools (waiting on approve, a tool)
+        self._stop_requested = False  # stop() during a turn with tools: no further round or call
         self._turn_prompt_tokens: int | None = 0  # the prompt of the reply in flight (None: its size is unknown)
         self._turn_generated = 0  # and the tokens it has generated so far
 
@@ -135,51 +181,188 @@ class Session:
 
     @property
     def history(self) -> list[MessageRecord]:
-        """The stored user and assistant messages, oldest first."""
-        return [m for m in self.store.messages(self.id) if m.role in ("user", "assistant")]
+        """The stored user, assistant and tool messages, oldest first."""
+        return [m for m in self.store.messages(self.id) if m.role in ("user", "assistant", "tool")]
 
     # ----- turns -----------------------------------------------------------------------
 
     def send(
-        self, text: str, params: SamplingParams | None = None, *, schema: object = None, response_format: object = None
+        self,
+        text: str,
+        params: SamplingParams | None = None,
+        *,
+        schema: object = None,
+        response_format: object = None,
+        tools: list[Any] | None = None,
+        approve: Approve | None = None,
+        tool_choice: str = "auto",
+        max_tool_rounds: int = MAX_TOOL_ROUNDS,
     ) -> MessageRecord:
         """Send a user message and wait for the whole reply; returns the stored assistant message.
 
         schema (a JSON schema dict or a pydantic model class) or response_format (StructuredOutputs, or
         OpenAI's dict) constrains the reply; then it is a ParsedMessage whose ``parsed`` is the dict or
         the model's instance (reply_format.py).
+
+        tools (Python functions, or Tools: chat/tools.py) may be called by the model: each call goes to
+        ``approve(call, tool)`` ("once", "chat", "deny", or True/False; without it every call runs), runs,
+        and its result goes back to the model, round after round, at most ``max_tool_rounds`` (then the
+        model must answer in text). tool_choice ("auto", "required", "none", or a tool's name) holds the
+        first round; later ones are "auto". Returns the turn's last assistant message, its answer.
         """
         form = reply_format(schema, response_format)
-        for _ in self._reply(*self._begin_turn(text, params, form)):
-            pass
+        if tools:
+            for _ in self.stream_events(
+                text, params, tools=tools, approve=approve, tool_choice=tool_choice, max_tool_rounds=max_tool_rounds
+            ):
+                pass
+        else:
+            for _ in self._reply(*self._begin_turn(text, params, form)):
+                pass
         assert self.last_reply is not None
         return form.parse(self.last_reply)
 
     async def asend(
-        self, text: str, params: SamplingParams | None = None, *, schema: object = None, response_format: object = None
+        self,
+        text: str,
+        params: SamplingParams | None = None,
+        *,
+        schema: object = None,
+        response_format: object = None,
+        tools: list[Any] | None = None,
+        approve: Approve | None = None,
+        tool_choice: str = "auto",
+        max_tool_rounds: int = MAX_TOOL_ROUNDS,
     ) -> MessageRecord:
         """The twin of send, in an event loop."""
         form = reply_format(schema, response_format)
-        async for _ in self._areply(*self._begin_turn(text, params, form)):
-            pass
+        if tools:
+            async for _ in self.astream_events(
+                text, params, tools=tools, approve=approve, tool_choice=tool_choice, max_tool_rounds=max_tool_rounds
+            ):
+                pass
+        else:
+            async for _ in self._areply(*self._begin_turn(text, params, form)):
+                pass
         assert self.last_reply is not None
         return form.parse(self.last_reply)
 
     def stream(
-        self, text: str, params: SamplingParams | None = None, *, schema: object = None, response_format: object = None
+        self,
+        text: str,
+        params: SamplingParams | None = None,
+        *,
+        schema: object = None,
+        response_format: object = None,
+        tools: list[Any] | None = None,
+        approve: Approve | None = None,
+        tool_choice: str = "auto",
+        max_tool_rounds: int = MAX_TOOL_ROUNDS,
     ) -> Iterator[str]:
         """Send a user message and yield the reply's text as it is generated (blocking); schema and
-        response_format constrain it as in send (``last_reply`` holds the text; send parses it)."""
+        response_format constrain it as in send (``last_reply`` holds the text; send parses it). With
+        tools, the text of every round (stream_events has the calls and results too)."""
+        if tools:
+            for event in self.stream_events(
+                text, params, tools=tools, approve=approve, tool_choice=tool_choice, max_tool_rounds=max_tool_rounds
+            ):
+                if isinstance(event, TextDelta):
+                    yield event.text
+            return
         prompt, params = self._begin_turn(text, params, reply_format(schema, response_format))
         yield from self._reply(prompt, params)
 
     async def astream(
-        self, text: str, params: SamplingParams | None = None, *, schema: object = None, response_format: object = None
+        self,
+        text: str,
+        params: SamplingParams | None = None,
+        *,
+        schema: object = None,
+        response_format: object = None,
+        tools: list[Any] | None = None,
+        approve: Approve | None = None,
+        tool_choice: str = "auto",
+        max_tool_rounds: int = MAX_TOOL_ROUNDS,
     ) -> AsyncIterator[str]:
         """Send a user message and yield the reply's text as it is generated (in an event loop)."""
+        if tools:
+            async for event in self.astream_events(
+                text, params, tools=tools, approve=approve, tool_choice=tool_choice, max_tool_rounds=max_tool_rounds
+            ):
+                if isinstance(event, TextDelta):
+                    yield event.text
+            return
         prompt, params = self._begin_turn(text, params, reply_format(schema, response_format))
         async for delta in self._areply(prompt, params):
             yield delta
+
+    def stream_events(
+        self,
+        text: str,
+        params: SamplingParams | None = None,
+        *,
+        tools: list[Any],
+        approve: Approve | None = None,
+        tool_choice: str = "auto",
+        max_tool_rounds: int = MAX_TOOL_ROUNDS,
+    ) -> Iterator[TurnEvent]:
+        """A turn with tools as its events: TextDelta, ToolCallEvent, ToolResultEvent (blocking); see send."""
+        body = self._tool_turn(text, params, as_tools(tools), tool_choice, max_tool_rounds)
+        answer: Any = None
+        with closing(body):
+            while True:
+                try:
+                    step = body.send(answer)
+                except StopIteration:
+                    return
+                answer = None
+                if isinstance(step, Emit):
+                    yield step.event
+                elif isinstance(step, Generate):
+                    for delta in self._reply(step.prompt, step.params, parser=step.parser):
+                        yield TextDelta(delta)
+                    answer = self.last_reply
+                elif isinstance(step, Ask):
+                    answer = "once" if approve is None else approve(step.call, step.tool)
+                    if inspect.isawaitable(answer):
+                        answer = asyncio.run(_awaited(answer))
+                    answer = approval(answer)
+                else:
+                    answer = asyncio.run(_run_tool(step))
+
+    async def astream_events(
+        self,
+        text: str,
+        params: SamplingParams | None = None,
+        *,
+        tools: list[Any],
+        approve: Approve | None = None,
+        tool_choice: str = "auto",
+        max_tool_rounds: int = MAX_TOOL_ROUNDS,
+    ) -> AsyncIterator[TurnEvent]:
+        """The twin of stream_events, in an event loop: the same body, its steps awaited."""
+        body = self._tool_turn(text, params, as_tools(tools), tool_choice, max_tool_rounds)
+        answer: Any = None
+        with closing(body):
+            while True:
+                try:
+                    step = body.send(answer)
+                except StopIteration:
+                    return
+                answer = None
+                if isinstance(step, Emit):
+                    yield step.event
+                elif isinstance(step, Generate):
+                    async for delta in self._areply(step.prompt, step.params, parser=step.parser):
+                        yield TextDelta(delta)
+                    answer = self.last_reply
+                elif isinstance(step, Ask):
+                    answer = "once" if approve is None else approve(step.call, step.tool)
+                    if inspect.isawaitable(answer):
+                        answer = await answer
+                    answer = approval(answer)
+                else:
+                    answer = await _run_tool(step)
 
     def regenerate(self, params: SamplingParams | None = None) -> MessageRecord:
         """Replace the last assistant reply with a new one; returns it."""
@@ -234,17 +417,22 @@ class Session:
 
     def reply_sampling(self) -> tuple[SamplingParams, int | None]:
         """What a turn without its own params uses: the app's sampling and limit, with this chat's settings on top."""
-        own = {k: v for k, v in self.settings.items() if k != "max_tokens"}
+        own = {k: v for k, v in self.settings.items() if k in CHAT_SETTINGS and k != "max_tokens"}
         return dataclasses.replace(self.sampling, **own), self.settings.get("max_tokens", self.max_tokens)
 
     def set_settings(self, settings: dict) -> None:
-        """Store this chat's own settings (CHAT_SETTINGS; None: the app's default); ConfigError if one is bad."""
-        checked = checked_settings(settings)
+        """Store this chat's own settings (CHAT_SETTINGS; None: the app's default); ConfigError if one is bad.
+        Its tool choices (TOOL_SETTINGS) stay unless ``settings`` names them."""
+        kept = {k: v for k, v in self.settings.items() if k in TOOL_SETTINGS}
+        checked = checked_settings({**kept, **settings})
         self.store.set_session_settings(self.id, checked)
         self.settings = checked
 
     async def stop(self) -> None:
-        """Abort the reply in flight, if any; what it said so far stays stored as ``partial``."""
+        """Abort the reply in flight, if any; what it said so far stays stored as ``partial``. In a turn
+        with tools, no further call runs and no further round starts."""
+        if self._in_tool_turn:
+            self._stop_requested = True
         request_id = self._request_id
         if request_id is None:
             return
@@ -310,8 +498,37 @@ class Session:
     # ----- housekeeping ----------------------------------------------------------------
 
     def engine_messages(self) -> list[dict]:
-        """The stored chat as the model reads it (``chat_messages``): what the next turn's prompt starts from."""
-        return chat_messages(self.system, self.history)
+        """The stored chat as the model reads it (``chat_messages``, tool turns in the model's tool format):
+        what the next turn's prompt starts from."""
+        return render(chat_messages(self.system, self.history), None, self.tool_format())[0]
+
+    def tool_format(self) -> ToolFormat:
+        """How this engine's model reads tools and writes calls: its chat template's format for a local
+        engine; for a remote one the generic format, whose prompts and JSON-schema replies every server takes."""
+        if not self.engine.info.capabilities.token_prompts:
+            return "generic"
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        return detect_format(getattr(tokenizer, "chat_template", None))
+
+    @property
+    def tools_chosen(self) -> list[str]:
+        """The keys of the tools this chat may use (Tool.key), stored with it; [] by default."""
+        return list(self.settings.get("tools", []))
+
+    def set_tools(self, keys: list[str]) -> None:
+        """Store which tools (by Tool.key) this chat may use; those allowed "for this chat" stay allowed."""
+        self._set_setting("tools", list(dict.fromkeys(keys)) or None)
+
+    def _allow_for_chat(self, key: str) -> None:
+        allowed = self.settings.get("tools_allowed", [])
+        if key not in allowed:
+            self._set_setting("tools_allowed", [*allowed, key])
+
+    def _set_setting(self, name: str, value: object) -> None:
+        settings = {**self.settings, name: value}
+        checked = checked_settings(settings)
+        self.store.set_session_settings(self.id, checked)
+        self.settings = checked
 
     def context_tokens(self) -> int:
         """How many tokens the next turn's prompt uses before the new message: template over the history."""
@@ -340,21 +557,23 @@ class Session:
     # ----- internals -------------------------------------------------------------------
 
     def _begin_turn(
-        self, text: str, params: SamplingParams | None, form: ReplyFormat
+        self,
+        text: str,
+        params: SamplingParams | None,
+        form: ReplyFormat,
+        plan: ToolPlan | None = None,
+        grammar: StructuredOutputs | None = None,
     ) -> tuple[_Prompt, SamplingParams]:
-        """Check the turn fits, then store the user message (before any generation); the prompt ids and params."""
+        """Check the turn fits, then store the user message (before any generation); the prompt ids and params.
+
+        plan and grammar: the first round's tools (served) and the constraint they hold the reply to."""
         self._check_idle()
         check_text("message", text, RequestError)
         if not text.strip():
             raise RequestError("the message is empty; type something to send")
         turns = _replayable(self.history) + [{"role": "user", "content": text}]
-        prompt, params = self._fit(turns, params)
-        if form.structured is not None:
-            if params.structured not in (None, form.structured):
-                raise ConfigError(
-                    "the params carry a structured constraint of their own; pass it once, in params or schema="
-                )
-            params = dataclasses.replace(params, structured=form.structured)
+        prompt, params = self._fit(turns, params, plan=plan)
+        params = _constrained(params, form.structured or grammar)
         self.store.add_message(self.id, "user", text)
         if not self.title:
             self.rename(title_from(text))
@@ -386,12 +605,115 @@ class Session:
         prompt, params = self._fit(turns, params, reply)
         return prompt, params, reply
 
+    def _tool_turn(
+        self, text: str, params: SamplingParams | None, tools: list[Tool], choice: str, max_rounds: int
+    ) -> Generator[Step, Any, None]:
+        """The one body of a turn with tools (chat/tool_turn.py): the rounds of replies, calls and results."""
+        if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
+            raise ConfigError(f"max_tool_rounds={max_rounds!r}: use a whole number of rounds, at least 1")
+        by_name = {tool.name: tool for tool in tools}
+        fmt = self.tool_format()
+        prompt_plan, parse_plan, grammar = self._round(tools, choice, fmt)
+        prompt, round_params = self._begin_turn(text, params, reply_format(None, None), prompt_plan, grammar)
+        # With no limit of the user's, a round stops at MAX_ROUND_TOKENS: a small model's JSON string (a call's
+        # argument, an answer) may otherwise run on until the context is full.
+        unbounded = params is None and self.reply_sampling()[1] is None
+        round_params = _bounded(round_params) if unbounded else round_params
+        self._in_tool_turn, self._stop_requested = True, False
+        allowed = set(self.settings.get("tools_allowed", []))
+        made: dict[tuple[str, str], str] = {}  # this turn's calls (tool, arguments) and what they returned
+        last = False
+        try:
+            for round_ in range(1, max_rounds + 2):
+                parser = ToolCallParser(fmt, parse_plan) if parse_plan is not None else None
+                record = yield Generate(prompt, round_params, parser)
+                calls = [
+                    ToolCallRequest(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in record.calls
+                ]
+                if not calls or last:  # the answer round's grammar admits no call: an engine that ignored it
+                    return
+                # A small model given a result often makes the same call again: it is answered with the
+                # first one's result (not asked about, not run again), and the model must answer next.
+                repeats = all(_call_key(call) in made for call in calls)
+                pending = list(calls)
+                try:
+                    for call in calls:
+                        yield Emit(ToolCallEvent(call, record.id))
+                    while pending:
+                        call = pending[0]
+                        if _call_key(call) in made:
+                            content, error = made[_call_key(call)], None
+                        else:
+                            content, error = yield from self._settle(call, by_name.get(call.name), allowed)
+                            if error is None:
+                                made[_call_key(call)] = content
+                        status = "error" if error else "complete"
+                        stored = self.store.add_message(
+                            self.id, "tool", content, status=status, error=error, tool_call_id=call.id
+                        )
+                        pending.pop(0)
+                        yield Emit(ToolResultEvent(call, content, error, stored.id))
+                finally:  # stopped, failed or abandoned midway: every call still gets its answer stored
+                    for call in pending:
+                        self.store.add_message(
+                            self.id, "tool", STOPPED, status="error", error="stopped", tool_call_id=call.id
+                        )
+                if self._stop_requested:
+                    return
+                last = repeats or round_ >= max_rounds
+                prompt_plan, parse_plan, grammar = self._round(tools, "none" if last else "auto", fmt)
+                prompt, round_params = self._fit(_replayable(self.history), params, plan=prompt_plan)
+                round_params = _constrained(round_params, grammar)
+                round_params = _bounded(round_params) if unbounded else round_params
+        finally:
+            self._in_tool_turn = False
+
+    def _round(
+        self, tools: list[Tool], choice: str, fmt: ToolFormat
+    ) -> tuple[ToolPlan, ToolPlan | None, StructuredOutputs | None]:
+        """A round's (prompt plan, plan its reply is read by or None, grammar). The prompt describes the
+        tools as "auto" does in every round, so that all the turn's rounds (and later turns) share one
+        prefix; the choice only narrows the grammar. A local engine gets it as EBNF, a remote one as the
+        JSON schema."""
+        ebnf = self.engine.info.capabilities.token_prompts
+        auto = for_format(_tool_plan(tools, "auto"), fmt)
+        plan = for_format(_tool_plan(tools, choice), fmt)
+        if fmt == "generic":
+            return auto, auto, schema_constraint(generic_round_schema(auto, plan.choice, plan.name), ebnf=ebnf)
+        if plan.choice == "none":
+            return auto, None, None
+        schema = call_schema(plan, fmt)
+        return auto, plan, schema_constraint(schema, ebnf=ebnf) if schema is not None else None
+
+    def _settle(
+        self, call: ToolCallRequest, tool: Tool | None, allowed: set[str]
+    ) -> Generator[Step, Any, tuple[str, str | None]]:
+        """A call's (content, error): refused, asked about, run; the model reads content either way."""
+        if tool is None:
+            return f"There is no tool named {call.name!r}.", "unknown tool"
+        if tool.key not in allowed:
+            if self._stop_requested:
+                return STOPPED, "stopped"
+            decision = yield Ask(call, tool)
+            if decision == "deny":
+                return DENIED, "denied"
+            if decision == "chat":
+                allowed.add(tool.key)
+                self._allow_for_chat(tool.key)
+        if self._stop_requested:
+            return STOPPED, "stopped"
+        return (yield Run(call, tool))
+
     def _check_idle(self) -> None:
-        if self.generating:
+        if self.generating or self._in_tool_turn:
             raise RequestError(f"session {self.id} is already generating a reply; wait for it or stop() it first")
 
     def _fit(
-        self, turns: list[dict], params: SamplingParams | None, continuing: MessageRecord | None = None
+        self,
+        turns: list[dict],
+        params: SamplingParams | None,
+        continuing: MessageRecord | None = None,
+        plan: ToolPlan | None = None,
     ) -> tuple[_Prompt, SamplingParams]:
         """The prompt for system + turns within max_model_len, and the SamplingParams of the reply.
 
@@ -408,7 +730,7 @@ class Session:
         room = max_tokens if max_tokens is not None else 1
         dropped = 0
         while True:
-            prompt = self._prompt(_with_system(self.system, turns), continuing)
+            prompt = self._prompt(_with_system(self.system, turns), continuing, plan)
             if prompt.size is None or limit is None:
                 break
             over = prompt.size + room - limit
@@ -449,26 +771,35 @@ class Session:
             params = dataclasses.replace(sampling, max_tokens=max_tokens)
         return prompt, params
 
-    def _prompt(self, messages: list[dict], continuing: MessageRecord | None) -> _Prompt:
+    def _prompt(self, messages: list[dict], continuing: MessageRecord | None, plan: ToolPlan | None = None) -> _Prompt:
         """What the engine gets for ``messages`` (and a reply being continued), and its size in tokens.
 
         A local engine takes token ids: the template's, then the continued reply's own stored ids (its
         text re-encoded might not give them back, and the prefix cache keys the ids). A remote one takes
         the messages, a continued reply as the final assistant message, counted by the server if it can.
+        Tools (``plan``) and tool turns are rendered in the model's tool format first (tool_calls.render).
         """
         engine = self.engine
+        messages, definitions = render(messages, plan, self.tool_format())
         if engine.info.capabilities.token_prompts:
-            ids = engine.encode_chat(messages) + ((self.store.token_ids(continuing.id) or []) if continuing else [])
+            ids = engine.encode_chat(messages, definitions)
+            ids += (self.store.token_ids(continuing.id) or []) if continuing else []
             return _Prompt(ids, len(ids))
-        size = len(engine.encode_chat(messages)) if engine.info.capabilities.tokenize else None
+        size = len(engine.encode_chat(messages, definitions)) if engine.info.capabilities.tokenize else None
         if continuing is not None:
             messages = messages + [{"role": "assistant", "content": continuing.content}]
             size = None if size is None else size + (continuing.completion_tokens or 0)
         return _Prompt(messages, size)
 
-    def _reply(self, prompt: _Prompt, params: SamplingParams, continuing: MessageRecord | None = None) -> Iterator[str]:
+    def _reply(
+        self,
+        prompt: _Prompt,
+        params: SamplingParams,
+        continuing: MessageRecord | None = None,
+        parser: ToolCallParser | None = None,
+    ) -> Iterator[str]:
         with (
-            self._replying(prompt, continuing) as take,
+            self._replying(prompt, continuing, parser) as take,
             closing(self.engine.iter_stream(prompt.value, params, self._request_id)) as outputs,
         ):
             for output in outputs:
@@ -476,10 +807,14 @@ class Session:
                     yield delta
 
     async def _areply(
-        self, prompt: _Prompt, params: SamplingParams, continuing: MessageRecord | None = None
+        self,
+        prompt: _Prompt,
+        params: SamplingParams,
+        continuing: MessageRecord | None = None,
+        parser: ToolCallParser | None = None,
     ) -> AsyncIterator[str]:
         """The twin of _reply: the same body, driven by ``async for``."""
-        with self._replying(prompt, continuing) as take:
+        with self._replying(prompt, continuing, parser) as take:
             async with aclosing(self.engine.stream(prompt.value, params, self._request_id)) as outputs:
                 async for output in outputs:
                     if delta := take(output):
@@ -487,25 +822,28 @@ class Session:
 
     @contextmanager
     def _replying(
-        self, prompt: _Prompt, continuing: MessageRecord | None = None
+        self, prompt: _Prompt, continuing: MessageRecord | None = None, parser: ToolCallParser | None = None
     ) -> Iterator[Callable[[RequestOutput], str]]:
         """Store the reply as it streams: yields ``take(output) -> delta``; the end stores its status.
 
         An exception (the engine died, a bad request) is stored as ``error`` with its message; leaving
-        early (stop, break, close) keeps what was said as ``partial``.
+        early (stop, break, close) keeps what was said as ``partial``. ``parser``: a reply that may call
+        tools, read into its text (the deltas) and its calls (stored with it).
         """
-        keep_ids = self.engine.info.capabilities.token_prompts
-        recorder = _ReplyRecorder(self.store, self.id, self.engine.info.model_name, continuing, keep_ids=keep_ids)
+        keep_ids = self.engine.info.capabilities.token_prompts and parser is None  # a tool reply is not continued
+        recorder = _ReplyRecorder(
+            self.store, self.id, self.engine.info.model_name, continuing, keep_ids=keep_ids, parser=parser
+        )
         self.generating = True
         self._request_id = f"{self.id}-{recorder.message.id}" + (f"-c{recorder.base_tokens}" if continuing else "")
         self._turn_prompt_tokens = None if prompt.size is None else prompt.size - recorder.base_tokens
         self._turn_generated = recorder.base_tokens
 
         def take(output: RequestOutput) -> str:
-            recorder.update(output)
+            delta = recorder.update(output)
             self.last_metrics = output.metrics
             self._turn_generated = output.metrics.generated_tokens + recorder.base_tokens
-            return output.delta
+            return delta
 
         error: BaseException | None = None
         try:
@@ -533,6 +871,7 @@ class _ReplyRecorder:
     """Keeps the stored assistant message in step with a streaming reply.
 
     keep_ids: store the reply's token ids (for a local continue); a remote engine sends none.
+    parser: the reply may call tools: its text is what the parser reads as content, its calls are stored.
     """
 
     def __init__(
@@ -543,9 +882,12 @@ class _ReplyRecorder:
         continuing: MessageRecord | None = None,
         *,
         keep_ids: bool = True,
+        parser: ToolCallParser | None = None,
     ) -> None:
         self.store = store
         self.keep_ids = keep_ids
+        self.parser = parser
+        self.parsed: list[Delta] = []
         # A continued reply grows the stored message: its text and token ids so far come first.
         self.base_text = continuing.content if continuing is not None else ""
         self.base_ids = (store.token_ids(continuing.id) or []) if continuing is not None and keep_ids else []
@@ -559,12 +901,26 @@ class _ReplyRecorder:
         self.output: RequestOutput | None = None
         self._saved_at = time.monotonic()
 
-    def update(self, output: RequestOutput) -> None:
-        """Remember the newest output; write its text if the last write is SAVE_EVERY_S old."""
+    def update(self, output: RequestOutput) -> str:
+        """Remember the newest output; write its text if the last write is SAVE_EVERY_S old. Returns the
+        new text: the output's delta, or what the parser read as content in it."""
         self.output = output
+        delta = output.delta
+        if self.parser is not None:
+            found = self.parser.feed(output.delta) if output.delta else []
+            if output.finished:
+                found += self.parser.finish()
+            self.parsed += found
+            delta = "".join(d.text for d in found if isinstance(d, ContentDelta))
         if time.monotonic() - self._saved_at >= SAVE_EVERY_S:
-            self.store.update_message(self.message.id, content=self.base_text + output.text)
+            self.store.update_message(self.message.id, content=self.text())
             self._saved_at = time.monotonic()
+        return delta
+
+    def text(self) -> str:
+        if self.parser is not None:
+            return self.base_text + collect(self.parsed)[0]
+        return self.base_text + (self.output.text if self.output is not None else "")
 
     def finish(self, error: BaseException | None) -> MessageRecord:
         """Write the final text, status and metrics; returns the stored message."""
@@ -591,9 +947,15 @@ class _ReplyRecorder:
                 "ttft_s": m.ttft_s,
                 "tokens_per_s": m.decode_tokens_per_s,
             }
+        calls = collect(self.parsed)[1] if status == "complete" and reason == "stop" else []
+        text = self.text()
         self.store.update_message(
             self.message.id,
-            content=self.base_text + (output.text if output is not None else ""),
+            content=text if text.strip() or not calls else "",
+            tool_calls=[
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+            ]
+            or None,
             status=status,
             error=(str(error) or type(error).__name__) if error is not None else None,
             finish_reason=reason,
@@ -627,6 +989,8 @@ def filled_context(message: object, max_model_len: int | None) -> bool:
 
 
 CHAT_SETTINGS = ("temperature", "top_p", "top_k", "max_tokens", "seed")  # what a chat may set for itself
+# ...and the tools it may use and those the user allowed for the whole chat (lists of Tool.key)
+TOOL_SETTINGS = ("tools", "tools_allowed")
 
 
 def checked_settings(settings: dict) -> dict:
@@ -638,7 +1002,10 @@ def settings_summary(settings: dict) -> str:
     """A chat's own settings in a few words for its title line ("temp 0.3, max 40 tokens"); "" when it has none."""
     words = {"temperature": "temp {}", "top_p": "top-p {}", "top_k": "top-k {}", "max_tokens": "max {} tokens"}
     words["seed"] = "seed {}"
-    return ", ".join(words[name].format(settings[name]) for name in CHAT_SETTINGS if settings.get(name) is not None)
+    parts = [words[name].format(settings[name]) for name in CHAT_SETTINGS if settings.get(name) is not None]
+    if settings.get("tools"):
+        parts.append("tools " + " ".join(key.rpartition("/")[2] for key in settings["tools"]))
+    return ", ".join(parts)
 
 
 def _checked_settings(settings: dict, *, strict: bool) -> dict:
@@ -651,9 +1018,15 @@ def _checked_settings(settings: dict, *, strict: bool) -> dict:
     for name, value in settings.items():
         if value is None:
             continue
+        if name in TOOL_SETTINGS:
+            if isinstance(value, list) and all(isinstance(key, str) and key for key in value):
+                kept[name] = value
+            elif strict:
+                raise ConfigError(f"{name}: a list of tool keys (SERVER/TOOL), e.g. ['files/read_file']")
+            continue
         if name not in CHAT_SETTINGS:
             if strict:
-                raise ConfigError(f"{name}: not a chat setting; use any of {', '.join(CHAT_SETTINGS)}")
+                raise ConfigError(f"{name}: not a chat setting; use any of {', '.join(CHAT_SETTINGS + TOOL_SETTINGS)}")
             continue
         try:
             kept[name] = getattr(SamplingParams(**{name: value}), name)
@@ -676,14 +1049,89 @@ def _with_system(system: str | None, turns: list[dict]) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + turns
 
 
+def _parsed(calls: list[dict]) -> list[dict]:
+    """Calls with their arguments as JSON objects, as the chat templates take them (vLLM and our server
+    parse them too); arguments that are not a JSON object stay text."""
+    out = []
+    for call in calls:
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except ValueError:
+            arguments = None
+        if isinstance(arguments, dict):
+            call = {**call, "function": {**call["function"], "arguments": arguments}}
+        out.append(call)
+    return out
+
+
+def _constrained(params: SamplingParams, structured: StructuredOutputs | None) -> SamplingParams:
+    """``params`` held to ``structured`` (a schema's or the tools'); ConfigError if they carry another one."""
+    if structured is None:
+        return params
+    if params.structured not in (None, structured):
+        raise ConfigError("the params carry a structured constraint of their own; pass it once, in params or schema=")
+    return dataclasses.replace(params, structured=structured)
+
+
+def _tool_plan(tools: list[Tool], choice: str) -> ToolPlan:
+    """The plan of a round: the tools' definitions and the choice ("auto", "required", "none", a tool's name)."""
+    definitions = [tool.definition() for tool in tools]
+    if choice in ("auto", "required", "none"):
+        return ToolPlan(definitions, choice)  # type: ignore[arg-type]
+    if any(tool.name == choice for tool in tools):
+        return ToolPlan(definitions, "named", name=choice)
+    names = ", ".join(tool.name for tool in tools)
+    raise ConfigError(f"tool_choice={choice!r}: use auto, required, none, or the name of one of the tools ({names})")
+
+
+def _bounded(params: SamplingParams) -> SamplingParams:
+    return dataclasses.replace(params, max_tokens=min(params.max_tokens, MAX_ROUND_TOKENS))
+
+
+def _call_key(call: ToolCallRequest) -> tuple[str, str]:
+    """A call's tool and arguments, the arguments' JSON normalised, so that one call made twice is seen."""
+    try:
+        arguments = json.dumps(json.loads(call.arguments), sort_keys=True)
+    except ValueError:
+        arguments = call.arguments
+    return call.name, arguments
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
+async def _run_tool(step: Run) -> tuple[str, str | None]:
+    """A Run step's (content, error): the tool's cleaned result, or its error as the model reads it."""
+    try:
+        return await step.tool.acall(step.call.arguments), None
+    except ToolError as exc:
+        return f"Error: {exc}", str(exc)
+
+
 def _replayable(history: list[MessageRecord]) -> list[dict]:
-    """The messages a prompt replays: user messages, and assistant text that was stored complete or partial
-    (a reply that ended in an error is shown to the user but never sent to the model)."""
-    return [
-        {"role": m.role, "content": m.content}
-        for m in history
-        if m.role == "user" or (m.status in ("complete", "partial") and m.content)
-    ]
+    """The messages a prompt replays: user messages, assistant text that was stored complete or partial
+    (a reply that ended in an error is shown to the user but never sent to the model), and tool rounds as
+    OpenAI has them: an assistant's ``tool_calls``, then a "tool" message with each one's result. A call
+    without its result (a fork cut between them) is left out, as is a result without its call."""
+    answered = {m.tool_call_id for m in history if m.role == "tool"}
+    names: dict[str, str] = {}
+    out: list[dict] = []
+    for m in history:
+        if m.role == "user":
+            out.append({"role": "user", "content": m.content})
+        elif m.role == "tool":
+            if m.tool_call_id in names:
+                out.append({"role": "tool", "tool_call_id": m.tool_call_id, "name": names[m.tool_call_id]})
+                out[-1]["content"] = m.content
+        elif m.status in ("complete", "partial"):
+            calls = [c for c in m.calls if c["id"] in answered]
+            names.update((c["id"], c["function"]["name"]) for c in calls)
+            if calls:
+                out.append({"role": "assistant", "content": m.content or None, "tool_calls": _parsed(calls)})
+            elif m.content:
+                out.append({"role": "assistant", "content": m.content})
+    return out
 
 
 def _drop_oldest_exchange(turns: list[dict]) -> list[dict]:
@@ -695,7 +1143,7 @@ def _drop_oldest_exchange(turns: list[dict]) -> list[dict]:
 
 
 # A line of message text that reads like one of the export's own turn headings.
-_TURN_HEADING = re.compile(r"^(\s{0,3}#{1,6}\s*(?:user|assistant|system)\b)", re.IGNORECASE | re.MULTILINE)
+_TURN_HEADING = re.compile(r"^(\s{0,3}#{1,6}\s*(?:user|assistant|system|tool)\b)", re.IGNORECASE | re.MULTILINE)
 
 
 def _unambiguous(text: str) -> str:
@@ -715,7 +1163,13 @@ def export_markdown(session: SessionRecord, messages: list[MessageRecord]) -> st
         lines[-1] += f", model `{session.model}`"
     if session.system:
         lines += ["", "## System", "", _unambiguous(session.system)]
+    names = {c["id"]: c["function"]["name"] for m in messages for c in m.calls}
     for m in messages:
+        if m.role == "tool":
+            outcome = f" (error: {m.error})" if m.status == "error" else ""
+            lines += ["", f"## Tool result: {names.get(m.tool_call_id or '', 'unknown call')}{outcome}", ""]
+            lines.append(_fenced(m.content, "text"))
+            continue
         if m.role not in ("user", "assistant"):
             continue
         heading = "## User" if m.role == "user" else "## Assistant"
@@ -725,5 +1179,29 @@ def export_markdown(session: SessionRecord, messages: list[MessageRecord]) -> st
             heading += f" (error: {m.error})"
         elif note := limit_note(m):
             heading += f" ({note})"
-        lines += ["", heading, "", _unambiguous(m.content)]
+        lines += ["", heading]
+        if m.content or not m.calls:
+            lines += ["", _unambiguous(m.content)]
+        for call in m.calls:
+            lines += [
+                "",
+                f"Tool call `{call['function']['name']}`:",
+                "",
+                _fenced(_pretty(call["function"]["arguments"]), "json"),
+            ]
     return "\n".join(lines) + "\n"
+
+
+def _pretty(arguments: str) -> str:
+    """A call's arguments indented for reading; as they are where they are not JSON."""
+    try:
+        return json.dumps(json.loads(arguments), indent=2, ensure_ascii=False)
+    except ValueError:
+        return arguments
+
+
+def _fenced(text: str, language: str) -> str:
+    """``text`` in a code fence longer than any backtick run inside it, so no text can close it early."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{language}\n{text}\n{fence}"

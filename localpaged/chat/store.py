@@ -31,7 +31,7 @@ from localpaged.unicode_text import check_text
 if TYPE_CHECKING:
     from typing import Self
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 STATUSES = ("complete", "partial", "error")
 METRICS = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "tokens_per_s", "model")
 # Around each matched word in SearchHit.snippet; plain characters, so that neither
@@ -72,6 +72,28 @@ class MessageRecord:
     model: str | None
     created: float
     updated: float
+    tool_calls: str | None = None  # an assistant message's calls: OpenAI's tool_calls as JSON text
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+
+    @property
+    def calls(self) -> list[dict]:
+        """The tool calls of an assistant message, OpenAI's shape; [] for none (or a list damaged by hand)."""
+        try:
+            calls = json.loads(self.tool_calls) if self.tool_calls else []
+        except ValueError:
+            return []
+        return [c for c in calls if _is_call(c)] if isinstance(calls, list) else []
+
+
+def _is_call(call: object) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return (
+        isinstance(call, dict)
+        and isinstance(call.get("id"), str)
+        and isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and isinstance(function.get("arguments"), str)
+    )
 
 
 @dataclass(frozen=True)
@@ -343,12 +365,15 @@ class ChatStore:
         status: str = "complete",
         error: str | None = None,
         finish_reason: str | None = None,
+        tool_calls: list[dict] | None = None,
+        tool_call_id: str | None = None,
         **metrics: Any,
     ) -> MessageRecord:
         """Append a message and mark the session as just updated.
 
         ``metrics`` are any of: prompt_tokens, cached_tokens, completion_tokens, ttft_s,
-        tokens_per_s, model. A streaming reply starts as ``status="partial"``.
+        tokens_per_s, model. A streaming reply starts as ``status="partial"``. ``tool_calls`` (an
+        assistant's, OpenAI's shape) and ``tool_call_id`` (a "tool" message's) record a tool round.
         """
         check_text("message content", content, StoreError)
         check_text("message error", error, StoreError, optional=True)
@@ -357,8 +382,11 @@ class ChatStore:
         if finish_reason is not None:
             _check_choice("finish_reason", finish_reason, FINISH_REASONS)
         _check_metrics(metrics)
+        _check_tool_fields(role, tool_calls, tool_call_id)
         values = {"session_id": session_id, "role": role, "content": content, "status": status, "error": error}
         values["finish_reason"] = finish_reason
+        values["tool_calls"] = json.dumps(tool_calls, ensure_ascii=False) if tool_calls else None
+        values["tool_call_id"] = tool_call_id
         values.update(metrics)
         now = time.time()
         with self._write():
@@ -378,6 +406,7 @@ class ChatStore:
         status: str | None = None,
         error: str | None = None,
         finish_reason: str | None = None,
+        tool_calls: list[dict] | None = None,
         **metrics: Any,
     ) -> None:
         """Change the given fields of a message (None leaves a field as it is).
@@ -392,7 +421,10 @@ class ChatStore:
         if finish_reason is not None:
             _check_choice("finish_reason", finish_reason, FINISH_REASONS)
         _check_metrics(metrics)
+        _check_tool_fields("assistant", tool_calls, None)
+        calls = json.dumps(tool_calls, ensure_ascii=False) if tool_calls else None
         changes = {"content": content, "status": status, "error": error, "finish_reason": finish_reason, **metrics}
+        changes["tool_calls"] = calls
         changes = {name: value for name, value in changes.items() if value is not None}
         now = time.time()
         assignments = "".join(f"{name} = ?, " for name in changes)
@@ -601,6 +633,23 @@ def _explain(exc: sqlite3.Error, where: str, timeout: float) -> str:
 def _check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:
     if not isinstance(value, str) or value not in allowed:
         raise StoreError(f"A message {field} must be one of {', '.join(allowed)}; got {value!r}.")
+
+
+def _check_tool_fields(role: str, tool_calls: list[dict] | None, tool_call_id: str | None) -> None:
+    """tool_calls only on an assistant message, each of OpenAI's shape; tool_call_id on every "tool" one."""
+    if tool_calls:
+        if role != "assistant":
+            raise StoreError(f"Only an assistant message makes tool calls; got tool_calls on a {role} message.")
+        if not isinstance(tool_calls, list) or not all(_is_call(c) for c in tool_calls):
+            raise StoreError(
+                'tool_calls must be a list of {"id": str, "type": "function", "function": {"name": str, '
+                '"arguments": str}} (OpenAI\'s shape).'
+            )
+        for call in tool_calls:
+            check_text("tool call", json.dumps(call, ensure_ascii=False), StoreError)
+    if (role == "tool") != (tool_call_id is not None):
+        raise StoreError("A tool message answers one call: give it the tool_call_id, and only it.")
+    check_text("tool_call_id", tool_call_id, StoreError, optional=True)
 
 
 def _check_metrics(metrics: dict[str, Any]) -> None:

@@ -147,11 +147,31 @@ def constraint(plan: ToolPlan, fmt: ToolFormat) -> StructuredOutputs | None:
     or text as it was trained to), the JSON schema of the calls otherwise (``call_schema``), as an EBNF
     grammar of compact JSON: a small model given room for whitespace fills it, call after call."""
     schema = call_schema(plan, fmt)
-    if schema is None:
-        return None
+    return None if schema is None else schema_constraint(schema)
+
+
+def schema_constraint(schema: dict, *, ebnf: bool = True) -> StructuredOutputs:
+    """A reply held to ``schema``: as compact-JSON EBNF (see constraint), or (ebnf=False) the schema itself,
+    for a remote server that takes OpenAI's response_format but not our grammars."""
+    if not ebnf:
+        return StructuredOutputs(json=schema)
     import xgrammar as xgr  # the front end imports it for any grammar; a request without tools never does
 
     return StructuredOutputs(grammar=str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)))
+
+
+def generic_round_schema(plan: ToolPlan, choice: ToolChoice, name: str | None = None) -> dict:
+    """The generic format's reply, narrowed by ``choice``, for a prompt that describes the tools as "auto"
+    does (``plan``, one call a reply): "required" a call, a named call of ``name``, "none" an answer.
+
+    A chat client's rounds differ only in this: every round's prompt stays the same rendering, so the
+    engine's prefix cache serves all of it, where the server's prompts change with the choice."""
+    call, answer = call_schema(dataclasses.replace(plan, choice="auto", parallel=False), "generic")["anyOf"]
+    if choice == "required":
+        return call
+    if choice == "named":
+        return _object({"tool_call": _call_schema(name or "", plan.parameters(name or ""), "arguments")})
+    return answer if choice == "none" else {"anyOf": [call, answer]}
 
 
 def call_schema(plan: ToolPlan, fmt: ToolFormat) -> dict | None:

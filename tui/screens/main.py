@@ -20,12 +20,14 @@ from localpaged.tui.actions import ChatActions
 from localpaged.tui.live import EngineDied, LiveChat, ReplyActivity
 from localpaged.tui.redraw_pacer import REDRAW_S, RedrawPacer
 from localpaged.tui.screens.chat_settings import ChatSettingsChoice, ChatSettingsDialog
+from localpaged.tui.screens.tools import ToolsDialog
 from localpaged.tui.widgets.bubble import MessageBubble, metrics_note
 from localpaged.tui.widgets.chat_input import ChatInput
 from localpaged.tui.widgets.kv_map import KVMapPanel
 from localpaged.tui.widgets.message_list import MessageList
 from localpaged.tui.widgets.sidebar import SessionEntry, SessionList
 from localpaged.tui.widgets.status_line import StatusLine
+from localpaged.tui.widgets.tool_call import ToolCallBlock
 
 REFRESH_S = 0.5  # status line and KV map
 
@@ -43,6 +45,8 @@ class MainScreen(ChatActions):
         Binding("ctrl+g", "toggle_kv_map", "KV map", id="kv_map"),
         Binding("ctrl+s", "export", "Export to Markdown", id="export", show=False),
         Binding("ctrl+o", "chat_settings", "Chat settings", id="chat_settings", show=False),
+        Binding("f3", "chat_tools", "This chat's tools", id="chat_tools", show=False),
+        Binding("f4", "mcp_tools", "MCP servers and tools", id="mcp_tools", show=False),
         Binding("f2", "rename", "Rename chat", id="rename", show=False),
         Binding("f8", "delete", "Delete chat", id="delete", show=False),
         Binding("ctrl+up", "next_chat(-1)", "Previous chat", id="previous_chat", show=False),
@@ -195,13 +199,24 @@ class MainScreen(ChatActions):
             self._resume_redraw()
         else:
             self.live_bubble = None
-            bubbles = [
-                MessageBubble(m.role, m.content, m.id, m.status, metrics_note(m, self.engine.info.max_model_len))
-                for m in chat.visible_history()
-            ]
+            bubbles = self._stored_bubbles(chat.visible_history())
         await self.messages.show(bubbles)
         self.refresh_bindings()
         self.refresh_figures()
+
+    def _stored_bubbles(self, history: list) -> list:
+        """A bubble per stored message; an assistant's tool calls as ToolCallBlocks, each with its result
+        (the "tool" message answering it) folded under it."""
+        results = {m.tool_call_id: m for m in history if m.role == "tool"}
+        shown: list = []
+        for m in history:
+            if m.role == "tool":
+                continue
+            if m.content or not m.calls:
+                note = metrics_note(m, self.engine.info.max_model_len)
+                shown.append(MessageBubble(m.role, m.content, m.id, m.status, note))
+            shown += [ToolCallBlock(call, results.get(call["id"])) for call in m.calls]
+        return shown
 
     async def start_reply(self, chat: LiveChat, text: str | None, *, resume: str | None = None) -> bool:
         """Send `text` (or regenerate when None, or continue the last reply, which says `resume`) and,
@@ -471,6 +486,25 @@ class MainScreen(ChatActions):
             )
 
         self.app.push_screen(ChatSettingsDialog(chat.session.settings, shown, chat.session.system), save)
+
+    def action_mcp_tools(self) -> None:
+        """The configured MCP servers, their state, and each tool's description and schema."""
+        self.app.push_screen(ToolsDialog(self.app.mcp))
+
+    def action_chat_tools(self) -> None:
+        """Pick the tools the open chat may use (stored with it, shown in its title line)."""
+        chat = self.current
+        if chat is None:
+            self.notify("Open or start a chat first.", severity="warning")
+            return
+
+        def save(keys: list[str] | None) -> None:
+            if keys is None:
+                return
+            chat.session.set_tools(keys)
+            self.show_title()
+
+        self.app.push_screen(ToolsDialog(self.app.mcp, chat.session.tools_chosen), save)
 
     def action_toggle_kv_map(self) -> None:
         panel = self.query_one(KVMapPanel)
