@@ -507,8 +507,8 @@ class Session:
         engine; for a remote one the generic format, whose prompts and JSON-schema replies every server takes."""
         if not self.engine.info.capabilities.token_prompts:
             return "generic"
-        tokenizer = getattr(self.engine, "tokenizer", None)
-        return detect_format(getattr(tokenizer, "chat_template", None))
+        vocabulary = self.engine.vocabulary()
+        return detect_format(vocabulary.chat_template if vocabulary is not None else None)
 
     @property
     def tools_chosen(self) -> list[str]:

@@ -22,7 +22,7 @@ from localpaged.config_file import McpServerConfig, load_settings
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.errors import ConfigError, ToolError
 from localpaged.sampling import SamplingParams
-from tests.chat.fake_llm import FakeLLM
+from tests.engine.fake_llm import FakeLLM
 
 SERVER = str(Path(__file__).resolve().parent.parent / "mcp_test_server.py")
 
