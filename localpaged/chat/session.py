@@ -611,6 +611,9 @@ class Session:
         """The one body of a turn with tools (chat/tool_turn.py): the rounds of replies, calls and results."""
         if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
             raise ConfigError(f"max_tool_rounds={max_rounds!r}: use a whole number of rounds, at least 1")
+        capabilities = self.engine.info.capabilities
+        if not capabilities.tools:
+            raise RequestError(f"this engine takes no tools: {capabilities.note}; send without tools=")
         by_name = {tool.name: tool for tool in tools}
         fmt = self.tool_format()
         prompt_plan, parse_plan, grammar = self._round(tools, choice, fmt)

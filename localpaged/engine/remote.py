@@ -44,6 +44,8 @@ from localpaged.sampling import MAX_TOKENS_LIMIT, SamplingParams, StructuredOutp
 
 CONNECT_TIMEOUT_S = 5.0  # a host that does not answer fails fast...
 READ_TIMEOUT_S = 300.0  # ...but a long prompt on a busy server may take minutes to its first token
+PROBE_TIMEOUT_S = 10.0  # the connect-time tools probe: one token; a server slower than this leaves tools on
+PROBE_TOOL = {"type": "function", "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}}}
 MAX_RETRIES = 1  # the client retries a failed connection (or a 429/5xx) once, after a short backoff
 
 # How each server, known by the ``owned_by`` of its /v1/models card, continues a final assistant message.
@@ -265,13 +267,35 @@ class RemoteEngine:
                 "continue needs a server that takes a partial reply as an assistant prefix (localpaged, vLLM, "
                 f"llama.cpp); this one calls itself {self.server!r}"
             )
+        refusal = self._tools_refusal()
+        if refusal is not None:
+            notes.append(f"it refuses tools ({refusal})")
         return EngineCapabilities(
             token_prompts=False,
             tokenize=self._tokenize is not None,
             continue_reply=self.server in CONTINUE_FIELDS,
             kv_pool=False,
+            tools=refusal is None,
             note="; ".join(notes),
         )
+
+    def _tools_refusal(self) -> str | None:
+        """The server's words where a one-token request with a tool is refused for its tools (llama-server
+        without --jinja, vLLM without --enable-auto-tool-choice); None where it takes them. A probe that
+        fails any other way leaves tools on: the real request's error will say more. Ours always takes them."""
+        if self.server == "localpaged":
+            return None
+        body = {"model": self._model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        try:
+            self._client.with_options(timeout=PROBE_TIMEOUT_S, max_retries=0).post(
+                "/chat/completions", cast_to=object, body={**body, "tools": [PROBE_TOOL]}
+            )
+        except openai.APIStatusError as exc:
+            said = _server_message(exc)
+            return said if exc.status_code in (400, 422) and "tool" in said.lower() else None
+        except Exception:  # noqa: BLE001 -- see the docstring: an unclear probe never turns tools off
+            return None
+        return None
 
     def _post(self, path: str, body: dict) -> Any:
         """POST to a path beside /v1 (/tokenize, /apply-template), errors as ours."""

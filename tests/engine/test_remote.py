@@ -9,8 +9,12 @@ too (on the default model's GGUF); elsewhere they are skipped with a note.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import http.server
+import json
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +39,33 @@ KEY = "sk-remote-test"
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 # Long enough to be stopped: the tiny model would otherwise end at a random EOS.
 ENDLESS = SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)
+
+
+class StubHandler(http.server.BaseHTTPRequestHandler):
+    """A scripted OpenAI-compatible server's handler: JSON replies, nothing logged."""
+
+    def send_json(self, status: int, reply: dict) -> None:
+        body = json.dumps(reply).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def stub_server(handler: type[StubHandler]) -> Iterator[str]:
+    """The URL of ``handler`` served on a thread for the block's length."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -237,20 +268,16 @@ def test_run_on_a_dead_backend_is_one_error_line(tmp_path: Path, capsys: pytest.
 
 def test_a_stream_cut_off_keeps_the_partial_and_says_why(store: ChatStore) -> None:
     """A server that sends part of a reply and hangs up: the text so far is stored, marked as an error."""
-    import http.server
-    import json
-    import threading
-
     chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
 
-    class HalfServer(http.server.BaseHTTPRequestHandler):
+    class HalfServer(StubHandler):
         def do_GET(self) -> None:  # /v1/models
-            self._send(200, b'{"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "half"}]}')
+            self.send_json(200, {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "half"}]})
 
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers["Content-Length"]))
             if self.path != "/v1/chat/completions":
-                return self._send(404, b'{"error": {"message": "no such route"}}')
+                return self.send_json(404, {"error": {"message": "no such route"}})
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
@@ -260,27 +287,48 @@ def test_a_stream_cut_off_keeps_the_partial_and_says_why(store: ChatStore) -> No
             self.wfile.flush()
             self.close_connection = True  # and no finish, no [DONE]
 
-        def _send(self, status: int, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HalfServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        remote = RemoteEngine(f"http://127.0.0.1:{server.server_port}")
+    with stub_server(HalfServer) as url:
+        remote = RemoteEngine(url)
         assert not remote.info.capabilities.tokenize and not remote.info.capabilities.continue_reply
         assert "no /tokenize" in remote.info.capabilities.note and "'half'" in remote.info.capabilities.note
         session = Session.new(remote, store)
         with pytest.raises(RemoteEngineError, match="closed the stream before the reply finished"):
             session.send("hi")
-    finally:
-        server.shutdown()
-        server.server_close()
     reply = session.history[-1]
     assert (reply.content, reply.status) == ("Hello", "error") and "closed the stream" in reply.error
+
+
+@pytest.mark.parametrize("takes_tools", [True, False])
+def test_a_server_that_refuses_tools_turns_them_off_with_its_words(takes_tools: bool, store: ChatStore) -> None:
+    """A one-token probe with a tool at connect: llama-server without --jinja refuses it, and a Session
+    asked for tools then says so before storing anything; a server that answers keeps them on."""
+
+    class ToolServer(StubHandler):
+        def do_GET(self) -> None:  # /v1/models
+            self.send_json(200, {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "llamacpp"}]})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path != "/v1/chat/completions":
+                return self.send_json(404, {"error": {"message": "no such route"}})
+            if "tools" in body and not takes_tools:
+                return self.send_json(400, {"error": {"message": "tools param requires --jinja flag"}})
+            choice = {"index": 0, "message": {"role": "assistant", "content": "h"}, "finish_reason": "length"}
+            self.send_json(
+                200, {"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice]}
+            )
+
+    with stub_server(ToolServer) as url:
+        capabilities = RemoteEngine(url).info.capabilities
+        assert capabilities.tools is takes_tools
+        assert ("it refuses tools (tools param requires --jinja flag)" in capabilities.note) is not takes_tools
+        if not takes_tools:
+            session = Session.new(RemoteEngine(url), store)
+
+            def probe() -> str:
+                """A tool for the test."""
+                return "x"
+
+            with pytest.raises(RequestError, match="this engine takes no tools: .*--jinja"):
+                session.send("hi", tools=[probe])
+            assert session.history == []

@@ -4,17 +4,19 @@ start is one notice; a chat reopened after a restart shows (and replays) its sto
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 from types import MappingProxyType
 
 import pytest
-from fake_engine import FakeEngine
+from fake_engine import FAKE_INFO, FakeEngine
 from pilot_helpers import NOW, main_screen, new_chat, reply_done, send, wait_for
-from textual.widgets import Collapsible
+from textual.widgets import Collapsible, Label, SelectionList
 
 from localpaged.config_file import McpServerConfig, Settings
+from localpaged.engine.protocol import EngineCapabilities
 from localpaged.tui.app import LocalpagedApp
 from localpaged.tui.screens.tool_approval import ToolApprovalDialog
 from localpaged.tui.screens.tools import ToolsDialog
@@ -131,3 +133,17 @@ async def test_a_restart_shows_and_replays_the_stored_calls(store) -> None:
         assert len(screen.messages.query(ToolCallBlock)) == 2  # asked nothing: allowed for the chat
         replayed = again.decode(again.prompts[0])
         assert '"tool_response"' in replayed and "The answer to 'life' is 42." in replayed
+
+
+async def test_an_engine_that_refuses_tools_shows_why_instead_of_the_picker(store) -> None:
+    engine = FakeEngine()
+    refuses = EngineCapabilities(False, False, False, False, tools=False, note="it refuses tools (needs --jinja)")
+    engine.info = dataclasses.replace(FAKE_INFO, capabilities=refuses)
+    async with make(store, engine).run_test(size=(120, 40)) as pilot:
+        screen = await main_screen(pilot)
+        await new_chat(pilot, screen)
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, ToolsDialog))
+        hint = str(pilot.app.screen.query_one(".dialog-hint", Label).content)
+        assert hint == "Tools are off on this engine: it refuses tools (needs --jinja)."
+        assert not pilot.app.screen.query(SelectionList) and not pilot.app.screen.query("#tools-save")

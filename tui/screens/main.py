@@ -504,7 +504,9 @@ class MainScreen(ChatActions):
             chat.session.set_tools(keys)
             self.show_title()
 
-        self.app.push_screen(ToolsDialog(self.app.mcp, chat.session.tools_chosen), save)
+        capabilities = self.engine.info.capabilities
+        disabled = "" if capabilities.tools else f"Tools are off on this engine: {capabilities.note}."
+        self.app.push_screen(ToolsDialog(self.app.mcp, chat.session.tools_chosen, disabled), save)
 
     def action_toggle_kv_map(self) -> None:
         panel = self.query_one(KVMapPanel)
