@@ -13,11 +13,12 @@ from types import MappingProxyType
 import pytest
 from fake_engine import FAKE_INFO, FakeEngine
 from pilot_helpers import NOW, main_screen, new_chat, reply_done, send, wait_for
-from textual.widgets import Collapsible, Label, SelectionList
+from textual.widgets import Button, Collapsible, Label, SelectionList
 
 from localpaged.config_file import McpServerConfig, Settings
 from localpaged.engine.protocol import EngineCapabilities
 from localpaged.tui.app import LocalpagedApp
+from localpaged.tui.screens.chat_settings import ChatSettingsDialog
 from localpaged.tui.screens.tool_approval import ToolApprovalDialog
 from localpaged.tui.screens.tools import ToolsDialog
 from localpaged.tui.widgets.tool_call import ToolCallBlock
@@ -147,3 +148,21 @@ async def test_an_engine_that_refuses_tools_shows_why_instead_of_the_picker(stor
         hint = str(pilot.app.screen.query_one(".dialog-hint", Label).content)
         assert hint == "Tools are off on this engine: it refuses tools (needs --jinja)."
         assert not pilot.app.screen.query(SelectionList) and not pilot.app.screen.query("#tools-save")
+
+
+async def test_the_chat_settings_dialog_opens_the_chats_tool_picker(store) -> None:
+    async with make(store, FakeEngine()).run_test(size=(120, 40)) as pilot:
+        screen = await main_screen(pilot)
+        await wait_for(pilot, lambda: pilot.app.mcp.wait(0), timeout=60)
+        await new_chat(pilot, screen)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, ChatSettingsDialog))
+        pilot.app.screen.query_one("#settings-tools", Button).press()  # the dialog scrolls: below the fold
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, ToolsDialog))
+        pilot.app.screen.query_one(SelectionList).select("test/answer")
+        pilot.app.screen.query_one("#tools-save", Button).press()
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, ChatSettingsDialog))
+        assert screen.current.session.tools_chosen == ["test/answer"]
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: pilot.app.screen is screen)
+        assert screen.current.session.tools_chosen == ["test/answer"]

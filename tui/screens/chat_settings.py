@@ -7,6 +7,7 @@ A changed system prompt is handed back for the screen to fork the chat with (see
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +52,19 @@ class ChatSettingsDialog(ModalScreen[ChatSettingsChoice | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="chat_settings_cancel")]
 
-    def __init__(self, current: dict[str, Any], defaults: dict[str, Any], system: str | None = None) -> None:
+    def __init__(
+        self,
+        current: dict[str, Any],
+        defaults: dict[str, Any],
+        system: str | None = None,
+        pick_tools: Callable[[], None] | None = None,
+    ) -> None:
+        """``pick_tools`` opens the chat's tool picker above this dialog (its own Save stores the tools)."""
         super().__init__(classes="dialog")
         self.current = current
         self.defaults = defaults
         self.system = system
+        self.pick_tools = pick_tools
 
     def compose(self) -> ComposeResult:
         box = VerticalScroll(classes="dialog-box")  # scrolls in a short terminal: Save stays reachable
@@ -77,6 +86,8 @@ class ChatSettingsDialog(ModalScreen[ChatSettingsChoice | None]):
             yield TextArea(self.system or "", id="setting-system", soft_wrap=True)
             yield Label("", id="settings-error", markup=False)
             with Horizontal(classes="dialog-buttons"):
+                if self.pick_tools is not None:
+                    yield Button("Tools…", id="settings-tools")
                 yield Button("Cancel", id="settings-cancel")
                 yield Button("Save", id="settings-save", variant="primary")
             yield Label("enter in a box saves · escape cancels", classes="dialog-hint")
@@ -115,6 +126,8 @@ class ChatSettingsDialog(ModalScreen[ChatSettingsChoice | None]):
         event.stop()
         if event.button.id == "settings-save":
             self.save()
+        elif event.button.id == "settings-tools" and self.pick_tools is not None:
+            self.pick_tools()
         else:
             self.dismiss(None)
 

@@ -485,7 +485,8 @@ class MainScreen(ChatActions):
                 title="Chat settings",
             )
 
-        self.app.push_screen(ChatSettingsDialog(chat.session.settings, shown, chat.session.system), save)
+        dialog = ChatSettingsDialog(chat.session.settings, shown, chat.session.system, self.action_chat_tools)
+        self.app.push_screen(dialog, save)
 
     def action_mcp_tools(self) -> None:
         """The configured MCP servers, their state, and each tool's description and schema."""
