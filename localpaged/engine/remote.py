@@ -45,7 +45,8 @@ from localpaged.sampling import MAX_TOKENS_LIMIT, SamplingParams, StructuredOutp
 CONNECT_TIMEOUT_S = 5.0  # a host that does not answer fails fast...
 READ_TIMEOUT_S = 300.0  # ...but a long prompt on a busy server may take minutes to its first token
 PROBE_TIMEOUT_S = 10.0  # the connect-time tools probe: one token; a server slower than this leaves tools on
-PROBE_TOOL = {"type": "function", "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}}}
+# Tools reach a remote model in the generic format: a JSON-schema reply, so that is what the probe asks for.
+PROBE_SCHEMA = {"type": "json_schema", "json_schema": {"name": "probe", "schema": {"type": "object"}}}
 MAX_RETRIES = 1  # the client retries a failed connection (or a 429/5xx) once, after a short backoff
 
 # How each server, known by the ``owned_by`` of its /v1/models card, continues a final assistant message.
@@ -269,7 +270,7 @@ class RemoteEngine:
             )
         refusal = self._tools_refusal()
         if refusal is not None:
-            notes.append(f"it refuses tools ({refusal})")
+            notes.append(f"it refuses JSON-schema replies, which tools need ({refusal})")
         return EngineCapabilities(
             token_prompts=False,
             tokenize=self._tokenize is not None,
@@ -280,19 +281,20 @@ class RemoteEngine:
         )
 
     def _tools_refusal(self) -> str | None:
-        """The server's words where a one-token request with a tool is refused for its tools (llama-server
-        without --jinja, vLLM without --enable-auto-tool-choice); None where it takes them. A probe that
-        fails any other way leaves tools on: the real request's error will say more. Ours always takes them."""
+        """The server's words where a one-token request for a JSON-schema reply (what a tool round asks of a
+        remote model) is refused for it; None where it takes it. A probe that fails any other way leaves
+        tools on: the real request's error will say more. Ours always takes them."""
         if self.server == "localpaged":
             return None
         body = {"model": self._model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         try:
             self._client.with_options(timeout=PROBE_TIMEOUT_S, max_retries=0).post(
-                "/chat/completions", cast_to=object, body={**body, "tools": [PROBE_TOOL]}
+                "/chat/completions", cast_to=object, body={**body, "response_format": PROBE_SCHEMA}
             )
         except openai.APIStatusError as exc:
             said = _server_message(exc)
-            return said if exc.status_code in (400, 422) and "tool" in said.lower() else None
+            refused = any(word in said.lower() for word in ("response_format", "schema", "grammar"))
+            return said if exc.status_code in (400, 422) and refused else None
         except Exception:  # noqa: BLE001 -- see the docstring: an unclear probe never turns tools off
             return None
         return None

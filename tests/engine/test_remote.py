@@ -299,8 +299,11 @@ def test_a_stream_cut_off_keeps_the_partial_and_says_why(store: ChatStore) -> No
 
 
 @pytest.mark.parametrize("takes_tools", [True, False])
-def test_a_server_that_refuses_tools_turns_them_off_with_its_words(takes_tools: bool, store: ChatStore) -> None:
-    """A one-token probe with a tool at connect: llama-server without --jinja refuses it, and a Session
+def test_a_server_that_refuses_schema_replies_turns_tools_off_with_its_words(
+    takes_tools: bool, store: ChatStore
+) -> None:
+    """A one-token probe for a JSON-schema reply at connect (tools reach a remote model in the generic
+    format): a server that refuses it turns tools off with its words, and a Session
     asked for tools then says so before storing anything; a server that answers keeps them on."""
 
     class ToolServer(StubHandler):
@@ -311,8 +314,9 @@ def test_a_server_that_refuses_tools_turns_them_off_with_its_words(takes_tools: 
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if self.path != "/v1/chat/completions":
                 return self.send_json(404, {"error": {"message": "no such route"}})
-            if "tools" in body and not takes_tools:
-                return self.send_json(400, {"error": {"message": "tools param requires --jinja flag"}})
+            if "response_format" in body and not takes_tools:
+                refusal = "only response_format {'type': 'text'} is supported"
+                return self.send_json(400, {"error": {"message": refusal}})
             choice = {"index": 0, "message": {"role": "assistant", "content": "h"}, "finish_reason": "length"}
             self.send_json(
                 200, {"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice]}
@@ -321,7 +325,8 @@ def test_a_server_that_refuses_tools_turns_them_off_with_its_words(takes_tools: 
     with stub_server(ToolServer) as url:
         capabilities = RemoteEngine(url).info.capabilities
         assert capabilities.tools is takes_tools
-        assert ("it refuses tools (tools param requires --jinja flag)" in capabilities.note) is not takes_tools
+        said = "it refuses JSON-schema replies, which tools need (only response_format {'type': 'text'} is supported)"
+        assert (said in capabilities.note) is not takes_tools
         if not takes_tools:
             session = Session.new(RemoteEngine(url), store)
 
@@ -329,6 +334,6 @@ def test_a_server_that_refuses_tools_turns_them_off_with_its_words(takes_tools: 
                 """A tool for the test."""
                 return "x"
 
-            with pytest.raises(RequestError, match="this engine takes no tools: .*--jinja"):
+            with pytest.raises(RequestError, match="this engine takes no tools: .*only response_format"):
                 session.send("hi", tools=[probe])
             assert session.history == []

@@ -138,7 +138,7 @@ async def test_a_restart_shows_and_replays_the_stored_calls(store) -> None:
 
 async def test_an_engine_that_refuses_tools_shows_why_instead_of_the_picker(store) -> None:
     engine = FakeEngine()
-    refuses = EngineCapabilities(False, False, False, False, tools=False, note="it refuses tools (needs --jinja)")
+    refuses = EngineCapabilities(False, False, False, False, tools=False, note="it refuses JSON-schema replies")
     engine.info = dataclasses.replace(FAKE_INFO, capabilities=refuses)
     async with make(store, engine).run_test(size=(120, 40)) as pilot:
         screen = await main_screen(pilot)
@@ -146,7 +146,7 @@ async def test_an_engine_that_refuses_tools_shows_why_instead_of_the_picker(stor
         await pilot.press("f3")
         await wait_for(pilot, lambda: isinstance(pilot.app.screen, ToolsDialog))
         hint = str(pilot.app.screen.query_one(".dialog-hint", Label).content)
-        assert hint == "Tools are off on this engine: it refuses tools (needs --jinja)."
+        assert hint == "Tools are off on this engine: it refuses JSON-schema replies."
         assert not pilot.app.screen.query(SelectionList) and not pilot.app.screen.query("#tools-save")
 
 
