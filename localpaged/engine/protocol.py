@@ -38,7 +38,7 @@ class EngineCapabilities:
     tokenize: bool  # encode_chat works (a tokenizer here, or the server's /tokenize)
     continue_reply: bool  # a chat ending in an assistant message goes on from it (continue)
     kv_pool: bool  # stats() has the block figures and kv_map() draws the pool
-    tools: bool = True  # takes OpenAI's tools (a remote server may refuse them: the note says why)
+    tools: bool = True  # tool turns work (a remote server that refuses JSON-schema replies cannot: the note says why)
     note: str = ""  # why some of the above are missing, in words for the user
 
 

@@ -286,10 +286,15 @@ class RemoteEngine:
         tools on: the real request's error will say more. Ours always takes them."""
         if self.server == "localpaged":
             return None
-        body = {"model": self._model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        body = {
+            "model": self._model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "response_format": PROBE_SCHEMA,
+        }
         try:
             self._client.with_options(timeout=PROBE_TIMEOUT_S, max_retries=0).post(
-                "/chat/completions", cast_to=object, body={**body, "response_format": PROBE_SCHEMA}
+                "/chat/completions", cast_to=object, body=body
             )
         except openai.APIStatusError as exc:
             said = _server_message(exc)
