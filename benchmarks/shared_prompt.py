@@ -53,7 +53,8 @@ from throughput import QUESTIONS
 DEFAULTS = {"users": "8,64", "shared_tokens": 8000, "new_tokens": 32, "rounds": 2}
 QUICK = {"users": "2,4", "shared_tokens": 256, "new_tokens": 4, "rounds": 1}  # a smoke run, a minute or so
 PROMPT_NAMES = ("coding", "general", "tutor", "concise")  # the shipped prompts: the system prompt's text
-ENGINE = {"kv_disk": False}
+# One token a step: this measures shared-prefix attention alone (spec_decode.py measures speculation).
+ENGINE = {"kv_disk": False, "speculative": "off"}
 # Pool room past every user's whole context: one step's tokens at the largest default budget, which a
 # user admitted while the system prompt's last chunk runs computes again (those blocks were not cached yet).
 MARGIN_TOKENS = 8192

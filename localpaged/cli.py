@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend(chat)
     _add_kv_disk(chat)
     _add_kv_cache_dtype(chat)
+    _add_speculative(chat)
     chat.add_argument("--prompt", metavar="NAME", help="system prompt for new sessions (see `prompts list`)")
     chat.add_argument("--session", metavar="ID", help="open this stored session")
     _add_sampling(chat)
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend(run)
     _add_kv_disk(run)
     _add_kv_cache_dtype(run)
+    _add_speculative(run)
     _add_db(run)
     run.add_argument("--no-store", action="store_true", help="keep nothing: use an in-memory store")
     run.add_argument(
@@ -158,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(serve)
     _add_kv_disk(serve)
     _add_kv_cache_dtype(serve)
+    _add_speculative(serve)
     serve.add_argument(
         "--api-key",
         metavar="KEY",
@@ -279,6 +282,16 @@ def _add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_speculative(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative",
+        choices=("auto", "off", "ngram", "suffix"),
+        help="speculative decoding's draft tokens, checked several to a step (greedy replies are unchanged): from "
+        "the chat's own text (ngram), and from earlier replies too (suffix); off; auto (default): suffix while few "
+        "chats decode",
+    )
+
+
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
     """The sampling flags; each overrides the settings file's [sampling] value."""
     parser.add_argument(
@@ -299,6 +312,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         flags[f"sampling.{name}"] = getattr(args, name, None)
     flags["engine.kv_disk"] = False if getattr(args, "no_kv_disk", False) else None
     flags["engine.kv_cache_dtype"] = getattr(args, "kv_cache_dtype", None)
+    flags["engine.speculative"] = getattr(args, "speculative", None)
     return load_settings().with_flags(flags, {"engine.kv_disk": "--no-kv-disk"})
 
 

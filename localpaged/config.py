@@ -76,6 +76,13 @@ FIELDS: dict[str, Field] = {
     "kv_disk": Field((bool,), "true or false"),
     "kv_disk_bytes": Field((int, str), "bytes or a size such as '2GiB'", size=True),
     "cascade_attention": Field((bool,), "true or false"),
+    "speculative": Field(
+        (str,),
+        "text: 'auto', 'off', 'ngram' or 'suffix'",
+        choices=("auto", "off", "ngram", "suffix"),
+        hint="drafts from n-gram lookup in the request's own text ('ngram') and in earlier replies too ('suffix'); "
+        "'auto' is 'suffix' while the batch is small",
+    ),
 }
 
 
@@ -125,6 +132,7 @@ class EngineConfig:
     kv_disk: bool = True  # the disk tier below the block pool (see localpaged.engine.kv_disk)
     kv_disk_bytes: int | str = 2 * 2**30  # the disk tier's size limit; least recently used blocks go first
     cascade_attention: bool = True  # shared-prefix attention: a prefix common to the batch's sequences read once
+    speculative: str = "auto"  # speculative decoding's draft tokens (engine.speculative); greedy output is unchanged
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -151,3 +159,5 @@ class ResolvedConfig:
     enable_prefix_caching: bool
     kv_disk: bool  # the disk tier is open
     cascade_attention: bool
+    speculative: str = "off"  # the draft proposer: "off", "ngram" or "suffix"
+    speculative_max_decodes: int | None = None  # it drafts while at most this many sequences decode; None: always

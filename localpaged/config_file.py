@@ -101,6 +101,7 @@ class EngineSettings:
     max_model_len: int | None = None
     kv_disk: bool | None = None
     kv_disk_bytes: int | str | None = None
+    speculative: str | None = None
 
     def as_kwargs(self) -> dict[str, Any]:
         """The ones that are set, as keyword arguments for AsyncLLM / EngineConfig."""
@@ -212,6 +213,7 @@ UNSET = {
     "engine.max_model_len": "the model's, at most 8192",
     "engine.kv_disk": "true: KV blocks are kept on disk across restarts",
     "engine.kv_disk_bytes": "2GiB",
+    "engine.speculative": "auto: draft tokens from the chat's own text and earlier replies while few chats decode",
 }
 
 

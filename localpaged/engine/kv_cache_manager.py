@@ -196,9 +196,16 @@ class KVCacheManager:
         self.prefix_hits += seq.num_cached_tokens
         self.disk_hits += seq.num_disk_tokens
 
-    def cache_blocks(self, seq: Sequence) -> None:
-        """Put every block of ``seq`` that is now full and computed into the prefix cache."""
-        self._update_hashes(seq)
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back ``seq``'s blocks past the first ``num_tokens`` tokens (they hold only refused draft tokens)."""
+        keep = cdiv(num_tokens, self.block_size)
+        extra, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+        self.pool.unlock(reversed(extra))
+
+    def cache_blocks(self, seq: Sequence, ahead: list[int] | None = None) -> None:
+        """Put every block of ``seq`` that is now full and computed into the prefix cache; ``ahead``: tokens computed
+        this step that ``seq`` appends only after it (its accepted drafts)."""
+        extend_block_hashes(seq.block_hashes, seq.token_ids + ahead if ahead else seq.token_ids, self.block_size)
         done = self._num_inserted.get(seq.key, 0)
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
         for i in range(done, full):

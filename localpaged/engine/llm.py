@@ -37,6 +37,7 @@ from localpaged.engine.sampler import SampledToken, TokenHistory, make_generator
 from localpaged.engine.scheduler import Scheduler
 from localpaged.engine.sequence import Sequence, SequenceStatus
 from localpaged.engine.setup import EngineParts, build_engine_parts
+from localpaged.engine.speculative import Speculator
 from localpaged.engine.tokenizer import Prompt, check_prompt_length, encode_chat, encode_prompt, max_prompt_chars
 from localpaged.errors import RequestError
 from localpaged.models.loader import ModelFiles
@@ -96,7 +97,14 @@ class LLM:
         )
         self.kv_disk = parts.kv_disk
         self.kv = KVCacheManager(self.pool, self.kv_disk, self.runner)
-        self.scheduler = Scheduler(self.kv, resolved.max_num_seqs, resolved.max_num_batched_tokens)
+        self.speculator = (
+            Speculator(resolved.speculative, resolved.speculative_max_decodes)
+            if resolved.speculative != "off"
+            else None
+        )
+        self.scheduler = Scheduler(
+            self.kv, resolved.max_num_seqs, resolved.max_num_batched_tokens, self.speculator, resolved.max_model_len
+        )
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its samples, by index
         self._structured: StructuredOutputManager | None = None  # built on the first structured request
         self._compiling: dict[str, Sequence] = {}  # first samples waiting for their grammar (WAITING_FOR_FSM)
@@ -229,20 +237,20 @@ class LLM:
             return outputs
         try:
             sampled = self.runner.run(batch)
-            self.scheduler.on_step_done(batch)
+            self.scheduler.on_step_done(batch, [len(t) - 1 if isinstance(t, list) else 0 for t in sampled])
         except Exception as exc:  # not attributable to one request: the batch fails, the engine goes on
             log.exception("the model step failed; ending the %d requests of its batch", len(batch.seqs))
             cause = f"the model step for this request's batch failed ({type(exc).__name__}: {exc})"
             return outputs + [out for seq in batch.seqs for out in self._fail(seq, cause)]
         tokens = 0
-        for seq, token in zip(batch.seqs, sampled):
-            if isinstance(token, Exception):
-                log.warning("request %s failed while sampling", seq.request_id, exc_info=token)
-                outputs.extend(self._fail(seq, f"sampling its next token failed ({type(token).__name__}: {token})"))
-            elif token is not None:
+        for seq, new in zip(batch.seqs, sampled):
+            if isinstance(new, Exception):
+                log.warning("request %s failed while sampling", seq.request_id, exc_info=new)
+                outputs.extend(self._fail(seq, f"sampling its next token failed ({type(new).__name__}: {new})"))
+            elif new is not None:
                 try:
-                    outputs.append(self._on_token(seq, token))
-                    tokens += 1
+                    outputs.append(self._on_tokens(seq, new))
+                    tokens += len(new)
                 except Exception as exc:  # this request's own failure: it alone ends
                     log.exception("request %s failed while processing its new token", seq.request_id)
                     cause = f"processing its new token failed ({type(exc).__name__}: {exc})"
@@ -297,7 +305,15 @@ class LLM:
             index=seq.index,
         )
 
-    def _on_token(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
+    def _on_tokens(self, seq: Sequence, new: list[SampledToken]) -> RequestOutput:
+        """Append a step's tokens, one at a time, until one ends the request; one output for them all."""
+        for sampled in new:
+            self._on_token(seq, sampled)
+            if seq.is_finished:
+                break
+        return self._output(seq)
+
+    def _on_token(self, seq: Sequence, sampled: SampledToken) -> None:
         """Append the token (a stop token too: ``token_ids`` ends with it, as ``logprobs`` does) and check the stops."""
         token = sampled.token_id
         seq.append_token(token)
@@ -320,7 +336,6 @@ class LLM:
             self.scheduler.finish(seq, reason)
             self._retire(seq)
             seq.finish_time = time.perf_counter()
-        return self._output(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         state: _SampleState = seq.extra
@@ -438,6 +453,8 @@ class LLM:
             prefix_query_tokens=self.kv.prefix_queries,
             prefix_hit_tokens=self.kv.prefix_hits,
             disk_tokens=self.kv.disk_hits,
+            spec_proposed_tokens=self.speculator.num_proposed if self.speculator else None,
+            spec_accepted_tokens=self.speculator.num_accepted if self.speculator else None,
             **(self.kv_disk.stats() if self.kv_disk is not None else {}),
         )
 

@@ -86,6 +86,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     disk_write_s: float | None = None  # time the tier's writer spent writing
     disk_blocks_dropped: int | None = None  # blocks not written (the tier was full of newer ones, or a write failed)
     disk_files_rejected: int | None = None  # block files that failed their checks when read
+    spec_proposed_tokens: int | None = None  # draft tokens checked so far (speculative decoding; None: off)
+    spec_accepted_tokens: int | None = None  # of which kept
 
 
 @runtime_checkable

@@ -3,12 +3,19 @@
 Owns the KV cache tensors: ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``,
 each layer's attention bound to its slice. Only sequences whose last scheduled token is their
 last token get logits; a prefill chunk in the middle of a prompt produces none.
+
+A sequence with draft tokens (engine.speculative) runs its last token and each draft as a decode row of
+its own, over the same block table, row j attending the sequence's first ``num_computed_tokens + j + 1``
+tokens: every path computes such a row as it computes any decode (the native decode step, CUDA graphs,
+the decode kernels), so a kept draft's token is the one a step without drafts would pick. Each row gets
+logits; the tokens are kept up to the first draft the sampler disagrees with (``accept``).
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+from itertools import pairwise
 
 import torch
 
@@ -134,49 +141,63 @@ class ModelRunner:
         self, batch: ScheduledBatch
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
         """Input ids, positions, attention metadata, the sequences that reach their end this step
-        (indices into the batch), and the rows of their last tokens, whose logits are needed."""
+        (indices into the batch, a sequence once per row with logits: its last token's, and each draft's),
+        and the rows whose logits are needed."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         cu = [0]
         context_lens: list[int] = []
+        tables: list[list[int]] = []  # the metadata's entries: a sequence, or a row of one with drafts
+        limits: list[int] = []  # each entry's whole blocks computed before this step, for the cascade groups
         logit_rows: list[int] = []
         to_sample: list[int] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + n
-            input_ids.extend(seq.token_ids[start:end])
+            drafts = seq.spec_token_ids
+            input_ids.extend(seq.token_ids[start : end - len(drafts)] + drafts)
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            computed = start // bs
+            if drafts:  # a decode row per position; only the first may join a cascade group (see the docstring)
+                for p in range(start, end):
+                    cu.append(cu[-1] + 1)
+                    context_lens.append(p + 1)
+                    tables.append(table)
+                    limits.append(computed if p == start else 0)
+                to_sample.extend([i] * n)
+                logit_rows.extend(range(cu[-1] - n, cu[-1]))
+                continue
             cu.append(cu[-1] + n)
             context_lens.append(end)
+            tables.append(table)
+            limits.append(computed)
             if end == seq.num_tokens:
                 to_sample.append(i)
                 logit_rows.append(cu[-1] - 1)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        width = max(len(t) for t in tables)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            max_q_len=max(batch.num_new_tokens),
+            max_q_len=max(b - a for a, b in pairwise(cu)),
             block_size=bs,
         )
-        if self.cascade and len(batch.seqs) > 1:
-            meta.cascade = self.cascade_plan(batch)
+        if self.cascade and len(tables) > 1:
+            meta.cascade = self.cascade_plan(tables, limits)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos, meta, to_sample, logit_rows
 
-    def cascade_plan(self, batch: ScheduledBatch) -> CascadePlan | None:
+    def cascade_plan(self, tables: list[list[int]], limits: list[int]) -> CascadePlan | None:
         """The step's shared-prefix groups as the kernels take them, or None where there is none. A member shares
-        only whole blocks of what it computed before this step, so no query of the step is masked from them."""
-        limits = [seq.num_computed_tokens // self.block_size for seq in batch.seqs]
-        tables = [seq.block_table for seq in batch.seqs]
+        only whole blocks of what it computed before this step (``limits``), so no query of the step is masked
+        from them."""
         groups = cascade_groups.find_groups(tables, limits, self.cascade_min_blocks, self.cascade_min_members)
         if not groups:
             return None
@@ -192,27 +213,42 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[SampledToken | Exception | None]:
-        """One forward over the batch; a sampled token (and its logprobs) for each sequence that reached its end,
-        else None.
+    def run(self, batch: ScheduledBatch) -> list[list[SampledToken] | Exception | None]:
+        """One forward over the batch; for each sequence that reached its end its new tokens (and their logprobs):
+        one, or with drafts the kept drafts and the token after them; else None.
 
-        A sequence whose own sampling failed gets the exception instead of a token (see ``sample``);
+        A sequence whose own sampling failed gets the exception instead of tokens (see ``sample``);
         a failure of the batch as a whole (the forward pass) raises.
         """
         ids, pos, meta, to_sample, logit_rows = self.prepare(batch)
-        if self.graphs is not None and meta.cascade is None and self.graphs.can_run(meta, len(batch.seqs)):
+        entries = len(meta.context_lens)
+        if self.graphs is not None and meta.cascade is None and self.graphs.can_run(meta, entries):
             hidden = self.graphs.run(ids, pos, meta)
         elif self.native_decode is not None and meta.max_q_len == 1:
             hidden = self.native_decode.run(ids, pos, meta)
         else:
             self.attention.prepare(meta)
             hidden = self.model(ids, pos, meta)
-        sampled: list[SampledToken | Exception | None] = [None] * len(batch.seqs)
         if not logit_rows:
-            return sampled
+            return [None] * len(batch.seqs)
         logits = self.model.compute_logits(hidden[logit_rows])
         rows = [batch.seqs[i] for i in to_sample]
         # The grammar masks constrained rows only (the others sample as they would alone), after the raw logprobs.
+        tokens: list[list[SampledToken | Exception] | None] = [None] * len(batch.seqs)
         for i, token in zip(to_sample, sample(logits, rows, mask=lambda raw: apply_grammar_bitmask(raw, rows))):
-            sampled[i] = token
-        return sampled
+            tokens[i] = [token] if tokens[i] is None else tokens[i] + [token]
+        return [None if t is None else accept(seq.spec_token_ids, t) for seq, t in zip(batch.seqs, tokens)]
+
+
+def accept(drafts: list[int], tokens: list[SampledToken | Exception]) -> list[SampledToken] | Exception:
+    """A sequence's new tokens from the tokens picked at its rows (its last token's, then each draft's): each row's
+    token while the draft it checks matches it, up to the first mismatch, whose token (the target's own choice
+    there) comes last; a failed row that is reached fails the sequence."""
+    kept: list[SampledToken] = []
+    for j, token in enumerate(tokens):
+        if isinstance(token, Exception):
+            return token
+        kept.append(token)
+        if j == len(drafts) or token.token_id != drafts[j]:
+            break
+    return kept

@@ -26,6 +26,7 @@ from itertools import islice
 
 from localpaged.engine.kv_cache_manager import KVCacheManager
 from localpaged.engine.sequence import Sequence, SequenceStatus
+from localpaged.engine.speculative import Speculator
 
 LOOKAHEAD = 8  # waiting requests admission looks at for one that joins a running group
 MAX_PASSES = 4  # times a request may be passed over for such a one
@@ -34,7 +35,7 @@ MAX_PASSES = 4  # times a request may be passed over for such a one
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]  # per sequence, tokens computed this step
+    num_new_tokens: list[int]  # per sequence, tokens computed this step, its draft tokens among them
 
     @property
     def num_tokens(self) -> int:
@@ -42,8 +43,18 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        speculator: Speculator | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        """``speculator``: draft tokens for decoding sequences, none past ``max_model_len`` tokens."""
         self.kv = kv
+        self.speculator = speculator
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -65,13 +76,19 @@ class Scheduler:
         counts: list[int] = []
         preempted = self._fork_ready()
         decodes_first = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival))
+        num_decodes = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
         for seq in decodes_first:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_schedulable_tokens, budget)
+            seq.spec_token_ids = self._drafts(seq, budget, num_decodes)
+            n = min(seq.num_schedulable_tokens, budget) + len(seq.spec_token_ids)
             while not self.kv.can_allocate(seq, n):
+                if seq.spec_token_ids:  # drafts go before anyone is preempted
+                    n -= len(seq.spec_token_ids)
+                    seq.spec_token_ids = []
+                    continue
                 victim = max(self.running, key=lambda s: (s.arrival, s.index))
                 self.preempt(victim)
                 preempted = True
@@ -98,6 +115,7 @@ class Scheduler:
             if not self.kv.can_allocate(seq, n, computed):
                 break
             self.waiting.remove(seq)
+            seq.spec_token_ids = []
             if seq.num_preemptions == 0:
                 self.kv.record_admission(seq, computed)
             self.kv.allocate(seq, n, computed)
@@ -109,6 +127,16 @@ class Scheduler:
             counts.append(n)
             budget -= n
         return ScheduledBatch(seqs, counts)
+
+    def _drafts(self, seq: Sequence, budget: int, num_decodes: int) -> list[int]:
+        """Draft tokens for a decoding ``seq`` (engine.speculative), within the step's budget, its max_tokens and
+        the context; [] for a sequence with more than its last token to compute."""
+        if self.speculator is None or seq.num_uncomputed_tokens != 1 or seq.forks:
+            return []
+        room = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - seq.num_tokens - 1)
+        return self.speculator.drafts(seq, room, num_decodes)
 
     def _fork_ready(self) -> bool:
         """Fork the samples of every running first sample that has computed its prompt but the last token,
@@ -156,6 +184,7 @@ class Scheduler:
         """Give a running sequence's blocks back and queue it first for recompute."""
         self.running.remove(seq)
         self.kv.free(seq)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -170,13 +199,24 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.block_table:
             self.kv.free(seq)
+        if self.speculator is not None and reason != "error":
+            self.speculator.finished(seq)
         for ended in [seq, *seq.forks]:
             ended.status = SequenceStatus.FINISHED
             ended.finish_reason = reason
         seq.forks = []
 
-    def on_step_done(self, batch: ScheduledBatch) -> None:
-        """Advance each scheduled sequence past the tokens computed this step and cache its full blocks."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.kv.cache_blocks(seq)
+    def on_step_done(self, batch: ScheduledBatch, accepted: list[int] | None = None) -> None:
+        """Advance each scheduled sequence past the tokens computed this step and cache its full blocks.
+
+        ``accepted[i]``: how many of sequence i's draft tokens were kept (those and the token it ran before them
+        count as computed; the blocks past them go back, holding only refused drafts, never cached).
+        """
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            drafts, seq.spec_token_ids = seq.spec_token_ids, []
+            kept = accepted[i] if accepted is not None and drafts else 0
+            seq.num_computed_tokens += n - (len(drafts) - kept)
+            if drafts:
+                self.speculator.verified(seq, len(drafts), kept)
+                self.kv.truncate(seq, seq.num_computed_tokens + 1)
+            self.kv.cache_blocks(seq, drafts[:kept])

@@ -48,6 +48,8 @@ class Sequence:
     extra: Any = None  # per-sample state owned by the engine (detokenizer, generator)
     index: int = 0  # which of its request's samples this is
     forks: list[Sequence] = field(default_factory=list)  # samples waiting to fork off this one (see above)
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens (engine.speculative)
+    spec: Any = None  # its speculation state, owned by the Speculator
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -41,6 +41,8 @@ COUNTERS = {
     "disk_tokens": ("prefix_cache_disk_hits_tokens", "Prompt tokens read from the disk KV tier."),
     "disk_blocks_written": ("kv_disk_blocks_written", "KV blocks written to the disk tier."),
     "preemptions": ("preemptions", "Requests preempted (blocks given back, recomputed later)."),
+    "spec_proposed_tokens": ("spec_decode_draft_tokens", "Draft tokens checked by speculative decoding."),
+    "spec_accepted_tokens": ("spec_decode_accepted_tokens", "Draft tokens speculative decoding kept."),
 }
 
 

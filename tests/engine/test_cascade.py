@@ -31,8 +31,8 @@ def counting_plans(llm: LLM) -> list[int]:
     members: list[int] = []
     real = llm.runner.cascade_plan
 
-    def counted(batch):
-        plan = real(batch)
+    def counted(tables, limits):
+        plan = real(tables, limits)
         members.append(0 if plan is None else len(plan.members))
         return plan
 
@@ -89,7 +89,7 @@ def test_forks_and_two_prompts_batch_as_several_groups(native_llama):
     prompts += [chat + [9000 + i] for i in range(2)]
     plans: list[int] = []
     real = llm.runner.cascade_plan
-    llm.runner.cascade_plan = lambda batch: plans.append(p := real(batch)) or p
+    llm.runner.cascade_plan = lambda *entries: plans.append(p := real(*entries)) or p
     with_cascade = generate(llm, prompts)
     assert max(len(p.shared_lens) for p in plans if p is not None) >= 2
     llm.runner.cascade = False

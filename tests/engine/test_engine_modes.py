@@ -7,6 +7,7 @@ errors. Speed is measured by benchmarks/app_speed.py, never asserted here.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,10 @@ def test_stream_and_iter_stream_agree_with_the_synchronous_engine(engine: AsyncL
         assert "".join(out.delta for out in outputs) == outputs[-1].text == text
         assert len(outputs[-1].token_ids) == outputs[-1].metrics.generated_tokens
         assert outputs[-1].prompt_token_ids == engine.tokenizer.encode(prompt, add_special_tokens=False)
-    assert [o.token_ids for o in async_outputs] == [o.token_ids for o in sync_outputs]
+        for before, after in itertools.pairwise(outputs):  # a stream grows: each output's tokens start the next's
+            assert after.token_ids[: len(before.token_ids)] == before.token_ids
+    # How the tokens are split into outputs may differ: speculation takes more a step once it has seen the reply.
+    assert async_outputs[-1].token_ids == sync_outputs[-1].token_ids
 
 
 def test_many_streams_at_once_match_the_synchronous_engine(engine: AsyncLLM, expected: dict) -> None:

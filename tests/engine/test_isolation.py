@@ -19,7 +19,15 @@ GOOD = ["hello", "the river flows", "count to ten"]
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_path):
-    return LLM(str(tiny_model_path), dtype="float32", device=DEVICE, kv_cache_memory="32MiB", max_model_len=256)
+    # One token a step: the tests count steps (test_speculative covers failures with drafts).
+    return LLM(
+        str(tiny_model_path),
+        dtype="float32",
+        device=DEVICE,
+        kv_cache_memory="32MiB",
+        max_model_len=256,
+        speculative="off",
+    )
 
 
 @pytest.fixture(scope="module")

@@ -178,8 +178,10 @@ def test_step_outputs_per_sample_and_the_request_ends_with_its_last(llm):
     rid = llm.add_request(PROMPT[:40], SamplingParams(n=3, max_tokens=4, temperature=0.0, ignore_eos=True))
     seen: dict[int, int] = {}
     while llm.has_unfinished_requests():
-        for out in llm.step():
-            seen[out.index] = seen.get(out.index, 0) + 1
+        outs = llm.step()
+        assert len({out.index for out in outs}) == len(outs)  # one output a sample a step (with all its new tokens)
+        for out in outs:
+            seen[out.index] = len(out.token_ids)
             assert out.request_id == rid
             assert (rid in llm.requests) == any(not s.is_finished for s in llm.requests.get(rid, []))
     assert seen == {0: 4, 1: 4, 2: 4}

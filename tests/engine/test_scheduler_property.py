@@ -12,11 +12,17 @@ some of its files are unreadable (a miss, as a corrupt file is), so chains break
 Requests for several samples fork off their first sample (engine.sequence); each sample's "model"
 hashes its index in too, so samples differ, and a forked sample reading a sibling's partial block
 (a copy on write gone wrong) or a block its fork did not copy changes its output.
+
+With speculation, each decoding sequence gets drafts of random length, its true next tokens with some
+spoiled, checked row by row as the runner does (engine.speculative): refused drafts' slots, blocks given
+back past what was kept, and accepted drafts' blocks in the prefix cache must all leave the outputs
+as they are without drafts.
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from localpaged.engine.block_pool import BlockPool
-from localpaged.engine.kv_cache_manager import KVCacheManager
+from localpaged.engine.kv_cache_manager import KVCacheManager, extend_block_hashes
 from localpaged.engine.scheduler import Scheduler
 from localpaged.engine.sequence import Sequence
 
@@ -96,11 +102,40 @@ class SimulatedDisk:
             self.files.popitem(last=False)
 
 
+class RandomDrafts:
+    """The Speculator's interface: each decoding sequence's true next tokens (from ``expected``), a random number
+    of them, each spoiled with probability ``spoil``."""
+
+    def __init__(self, seed: int, expected: dict[tuple[str, int], list[int]], spoil: float = 0.3) -> None:
+        self.rng = random.Random(seed)
+        self.expected = expected
+        self.spoil = spoil
+        self.checked: list[tuple[int, int]] = []  # (proposed, accepted) of every step's check
+
+    def drafts(self, seq: Sequence, room: int, num_decodes: int) -> list[int]:
+        done = seq.num_output_tokens
+        true = self.expected[seq.key][done : done + self.rng.randint(0, max(min(room, 5), 0))]
+        return [(t + 1) % VOCAB if self.rng.random() < self.spoil else t for t in true]
+
+    def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        self.checked.append((proposed, accepted))
+
+    def finished(self, seq: Sequence) -> None:
+        pass
+
+
 class FakeEngine:
-    def __init__(self, num_blocks: int, max_num_seqs: int, budget: int, disk: SimulatedDisk | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        max_num_seqs: int,
+        budget: int,
+        disk: SimulatedDisk | None = None,
+        speculator: RandomDrafts | None = None,
+    ) -> None:
         self.pool = BlockPool(num_blocks, BS)
         self.kv = KVCacheManager(self.pool, disk, self)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, budget)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, budget, speculator)
         self.slots = [None] * (num_blocks * BS)
         self.staged: list[bytearray] = []  # what block_buffers handed out, until commit_blocks
         self.finished: dict[tuple[str, int], list[int]] = {}
@@ -130,21 +165,33 @@ class FakeEngine:
         return seq.block_table[pos // BS] * BS + pos % BS
 
     def step(self) -> None:
+        """Write the step's tokens (drafts too) into their slots, then pick a token at every row with logits: the
+        last token's, and each draft's over the context up to it; keep the drafts up to the first mismatch."""
         batch = self.scheduler.schedule()
-        sampled = []
+        new: dict[int, list[int]] = {}
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            tokens = seq.token_ids + seq.spec_token_ids
             for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                self.slots[self.slot(seq, p)] = seq.token_ids[p]
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                context = [self.slots[self.slot(seq, p)] for p in range(seq.num_tokens)]
-                sampled.append((seq, next_token(context, seq.index)))
-        self.scheduler.on_step_done(batch)
-        for seq, token in sampled:
-            seq.append_token(token)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                self.scheduler.finish(seq, "length")
-                self.finished[seq.key] = seq.output_token_ids
+                self.slots[self.slot(seq, p)] = tokens[p]
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            drafts = seq.spec_token_ids
+            if seq.num_computed_tokens + n == seq.num_tokens + len(drafts):
+                kept: list[int] = []
+                for j in range(len(drafts) + 1):
+                    context = [self.slots[self.slot(seq, p)] for p in range(seq.num_tokens + j)]
+                    kept.append(next_token(context, seq.index))
+                    if j == len(drafts) or kept[-1] != drafts[j]:
+                        break
+                new[i] = kept
+        self.scheduler.on_step_done(batch, [len(new[i]) - 1 if i in new else 0 for i in range(len(batch.seqs))])
+        for i, tokens in new.items():
+            seq = batch.seqs[i]
+            for token in tokens:
+                seq.append_token(token)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    self.scheduler.finish(seq, "length")
+                    self.finished[seq.key] = seq.output_token_ids
+                    break
 
     def check(self) -> None:
         self.pool.check_integrity()
@@ -155,6 +202,9 @@ class FakeEngine:
         for s in self.scheduler.running:
             assert len(s.block_table) * BS >= s.num_computed_tokens
             assert s.num_disk_tokens <= s.num_cached_tokens
+            chain: list[bytes] = []  # a block's hash is its own tokens' (never a refused draft's)
+            extend_block_hashes(chain, s.token_ids, BS)
+            assert s.block_hashes == chain[: len(s.block_hashes)]
 
 
 prefixes = st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=13)
@@ -176,10 +226,13 @@ request = st.tuples(
     max_num_seqs=st.integers(1, 6),
     budget=st.integers(1, 24),
     disk=st.none() | st.builds(SimulatedDisk, st.integers(1, 30), st.integers(2, 9)),
+    speculate=st.none() | st.integers(0, 2**32),
 )
-def test_random_load_keeps_invariants_and_outputs(shared, requests, num_blocks, max_num_seqs, budget, disk):
-    engine = FakeEngine(num_blocks, max_num_seqs, budget, disk)
-    expected, aborts, pending, queued = {}, {}, list(enumerate(requests)), {}
+def test_random_load_keeps_invariants_and_outputs(shared, requests, num_blocks, max_num_seqs, budget, disk, speculate):
+    expected: dict[tuple[str, int], list[int]] = {}
+    drafts = RandomDrafts(speculate, expected) if speculate is not None else None
+    engine = FakeEngine(num_blocks, max_num_seqs, budget, disk, drafts)
+    aborts, pending, queued = {}, list(enumerate(requests)), {}
     step = wait = 0
     while pending or engine.scheduler.has_unfinished():
         while pending and wait >= pending[0][1][3]:

@@ -40,7 +40,7 @@ def test_cascade_through_triton_gives_the_tokens_of_the_plain_kernels(tiny_llm):
     llm.generate([prompt], SamplingParams(max_tokens=1))
     plans = []
     real = llm.runner.cascade_plan
-    llm.runner.cascade_plan = lambda batch: plans.append(p := real(batch)) or p
+    llm.runner.cascade_plan = lambda *entries: plans.append(p := real(*entries)) or p
     prompts = [prompt + [1000 + 7 * i + j for j in range(1 + 3 * i)] for i in range(3)]
     with_cascade = [o.token_ids for o in llm.generate(prompts, params)]
     assert any(p is not None and len(p.members) == 3 for p in plans)

@@ -340,6 +340,8 @@ def test_metrics_parse_and_move(client: openai.OpenAI, base_url: str, engine: As
     for name in ("requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_shared"):
         assert f"localpaged_{name}" in after
     assert "localpaged_preemptions_total" in after and "localpaged_time_per_output_token_seconds_count" in after
+    # speculative decoding is on by default ("auto"): its counters are there from the start
+    assert after["localpaged_spec_decode_accepted_tokens_total"] <= after["localpaged_spec_decode_draft_tokens_total"]
 
 
 def test_tokenize_and_detokenize_round_trip(base_url: str, engine: AsyncLLM) -> None:

@@ -60,6 +60,7 @@ class FakeEngine:
     cause: str | None = None
     calls_when_dead: int = 0
     disk_tokens: int = 0  # prompt tokens each reply reports as read from the disk KV tier
+    drafts: tuple[int, int] | None = None  # speculative decoding's (proposed, accepted) draft tokens, for stats
     prefetched: list[list[dict]] = field(default_factory=list)  # every prefetch's messages, in order
     _aborted: set[str] = field(default_factory=set)
     _running: set[str] = field(default_factory=set)
@@ -199,6 +200,8 @@ class FakeEngine:
             blocks_cached=6,
             blocks_shared=3,
             prefix_hit_rate=0.5,
+            spec_proposed_tokens=self.drafts[0] if self.drafts else None,
+            spec_accepted_tokens=self.drafts[1] if self.drafts else None,
         )
 
     def kv_map(self, token_ids: list[int] | None = None) -> KVMap:

@@ -41,6 +41,13 @@ def context(chat: ChatFigures) -> str:
     return f"context {used} tokens" if chat.max_context is None else f"context {used} of {chat.max_context} tokens"
 
 
+def drafts(stats: EngineStats) -> str:
+    """' · drafts kept 62%' once speculative decoding has checked a draft token; '' while it has not or is off."""
+    if not stats.spec_proposed_tokens:
+        return ""
+    return f" · drafts kept {100 * (stats.spec_accepted_tokens or 0) / stats.spec_proposed_tokens:.0f}%"
+
+
 class StatusLine(Static):
     """Model, device, queue, throughput, context and KV pool use, redrawn on a timer."""
 
@@ -82,7 +89,7 @@ class StatusLine(Static):
         cache = (
             Content(
                 f"prefix cache hits {100 * (stats.prefix_hit_rate or 0.0):.0f}%"
-                f" · {stats.blocks_shared or 0} shared blocks"
+                f" · {stats.blocks_shared or 0} shared blocks" + drafts(stats)
             )
             if pool
             else Content("prefix cache on the server")

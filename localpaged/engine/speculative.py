@@ -1,0 +1,107 @@
+"""Speculative decoding's policy: which decoding sequences get draft tokens this step, how many, and the counts.
+
+A sequence with drafts runs its last token and its k drafts as k + 1 decode rows of one step (each row
+attends its own prefix over the sequence's blocks: ``ModelRunner.prepare``), the sampler picks a token at
+every row, and the drafts are accepted up to the first that differs from the token picked before it;
+that token comes too, so a step yields 1 to k + 1 tokens and greedy output is the output without drafts.
+Sampled rows draw from the target's distribution at each row, and a draft is kept where the draw equals
+it, which is rejection sampling for a draft that is one token for sure: the reply's distribution is the
+target's. The rows past the first mismatch are thrown away: the scheduler counts only the kept tokens
+as computed and gives back the blocks past them (``Scheduler.on_step_done``).
+
+Drafts come from n-gram lookup (``engine.proposer``) in the sequence's own prompt and reply ("ngram"),
+and also in what the engine generated for earlier requests ("suffix": a regenerated reply repeats an
+earlier one). Each sequence adapts its k: it grows while drafts are taken whole and falls to what was
+taken, and a sequence whose drafts keep missing waits a while before it proposes again. Not every request
+speculates: a grammar, penalties or bias (their logits depend on the tokens before each row, which the
+batched sampler reads from the sequence) and a seeded sampled request (its stream must not depend on what
+else runs) decode one token a step. "auto" speculates with the suffix proposer while the batch is small
+enough that a step's cost is its weight reads (``AUTO_MAX_DECODES``): there extra rows cost little, and
+in a large batch the step is bound by arithmetic and drafts would only add to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localpaged.engine.proposer import History, NgramIndex, NgramProposer
+from localpaged.engine.sequence import Sequence
+
+MODES = ("auto", "off", "ngram", "suffix")
+K_START = 4  # drafts a sequence proposes at first
+K_MAX = 8  # the most a sequence proposes in one step
+AUTO_MAX_DECODES = 8  # "auto" speculates while at most this many sequences decode in a step
+MAX_IDLE = 16  # steps a sequence whose drafts keep missing waits, at most, before it proposes again
+OWN_NGRAMS = (2, 4)  # n-gram sizes looked up in a sequence's own tokens
+HISTORY_NGRAMS = (3, 8)  # and in the engine's history: longer, since it holds many requests' text
+
+
+@dataclass
+class SpecState:
+    """One sequence's speculation: its n-gram index, its current k, and how long it waits after misses."""
+
+    index: NgramIndex
+    k: int = K_START
+    misses: int = 0  # steps in a row whose drafts were all refused
+    idle: int = 0  # steps left before it proposes again
+
+
+class Speculator:
+    """Drafts for the scheduler (an engine with speculation off has none), and the counts of proposed and accepted
+    draft tokens for the engine's stats."""
+
+    def __init__(self, mode: str, max_decodes: int | None = None) -> None:
+        """``mode``: "ngram" or "suffix"; ``max_decodes``: draft only while at most that many sequences decode."""
+        self.max_decodes = max_decodes
+        self.own = NgramProposer(K_MAX, *OWN_NGRAMS)
+        self.history = History(*HISTORY_NGRAMS) if mode == "suffix" else None
+        self.num_proposed = 0
+        self.num_accepted = 0
+
+    @staticmethod
+    def takes(seq: Sequence) -> bool:
+        """Whether ``seq``'s sampling lets its drafts be checked in one step (see the module docstring)."""
+        p = seq.params
+        return p.structured is None and not p.penalized and (p.greedy or p.seed is None)
+
+    def drafts(self, seq: Sequence, room: int, num_decodes: int) -> list[int]:
+        """Up to ``room`` draft tokens for ``seq``'s next step ([] when it should decode one token), with
+        ``num_decodes`` sequences decoding in the step."""
+        too_many = self.max_decodes is not None and num_decodes > self.max_decodes
+        if room <= 0 or too_many or not self.takes(seq):
+            return []
+        state: SpecState | None = seq.spec
+        if state is None:
+            state = seq.spec = SpecState(self.own.index())
+        if state.idle:
+            state.idle -= 1
+            return []
+        k = min(state.k, room)
+        drafts, n = self.own.propose(seq.token_ids, k, state.index)
+        if self.history is not None:
+            earlier, m = self.history.propose(seq.token_ids, k, at_least=n + 1)
+            if m > n:
+                drafts = earlier
+        return drafts
+
+    def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """Count a step's check of ``proposed`` drafts of which the first ``accepted`` were kept, and adapt k."""
+        if not proposed:
+            return
+        self.num_proposed += proposed
+        self.num_accepted += accepted
+        state: SpecState = seq.spec
+        if accepted == proposed:
+            state.k = min(state.k * 2, K_MAX)
+        else:
+            state.k = max(accepted + 1, 1)
+        if accepted:
+            state.misses = 0
+        else:
+            state.misses += 1
+            state.idle = min(2 ** (state.misses - 1) - 1, MAX_IDLE)
+
+    def finished(self, seq: Sequence) -> None:
+        """Remember a finished sequence's reply, after the prompt tokens that led to it, for later requests."""
+        if self.history is not None and seq.num_output_tokens:
+            self.history.add(seq.token_ids[max(seq.num_prompt_tokens - HISTORY_NGRAMS[1], 0) :])
