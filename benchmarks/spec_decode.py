@@ -187,6 +187,7 @@ def measured(llm: Any, prompts: list, tokens: int) -> dict:
     return {
         "tok_s": decode_rate(outs),
         "tokens": [list(o.token_ids) for o in outs],
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
         "proposed": drafts[0],
         "accepted": drafts[1],
     }
@@ -200,6 +201,7 @@ def serial(llm: Any, prompts: list, tokens: int) -> dict:
     return {
         "tok_s": decode_tokens / decode_s,
         "tokens": [r["tokens"][0] for r in runs],
+        "prompt_tokens": sum(r["prompt_tokens"] for r in runs),
         "proposed": None if any(r["proposed"] is None for r in runs) else sum(r["proposed"] for r in runs),
         "accepted": None if any(r["accepted"] is None for r in runs) else sum(r["accepted"] for r in runs),
     }
@@ -284,6 +286,9 @@ def run_ours(args: argparse.Namespace, modes: list[str]) -> tuple[dict, bool]:
                     if mode in STATELESS:
                         kept[mode] = llm
                 extra.setdefault("model", llm.model_name)
+                extra.setdefault("resolved", {})[mode] = {
+                    name: getattr(llm.resolved, name, None) for name in ("speculative", "speculative_max_decodes")
+                }
                 got = unit(llm, args)
                 if mode not in STATELESS:
                     llm.close()
@@ -303,7 +308,7 @@ def run_ours(args: argparse.Namespace, modes: list[str]) -> tuple[dict, bool]:
     first = extra.get("first_reply_tokens")
     if first is not None and "regenerate" in rows:
         rows["regenerate"]["off"]["same_as_first_reply"] = all(t == [first] for t in _ids(runs["regenerate"]["off"]))
-    return {"model": extra.get("model"), "rows": rows}, has_spec
+    return {"model": extra.get("model"), "resolved": extra.get("resolved"), "rows": rows}, has_spec
 
 
 def _ids(measurements: list[dict]) -> list[list[list[int]]]:
@@ -317,6 +322,7 @@ def summarize(row: str, by_mode: dict[str, list[dict]], missing: set[str]) -> di
     out: dict[str, Any] = {
         "goal": GOALS[workload],
         "prompts": len(reference),
+        "prompt_tokens": off[0]["prompt_tokens"],
         "new_tokens": sum(len(t) for t in reference),
         "off": {
             "tok_s": max(m["tok_s"] for m in off),
@@ -374,7 +380,8 @@ def run_llama(args: argparse.Namespace, bin_dir: Path, threads: int) -> dict:
     from localpaged.models.loader import default_model_path
 
     gguf = Path(args.model).expanduser() if args.model else default_model_path()
-    tokenizer_engine = LLM(args.model, **(ENGINE | {"kv_cache_memory": "64MiB"}))  # for the chat template's ids
+    small = {"kv_cache_memory": "256MiB", "max_model_len": LLAMA_CTX}
+    tokenizer_engine = LLM(args.model, **(ENGINE | small))  # for the chat template's ids
     edit_ids = tokenizer_engine.encode_chat(edit_chat())
     reply_ids = tokenizer_engine.encode_chat(reply_chat())
     tokenizer_engine.close()
@@ -507,6 +514,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["speculative_in_engine"] = has_spec if args.mode_list else None
         if args.mode_list and not has_spec:
             results["note"] = f"{NOT_IN_ENGINE}: LLM(speculative=...) was refused, so only the off side ran"
+        results["resolved"] = ours["resolved"]  # what each mode settled on (``auto``: a proposer and its batch limit)
         results["rows"] = ours["rows"]
         bin_dir = None if args.skip_llama else llama_bin_dir()
         if args.skip_llama:

@@ -405,7 +405,7 @@ def spec_cells(on: object, off: float | None) -> list[str]:
     return [
         num(on.get("tok_s")),
         ratio(on.get("tok_s"), off),
-        f"{acceptance:.0%}" if acceptance is not None else "-",
+        f"{acceptance:.0%}" if acceptance is not None else ("no drafts" if on.get("proposed") == 0 else "-"),
         "-" if identical is None else ("yes" if identical else "**no**"),
     ]
 
