@@ -30,8 +30,9 @@ count: its draftless speculation, ``--spec-type ngram-simple`` (the last earlier
 12 tokens in the slot's own context, llama.cpp's prompt lookup) and ``--spec-default`` (``ngram-mod``:
 a hash pool of n-grams shared by every slot and request, so a regenerate can draw on the first reply),
 against its defaults, on the code-edit, regenerate and continue workloads; its tok/s is the server's
-own ``predicted_per_second``, its acceptance its ``draft_n_accepted / draft_n``. A server per run, as
-ours. Without the binaries that part is recorded as not run.
+own ``predicted_per_second``, its acceptance its ``draft_n_accepted / draft_n``. A fresh server for each
+workload and round (``ngram-mod``'s pool outlives requests). Without the binaries that part is recorded
+as not run; llama.cpp's ``llama-lookup`` is not needed (the server has these).
 
 Writes benchmarks/results/spec_decode.json and prints a table.
 
