@@ -401,6 +401,7 @@ def run_llama(args: argparse.Namespace, bin_dir: Path, threads: int) -> dict:
                 first = llama_complete(server, reply_ids, args.reply_tokens)["tokens"][0]
                 half = len(first) // 2
                 got["regenerate"] = llama_complete(server, reply_ids, args.reply_tokens)
+                got["regenerate"]["same_as_first"] = got["regenerate"]["tokens"] == [first]
                 got["continue"] = llama_complete(server, reply_ids + first[:half], args.reply_tokens - half)
             for row, m in got.items():
                 runs.setdefault(row, {}).setdefault(mode, []).append(m)
@@ -410,8 +411,14 @@ def run_llama(args: argparse.Namespace, bin_dir: Path, threads: int) -> dict:
         off = by_mode["off"]
         reference = off[0]["tokens"]
         out: dict[str, Any] = {
-            "off": {"tok_s": max(m["tok_s"] for m in off), "rounds_tok_s": [m["tok_s"] for m in off]}
+            "off": {
+                "tok_s": max(m["tok_s"] for m in off),
+                "rounds_tok_s": [m["tok_s"] for m in off],
+                "identical": all(m["tokens"] == reference for m in off),  # off against itself, round to round
+            }
         }
+        if row == "regenerate":  # llama.cpp's greedy reply need not repeat once its prompt is cached
+            out["off"]["same_as_first_reply"] = all(m["same_as_first"] for m in off)
         for mode in names[1:]:
             ms = by_mode[mode]
             best = max(m["tok_s"] for m in ms)

@@ -446,11 +446,18 @@ def render_spec_decode(data: dict) -> str:
         for mode, on in r.items():
             if mode != "off":
                 rows.append([spec_row_label(name), num(off), f"`{mode}`", *spec_cells(on, off)])
+    regen_off = ((peer.get("rows") or {}).get("regenerate") or {}).get("off") or {}
+    note = ""
+    if regen_off.get("same_as_first_reply") is False:
+        note = (
+            "\n\nllama-server's own greedy regenerate, speculation off, differed from its first reply (its prompt "
+            "cached the second time): its identical column compares with that regenerate."
+        )
     flags = peer.get("flags") or {}
     words = "; ".join(f"{mode}: `{flag}`" for mode, flag in flags.items())
     out += "\n\nllama-server on the same prompt ids, its own tok/s (`predicted_per_second`)"
     out += (f" ({words})" if words else "") + ":\n\n"
-    return out + table(["workload", "off", "mode", "on", "on / off", "acceptance", "identical"], rows)
+    return out + table(["workload", "off", "mode", "on", "on / off", "acceptance", "identical"], rows) + note
 
 
 def render_generic(data: object) -> str:
