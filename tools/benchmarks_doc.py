@@ -382,6 +382,84 @@ def render_tool_rounds(data: dict) -> str:
     return out
 
 
+SPEC_ROWS = {
+    "code_edit": "code edit, one chat",
+    "regenerate": "regenerate a stored reply",
+    "continue": "continue a stored reply",
+    "chat": "ordinary chat, one at a time",
+}
+
+
+def spec_row_label(row: str) -> str:
+    if row.startswith("sessions_"):
+        return f"{row.removeprefix('sessions_')} chats at once (aggregate)"
+    return SPEC_ROWS.get(row, row)
+
+
+def spec_cells(on: object, off: float | None) -> list[str]:
+    """A mode's tok/s, ratio to off, acceptance and identical-tokens cells (a mode not run: its reason)."""
+    if not isinstance(on, dict):
+        return [str(on), "-", "-", "-"]
+    acceptance = on.get("acceptance")
+    identical = on.get("identical")
+    return [
+        num(on.get("tok_s")),
+        ratio(on.get("tok_s"), off),
+        f"{acceptance:.0%}" if acceptance is not None else ("no drafts" if on.get("proposed") == 0 else "-"),
+        "-" if identical is None else ("yes" if identical else "**no**"),
+    ]
+
+
+def render_spec_decode(data: dict) -> str:
+    modes = ("ngram", "suffix", "auto")
+    rows = []
+    for name, r in (data.get("rows") or {}).items():
+        off = (r.get("off") or {}).get("tok_s")
+        goal = r.get("goal")
+        goal_text = f"{goal:.1f}x" if goal is not None else "-"
+        ran = [m for m in modes if isinstance(r.get(m), dict)]
+        if not ran:  # off alone: no mode asked for, or the engine refused them (their reason, once)
+            why = next((r[m] for m in modes if isinstance(r.get(m), str)), "off only")
+            rows.append([spec_row_label(name), num(off), "-", why, "-", "-", "-", goal_text])
+        for mode in ran:
+            rows.append([spec_row_label(name), num(off), f"`{mode}`", *spec_cells(r[mode], off), goal_text])
+    tokens = data.get("tokens") or {}
+    head = (
+        f"Decode tok/s, greedy, the best of {num(data.get('rounds'), 0)} round(s) (off and on alternating); "
+        f"new tokens at most {num(tokens.get('edit_tokens'), 0)} for the code edit, "
+        f"{num(tokens.get('reply_tokens'), 0)} for the stored reply, {num(tokens.get('chat_tokens'), 0)} a chat "
+        f"and {num(tokens.get('session_tokens'), 0)} a session. Acceptance: accepted over proposed draft tokens; "
+        "identical: every run's greedy token ids equal speculation off's."
+    )
+    if data.get("quick"):
+        head += " A `--quick` run: smoke-test figures."
+    header = ["workload", "off", "mode", "on", "on / off", "acceptance", "identical", "goal"]
+    out = head + "\n\n" + table(header, rows)
+    if data.get("note"):
+        out += f"\n\n{data['note'][0].upper()}{data['note'][1:]}."
+    peer = data.get("llama_server") or {}
+    if not peer.get("available"):
+        return out + (f"\n\nllama-server: {peer['note']}." if peer.get("note") else "")
+    rows = []
+    for name, r in (peer.get("rows") or {}).items():
+        off = (r.get("off") or {}).get("tok_s")
+        for mode, on in r.items():
+            if mode != "off":
+                rows.append([spec_row_label(name), num(off), f"`{mode}`", *spec_cells(on, off)])
+    regen_off = ((peer.get("rows") or {}).get("regenerate") or {}).get("off") or {}
+    note = ""
+    if regen_off.get("same_as_first_reply") is False:
+        note = (
+            "\n\nllama-server's own greedy regenerate, speculation off, differed from its first reply (its prompt "
+            "cached the second time): its identical column compares with that regenerate."
+        )
+    flags = peer.get("flags") or {}
+    words = "; ".join(f"{mode}: `{flag}`" for mode, flag in flags.items())
+    out += "\n\nllama-server on the same prompt ids, its own tok/s (`predicted_per_second`)"
+    out += (f" ({words})" if words else "") + ":\n\n"
+    return out + table(["workload", "off", "mode", "on", "on / off", "acceptance", "identical"], rows) + note
+
+
 def render_generic(data: object) -> str:
     """Any other results file: its figures as recorded, one row a value (lists as their median)."""
     rows: list[list[str]] = []
@@ -478,6 +556,17 @@ KNOWN: dict[str, Spec] = {
         "each turn's first prompt.",
         "`python benchmarks/tool_rounds.py [--rounds 2]` (part of `make bench`).",
         render_tool_rounds,
+    ),
+    "spec_decode": Spec(
+        "Speculative decoding",
+        "Decode with speculative decoding off and on (the engine's `ngram`, `suffix` and `auto` drafts, no draft "
+        "model) on what it is for (a code edit that copies its prompt, a regenerated and a continued reply) and on "
+        "what it must not slow (ordinary chats, many chats at once), on the default model in one run; and "
+        "llama-server's draftless speculation (`ngram-simple`, and `ngram-mod` of `--spec-default`) against its "
+        "defaults on the same prompts.",
+        "`make bench-peers` once for the llama-server side, then `python benchmarks/spec_decode.py [--rounds 3]` "
+        "(`--quick`: a smoke run in under a minute).",
+        render_spec_decode,
     ),
     "sampling_cost": Spec(
         "What penalties and logprobs cost",
