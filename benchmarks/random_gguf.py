@@ -1,4 +1,4 @@
-"""Write a random-weight GGUF of a model's shape: its architecture, tokenizer and metadata, a longer context.
+"""Write a random-weight GGUF: a model's shape with a longer context, or another Llama shape under its tokenizer.
 
 The default model holds 8,192 tokens and shared_prompt.py measures 30,000-token system prompts: this
 writes a stand-in of the default model's shape with its context length raised (32,768 unless told)
