@@ -1,4 +1,4 @@
-"""Write a random-weight GGUF of a model's shape: its architecture, tokenizer and metadata, a longer context.
+"""Write a random-weight GGUF: a model's shape with a longer context, or another Llama shape under its tokenizer.
 
 The default model holds 8,192 tokens and shared_prompt.py measures 30,000-token system prompts: this
 writes a stand-in of the default model's shape with its context length raised (32,768 unless told)
@@ -12,15 +12,40 @@ are shuffled, a valid encoding of other weights. One-dimensional tensors (norms,
 factors) are copied: they are a rounding error of the file and keep the activations' scale sane.
 
     python benchmarks/random_gguf.py SOURCE.gguf|default OUT.gguf [--context 32768] [--seed 0]
+
+With ``--shape NAME`` it writes a model of another shape instead: the source's tokenizer and metadata
+(a Llama-architecture source, the default model's SmolLM2-135M for ``default``), the named shape's
+dimensions, and the tensor types of llama.cpp's quantisation mix for ``--type`` (Q4_K_M unless told;
+Q8_0, Q4_0, F16). Its blocks are written directly, random quant bits under scales chosen so that the
+dequantised weights are ~N(0, 0.02)-sized and finite, a tensor at a time (bounded memory); norms are
+ones. The context length is the shape's own unless ``--context`` says otherwise.
+
+    python benchmarks/random_gguf.py default OUT.gguf --shape smollm2-1.7b [--type Q4_K_M] [--context N]
+
+The shapes (SHAPES): ``smollm2-1.7b`` and ``smollm2-360m`` are those models' bodies, and their
+tokenizer is the 135M's (exact); ``llama-3b`` is Llama-3.2-3B's body (its layers, heads and widths)
+with the source's 49,152-token vocabulary, so its embedding and head are smaller than the real
+model's 128,256 rows, and without its llama3 RoPE scaling factors (a cost-free difference).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quantize
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    GGUFWriter,
+    LlamaFileType,
+    quantize,
+)
 
 WEIGHT_STD = 0.02  # as a freshly initialised transformers model's
 PLAIN = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
@@ -73,11 +98,231 @@ def write_random_gguf(source: Path, out: Path, context: int, seed: int = 0) -> P
     return out
 
 
+@dataclass(frozen=True)
+class Shape:
+    """A Llama body's dimensions (the vocabulary is the source tokenizer's)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    context: int = 8192  # the trained context length, written unless --context is given
+    rope_theta: float | None = None  # None: the source's
+    size_label: str = ""
+
+
+SHAPES = {
+    "smollm2-1.7b": Shape(2048, 24, 32, 32, 8192, 8192, 130000.0, "1.7B"),
+    "smollm2-360m": Shape(960, 32, 15, 5, 2560, 8192, 100000.0, "360M"),
+    "llama-3b": Shape(3072, 28, 24, 8, 8192, 131072, 500000.0, "3B"),
+}
+# The type most matrices of a mix get (llama.cpp's default type for the file type).
+MIXES = {"Q4_K_M": "Q4_K", "Q8_0": "Q8_0", "Q4_0": "Q4_0", "F16": "F16"}
+QK_K = 256  # a K-quant block's weights: rows of another length cannot hold K blocks
+# llama.cpp's replacement for a K type on rows that are not a multiple of QK_K (llama-quant.cpp).
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+# The per-tensor dimensions (numpy order: rows, columns) of a Llama body's tensors, by name in a block.
+BLOCK_ROLES = (
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+)
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers that get more bits: the first and last eighth, and every third between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def mix_type(name: str, columns: int, layers: int, mix: str, tied: bool) -> str:
+    """The type llama.cpp's quantisation (llama_tensor_get_type) gives matrix ``name`` in file type ``mix``.
+
+    The head (the token embedding where the head is tied to it) is Q6_K unless the mix is Q8_0; in
+    Q4_K_M, attn_v and ffn_down are Q6_K in the layers ``use_more_bits`` picks; K types on rows that
+    are not a multiple of 256 fall back as llama.cpp's do (Q4_K -> Q5_0, Q6_K -> Q8_0)."""
+    kind = MIXES[mix]
+    if kind == "F16":  # llama.cpp mixes only quantised file types
+        return kind
+    layer = re.match(r"blk\.(\d+)\.", name)
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        if kind != "Q8_0":
+            kind = "Q6_K" if columns % QK_K == 0 else "Q8_0"
+    elif layer and mix == "Q4_K_M" and name.endswith(("attn_v.weight", "ffn_down.weight")):
+        kind = "Q6_K" if use_more_bits(int(layer.group(1)), layers) else kind
+    if columns % QK_K:
+        kind = K_FALLBACK.get(kind, kind)
+    return kind
+
+
+def _half_bytes(values: np.ndarray) -> np.ndarray:
+    """float values [n] -> their float16 encodings as bytes [n, 2]."""
+    return np.asarray(values, np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _pack_k_scales(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """Eight 6-bit sub-block scales and mins per block ``[n, 8]`` -> Q4_K/Q5_K's twelve bytes (ggml's get_scale_min_k4)."""
+    sc, mn = scales.astype(np.uint8), mins.astype(np.uint8)
+    out = np.empty((sc.shape[0], 12), np.uint8)
+    out[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    out[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    return out
+
+
+def _rms_of_uniform(levels: int, centre: float) -> float:
+    """The root mean square of ``q - centre`` for q uniform over 0..levels-1."""
+    q = np.arange(levels, dtype=np.float64) - centre
+    return float(np.sqrt(np.mean(q * q)))
+
+
+def random_blocks(kind: str, blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """``blocks`` blocks of ``kind`` as bytes ``[blocks, type size]``: random quant bits, and scale fields
+    chosen so that the dequantised weights have a root mean square of WEIGHT_STD (finite by construction)."""
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
+    raw = rng.integers(0, 256, size=(blocks, size), dtype=np.uint8)
+    if kind in ("Q8_0", "Q4_0", "Q5_0"):  # w = d * (q - centre), one float16 d first
+        spread = {"Q8_0": _rms_of_uniform(256, 128), "Q4_0": _rms_of_uniform(16, 8), "Q5_0": _rms_of_uniform(32, 16)}
+        # q - centre averages -1/2: d's sign is random (as a quantiser's signed d is) so that no layer gets
+        # a common offset in all its weights, which over many layers would drive every position alike.
+        sign = rng.choice(np.array([-1.0, 1.0]), size=blocks)
+        raw[:, 0:2] = _half_bytes(sign * WEIGHT_STD / spread[kind])
+    elif kind == "Q4_K":  # w = d * scale * q - dmin * min per sub-block of 32: min = scale, dmin = 7.5 d centres q
+        scales = rng.integers(32, 64, size=(blocks, 8))
+        d = WEIGHT_STD / (_rms_of_uniform(16, 7.5) * np.sqrt(np.mean(scales.astype(np.float64) ** 2, axis=1)))
+        raw[:, 0:2], raw[:, 2:4] = _half_bytes(d), _half_bytes(7.5 * d)
+        raw[:, 4:16] = _pack_k_scales(scales, scales)
+    elif kind == "Q6_K":  # w = d * scale * (q - 32) per sub-block of 16, signed 8-bit scales, d last
+        scales = rng.integers(8, 17, size=(blocks, 16)) * rng.choice(np.array([-1, 1]), size=(blocks, 16))
+        d = WEIGHT_STD / (_rms_of_uniform(64, 32) * np.sqrt(np.mean(scales.astype(np.float64) ** 2, axis=1)))
+        raw[:, 192:208] = scales.astype(np.int8).view(np.uint8)
+        raw[:, 208:210] = _half_bytes(d)
+    else:
+        raise ValueError(f"no random block writer for {kind} (have Q8_0 Q4_0 Q5_0 Q4_K Q6_K)")
+    return raw
+
+
+def _tensor_dims(name: str, shape: Shape, vocab: int) -> tuple[int, ...]:
+    """Tensor ``name``'s dimensions in ``shape``, numpy order (rows, columns), or (length,) for a norm."""
+    head = shape.hidden // shape.heads
+    h, q, kv, inter = shape.hidden, shape.heads * head, shape.kv_heads * head, shape.intermediate
+    role = re.sub(r"^blk\.\d+\.", "", name)
+    dims = {
+        "token_embd.weight": (vocab, h),
+        "output.weight": (vocab, h),
+        "output_norm.weight": (h,),
+        "attn_norm.weight": (h,),
+        "ffn_norm.weight": (h,),
+        "attn_q.weight": (q, h),
+        "attn_k.weight": (kv, h),
+        "attn_v.weight": (kv, h),
+        "attn_output.weight": (h, q),
+        "ffn_gate.weight": (inter, h),
+        "ffn_up.weight": (inter, h),
+        "ffn_down.weight": (h, inter),
+    }
+    if role not in dims:
+        raise ValueError(f"{name}: not a tensor of a plain Llama body; reshaping knows {', '.join(dims)}")
+    return dims[role]
+
+
+def write_shaped_gguf(
+    source: Path, out: Path, shape: Shape, mix: str = "Q4_K_M", context: int | None = None, seed: int = 0
+) -> Path:
+    """A Llama GGUF of ``shape`` with ``source``'s tokenizer and metadata, llama.cpp's ``mix`` of tensor
+    types and random weights (norms are ones), written a tensor at a time."""
+    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
+        raise ValueError(f"{shape}: the heads must divide the width and the KV heads the heads")
+    reader = GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    if arch != "llama":
+        raise ValueError(f"{source}: architecture {arch!r}; reshaping writes Llama bodies from a Llama source")
+    names = [t.name for t in reader.tensors]
+    vocab = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[1])
+    tied = "output.weight" not in names
+    head = shape.hidden // shape.heads
+    context = context or shape.context
+    label = shape.size_label or f"{shape.layers}x{shape.hidden}"
+    override = {
+        f"{arch}.embedding_length": shape.hidden,
+        f"{arch}.block_count": shape.layers,
+        f"{arch}.feed_forward_length": shape.intermediate,
+        f"{arch}.attention.head_count": shape.heads,
+        f"{arch}.attention.head_count_kv": shape.kv_heads,
+        f"{arch}.context_length": context,
+        f"{arch}.rope.dimension_count": head,
+        "general.file_type": int(LlamaFileType[f"MOSTLY_{mix}"]),
+        "general.size_label": label,
+    }
+    floats = {f"{arch}.rope.freq_base": shape.rope_theta} if shape.rope_theta is not None else {}
+    writer = GGUFWriter(out, arch)
+    for name, field in reader.fields.items():
+        if name.startswith(NOT_COPIED):
+            continue
+        value = override.pop(name, floats.pop(name, field.contents()))
+        if name == "general.name":
+            value = f"{value} reshaped to {label} (random weights, {mix})"
+        main = field.types[0]
+        writer.add_key_value(name, value, main, field.types[-1] if main == GGUFValueType.ARRAY else None)
+    for name, value in override.items():  # keys the source lacks
+        if isinstance(value, str):
+            writer.add_string(name, value)
+        else:
+            writer.add_uint32(name, value)
+    for name, value in floats.items():
+        writer.add_float32(name, value)
+
+    top = [n for n in names if not n.startswith("blk.")]
+    order = [n for n in top if n == "token_embd.weight"]
+    order += [f"blk.{i}.{role}" for i in range(shape.layers) for role in BLOCK_ROLES]
+    order += [n for n in top if n != "token_embd.weight"]
+    plan: list[tuple[str, tuple[int, ...], str]] = []
+    for name in order:
+        dims = _tensor_dims(name, shape, vocab)
+        kind = "F32" if len(dims) == 1 else mix_type(name, dims[1], shape.layers, mix, tied)
+        plan.append((name, dims, kind))
+        if kind in ("F32", "F16"):
+            dtype = np.dtype(np.float32 if kind == "F32" else np.float16)
+            writer.add_tensor_info(name, dims, dtype, int(np.prod(dims)) * dtype.itemsize)
+        else:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+            row_bytes = dims[1] // block * size
+            writer.add_tensor_info(
+                name, (dims[0], row_bytes), np.dtype(np.uint8), dims[0] * row_bytes, GGMLQuantizationType[kind]
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, dims, kind in plan:  # a tensor's bytes at a time: memory is the largest tensor's
+        if kind == "F32":
+            data = np.ones(dims, np.float32)  # RMSNorm weights as a fresh model's
+        elif kind == "F16":
+            data = (rng.standard_normal(dims, dtype=np.float32) * WEIGHT_STD).astype(np.float16)
+        else:
+            block = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
+            data = random_blocks(kind, dims[0] * dims[1] // block, rng)
+        writer.write_tensor_data(data)
+        del data
+    writer.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("source", help="the GGUF whose shape to copy; 'default': the default model's")
+    ap.add_argument(
+        "source", help="the GGUF whose shape (or, with --shape, tokenizer) to copy; 'default': the default model's"
+    )
     ap.add_argument("out", type=Path)
-    ap.add_argument("--context", type=int, default=32768, help="the new context length (default 32768)")
+    ap.add_argument("--context", type=int, help="the new context length (default 32768; with --shape, the shape's)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="write this shape instead of the source's")
+    ap.add_argument("--type", choices=list(MIXES), default="Q4_K_M", help="with --shape: llama.cpp's type mix")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.source == "default":
@@ -86,7 +331,12 @@ def main() -> None:
         source = default_model_path()
     else:
         source = Path(args.source)
-    print(f"wrote {write_random_gguf(source, args.out, args.context, args.seed)}")
+    start = time.perf_counter()
+    if args.shape:
+        out = write_shaped_gguf(source, args.out, SHAPES[args.shape], args.type, args.context, args.seed)
+    else:
+        out = write_random_gguf(source, args.out, args.context or 32768, args.seed)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:,.0f} MiB in {time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":
