@@ -160,4 +160,4 @@ class ResolvedConfig:
     kv_disk: bool  # the disk tier is open
     cascade_attention: bool
     speculative: str = "off"  # the draft proposer: "off", "ngram" or "suffix"
-    speculative_max_decodes: int | None = None  # it drafts while at most this many sequences decode; None: always
+    speculative_max_rows: int | None = None  # a step's decode rows at most, drafts included; None: no limit

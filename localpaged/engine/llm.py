@@ -98,9 +98,7 @@ class LLM:
         self.kv_disk = parts.kv_disk
         self.kv = KVCacheManager(self.pool, self.kv_disk, self.runner)
         self.speculator = (
-            Speculator(resolved.speculative, resolved.speculative_max_decodes)
-            if resolved.speculative != "off"
-            else None
+            Speculator(resolved.speculative, resolved.speculative_max_rows) if resolved.speculative != "off" else None
         )
         self.scheduler = Scheduler(
             self.kv, resolved.max_num_seqs, resolved.max_num_batched_tokens, self.speculator, resolved.max_model_len

@@ -77,12 +77,14 @@ class Scheduler:
         preempted = self._fork_ready()
         decodes_first = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival))
         num_decodes = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        spare = self.speculator.spare_rows(num_decodes) if self.speculator is not None else 0
         for seq in decodes_first:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            seq.spec_token_ids = self._drafts(seq, budget, num_decodes)
+            seq.spec_token_ids = self._drafts(seq, min(budget - 1, spare))
+            spare -= len(seq.spec_token_ids)
             n = min(seq.num_schedulable_tokens, budget) + len(seq.spec_token_ids)
             while not self.kv.can_allocate(seq, n):
                 if seq.spec_token_ids:  # drafts go before anyone is preempted
@@ -128,15 +130,15 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(seqs, counts)
 
-    def _drafts(self, seq: Sequence, budget: int, num_decodes: int) -> list[int]:
-        """Draft tokens for a decoding ``seq`` (engine.speculative), within the step's budget, its max_tokens and
-        the context; [] for a sequence with more than its last token to compute."""
+    def _drafts(self, seq: Sequence, room: int) -> list[int]:
+        """At most ``room`` draft tokens for a decoding ``seq`` (engine.speculative), within its max_tokens and the
+        context; [] for a sequence with more than its last token to compute."""
         if self.speculator is None or seq.num_uncomputed_tokens != 1 or seq.forks:
             return []
-        room = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
+        room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - seq.num_tokens - 1)
-        return self.speculator.drafts(seq, room, num_decodes)
+        return self.speculator.drafts(seq, room)
 
     def _fork_ready(self) -> bool:
         """Fork the samples of every running first sample that has computed its prompt but the last token,

@@ -17,7 +17,7 @@ import torch
 from localpaged.config import EngineConfig, ResolvedConfig, check_field, parse_bytes
 from localpaged.engine.kv_disk import BlockLayout, KVDiskTier, layout_fingerprint
 from localpaged.engine.runner import ModelRunner
-from localpaged.engine.speculative import AUTO_MAX_DECODES
+from localpaged.engine.speculative import AUTO_MAX_ROWS
 from localpaged.engine.tokenizer import load_tokenizer
 from localpaged.errors import ConfigError
 from localpaged.kernels import cpu
@@ -291,7 +291,9 @@ def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | 
         kv_disk=config.kv_disk and config.enable_prefix_caching,
         cascade_attention=config.cascade_attention,
         speculative="suffix" if config.speculative == "auto" else config.speculative,
-        speculative_max_decodes=AUTO_MAX_DECODES if config.speculative == "auto" else None,
+        speculative_max_rows=AUTO_MAX_ROWS["cpu" if device.type == "cpu" else "gpu"]
+        if config.speculative == "auto"
+        else None,
     )
     kv_disk = None
     if resolved.kv_disk:

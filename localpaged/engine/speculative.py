@@ -15,9 +15,10 @@ earlier one). Each sequence adapts its k: it grows while drafts are taken whole 
 taken, and a sequence whose drafts keep missing waits a while before it proposes again. Not every request
 speculates: a grammar, penalties or bias (their logits depend on the tokens before each row, which the
 batched sampler reads from the sequence) and a seeded sampled request (its stream must not depend on what
-else runs) decode one token a step. "auto" speculates with the suffix proposer while the batch is small
-enough that a step's cost is its weight reads (``AUTO_MAX_DECODES``): there extra rows cost little, and
-in a large batch the step is bound by arithmetic and drafts would only add to it.
+else runs) decode one token a step. "auto" speculates with the suffix proposer while a step's decode rows,
+drafts included, stay within ``AUTO_MAX_ROWS``: on the CPU the native matmul multiplies up to four rows
+straight from the packed weights, and past that it unpacks a panel first, so a fifth row costs about
+as much as the step did (``benchmarks/spec_decode.py`` measures the engine with and without drafts).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from dataclasses import dataclass
 from localpaged.engine.proposer import History, NgramIndex, NgramProposer
 from localpaged.engine.sequence import Sequence
 
-MODES = ("auto", "off", "ngram", "suffix")
-K_START = 4  # drafts a sequence proposes at first
-K_MAX = 8  # the most a sequence proposes in one step
-AUTO_MAX_DECODES = 8  # "auto" speculates while at most this many sequences decode in a step
+K_START = 3  # drafts a sequence proposes at first
+K_MAX = 3  # the most a sequence proposes in a step: with its own token, the CPU matmul's four direct rows
+# "auto": a step's decode rows at most, drafts included. On the CPU, the native matmul's direct rows; on a GPU a
+# decode step is bound by reading weights well past this (not yet measured here).
+AUTO_MAX_ROWS = {"cpu": 4, "gpu": 16}
 MAX_IDLE = 16  # steps a sequence whose drafts keep missing waits, at most, before it proposes again
 OWN_NGRAMS = (2, 4)  # n-gram sizes looked up in a sequence's own tokens
 HISTORY_NGRAMS = (3, 8)  # and in the engine's history: longer, since it holds many requests' text
@@ -50,9 +52,9 @@ class Speculator:
     """Drafts for the scheduler (an engine with speculation off has none), and the counts of proposed and accepted
     draft tokens for the engine's stats."""
 
-    def __init__(self, mode: str, max_decodes: int | None = None) -> None:
-        """``mode``: "ngram" or "suffix"; ``max_decodes``: draft only while at most that many sequences decode."""
-        self.max_decodes = max_decodes
+    def __init__(self, mode: str, max_rows: int | None = None) -> None:
+        """``mode``: "ngram" or "suffix"; ``max_rows``: a step's decode rows at most, drafts included (None: any)."""
+        self.max_rows = max_rows
         self.own = NgramProposer(K_MAX, *OWN_NGRAMS)
         self.history = History(*HISTORY_NGRAMS) if mode == "suffix" else None
         self.num_proposed = 0
@@ -64,11 +66,13 @@ class Speculator:
         p = seq.params
         return p.structured is None and not p.penalized and (p.greedy or p.seed is None)
 
-    def drafts(self, seq: Sequence, room: int, num_decodes: int) -> list[int]:
-        """Up to ``room`` draft tokens for ``seq``'s next step ([] when it should decode one token), with
-        ``num_decodes`` sequences decoding in the step."""
-        too_many = self.max_decodes is not None and num_decodes > self.max_decodes
-        if room <= 0 or too_many or not self.takes(seq):
+    def spare_rows(self, num_decodes: int) -> int:
+        """How many draft tokens a step with ``num_decodes`` decoding sequences may take in all."""
+        return K_MAX * num_decodes if self.max_rows is None else max(self.max_rows - num_decodes, 0)
+
+    def drafts(self, seq: Sequence, room: int) -> list[int]:
+        """Up to ``room`` draft tokens for ``seq``'s next step ([] when it should decode one token)."""
+        if room <= 0 or not self.takes(seq):
             return []
         state: SpecState | None = seq.spec
         if state is None:

@@ -112,7 +112,10 @@ class RandomDrafts:
         self.spoil = spoil
         self.checked: list[tuple[int, int]] = []  # (proposed, accepted) of every step's check
 
-    def drafts(self, seq: Sequence, room: int, num_decodes: int) -> list[int]:
+    def spare_rows(self, num_decodes: int) -> int:
+        return self.rng.randint(0, 5 * num_decodes)
+
+    def drafts(self, seq: Sequence, room: int) -> list[int]:
         done = seq.num_output_tokens
         true = self.expected[seq.key][done : done + self.rng.randint(0, max(min(room, 5), 0))]
         return [(t + 1) % VOCAB if self.rng.random() < self.spoil else t for t in true]

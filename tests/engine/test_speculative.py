@@ -70,7 +70,7 @@ def test_drafts_right_wrong_and_in_between_give_the_greedy_tokens_without_them(e
     replies = {tuple(p): r for p, r in zip(PROMPTS, expected)}
     rng = random.Random(0)
 
-    def oracle(seq, room, num_decodes):
+    def oracle(seq, room):
         reply = replies[tuple(seq.token_ids[: seq.num_prompt_tokens])]
         k = rng.randint(0, min(room, 6))
         true = reply[seq.num_output_tokens : seq.num_output_tokens + k]
@@ -208,13 +208,15 @@ def seq(tokens: list[int], **params) -> Sequence:
 def test_k_grows_while_drafts_are_taken_whole_and_falls_to_what_was_taken():
     spec = Speculator("ngram")
     s = seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2])
-    assert spec.drafts(s, room=100, num_decodes=1) == [3, 4, 5, 6][:K_START]
-    spec.verified(s, K_START, K_START)
-    assert s.spec.k == min(2 * K_START, K_MAX)
-    spec.verified(s, 8, 2)
-    assert s.spec.k == 3
-    assert spec.drafts(s, room=2, num_decodes=1) == [3, 4]  # never past the room the scheduler gives
-    assert (spec.num_proposed, spec.num_accepted) == (K_START + 8, K_START + 2)
+    assert K_START == K_MAX == 3 and spec.drafts(s, room=100) == [3, 4, 5]
+    spec.verified(s, 3, 0)
+    assert spec.drafts(s, room=100) == [3]  # all refused: one draft next
+    spec.verified(s, 1, 1)
+    assert spec.drafts(s, room=100) == [3, 4]  # taken whole: twice as many, up to K_MAX
+    spec.verified(s, 2, 2)
+    assert s.spec.k == K_MAX
+    assert spec.drafts(s, room=2) == [3, 4]  # never past the room the scheduler gives
+    assert (spec.num_proposed, spec.num_accepted) == (6, 3)
 
 
 def test_a_sequence_whose_drafts_keep_missing_waits_longer_each_time():
@@ -222,10 +224,10 @@ def test_a_sequence_whose_drafts_keep_missing_waits_longer_each_time():
     s = seq([1, 2, 3, 1, 2])
     waits = []
     for _ in range(4):
-        assert spec.drafts(s, room=10, num_decodes=1)
+        assert spec.drafts(s, room=10)
         spec.verified(s, 1, 0)
         wait = 0
-        while not spec.drafts(s, room=10, num_decodes=1):
+        while not spec.drafts(s, room=10):
             wait += 1
         waits.append(wait)
     assert waits == [0, 1, 3, 7]
@@ -234,14 +236,14 @@ def test_a_sequence_whose_drafts_keep_missing_waits_longer_each_time():
 
 
 def test_the_batch_limit_and_the_requests_that_cannot_speculate():
-    spec = Speculator("ngram", max_decodes=8)
+    spec = Speculator("ngram", max_rows=4)
     tokens = [1, 2, 3, 1, 2]
-    assert spec.drafts(seq(tokens), room=10, num_decodes=9) == []
-    assert spec.drafts(seq(tokens), room=10, num_decodes=8)
-    assert spec.drafts(seq(tokens, repetition_penalty=1.1), room=10, num_decodes=1) == []
+    assert [spec.spare_rows(n) for n in (1, 3, 4, 9)] == [3, 1, 0, 0]
+    assert Speculator("ngram").spare_rows(5) == 5 * K_MAX  # explicit modes: every sequence its K_MAX
+    assert spec.drafts(seq(tokens, repetition_penalty=1.1), room=10) == []
     sampled = Sequence("r", list(tokens), SamplingParams(temperature=1.0, seed=1))
-    assert spec.drafts(sampled, room=10, num_decodes=1) == []
-    assert spec.drafts(Sequence("r", list(tokens), SamplingParams(temperature=1.0)), room=10, num_decodes=1)
+    assert spec.drafts(sampled, room=10) == []
+    assert spec.drafts(Sequence("r", list(tokens), SamplingParams(temperature=1.0)), room=10)
 
 
 def test_suffix_drafts_come_from_an_earlier_reply_after_the_same_prompt_end():
@@ -250,7 +252,7 @@ def test_suffix_drafts_come_from_an_earlier_reply_after_the_same_prompt_end():
     earlier.num_prompt_tokens = 20
     spec.finished(earlier)
     again = seq(list(range(100, 120)))
-    assert spec.drafts(again, room=4, num_decodes=1) == [50, 51, 52, 53]
+    assert spec.drafts(again, room=4) == [50, 51, 52]  # K_MAX of them
 
 
 def test_history_keeps_its_newest_tokens_within_its_limit():
@@ -267,8 +269,8 @@ def test_the_setting_is_checked_once_and_resolved_to_what_runs(tiny_llm):
         EngineConfig(speculative="draft")
     assert EngineConfig().speculative == "auto"
     resolved = tiny_llm().resolved
-    assert (resolved.speculative, resolved.speculative_max_decodes) == ("suffix", 8)
-    assert (tiny_llm(speculative="ngram").resolved.speculative_max_decodes) is None
+    assert (resolved.speculative, resolved.speculative_max_rows) == ("suffix", 4)
+    assert (tiny_llm(speculative="ngram").resolved.speculative_max_rows) is None
 
 
 @pytest.mark.model
