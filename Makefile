@@ -59,6 +59,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/structured_speed.py
 	$(PY) benchmarks/sampling_cost.py
 	$(PY) benchmarks/tool_rounds.py
+	$(PY) benchmarks/spec_decode.py
 	$(PY) tools/benchmarks_doc.py
 
 # llama.cpp's server and benches, built once into the cache folder (about 10 minutes on two
