@@ -89,16 +89,14 @@ class Speculator:
         return drafts
 
     def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        """Count a step's check of ``proposed`` drafts of which the first ``accepted`` were kept, and adapt k."""
-        if not proposed:
-            return
+        """Count a step's check of ``proposed`` (> 0) drafts of which the first ``accepted`` were kept, and adapt k."""
         self.num_proposed += proposed
         self.num_accepted += accepted
         state: SpecState = seq.spec
         if accepted == proposed:
             state.k = min(state.k * 2, K_MAX)
         else:
-            state.k = max(accepted + 1, 1)
+            state.k = accepted + 1
         if accepted:
             state.misses = 0
         else:
