@@ -613,7 +613,7 @@ class Session:
             raise ConfigError(f"max_tool_rounds={max_rounds!r}: use a whole number of rounds, at least 1")
         capabilities = self.engine.info.capabilities
         if not capabilities.tools:
-            raise RequestError(f"this engine takes no tools: {capabilities.note}; send without tools=")
+            raise RequestError(f"this engine takes no tools: {capabilities.why_off('tools')}; send without tools=")
         by_name = {tool.name: tool for tool in tools}
         fmt = self.tool_format()
         prompt_plan, parse_plan, grammar = self._round(tools, choice, fmt)

@@ -13,8 +13,8 @@ may not continue a cut-off reply, and never shows its KV pool.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
@@ -38,8 +38,13 @@ class EngineCapabilities:
     tokenize: bool  # encode_chat works (a tokenizer here, or the server's /tokenize)
     continue_reply: bool  # a chat ending in an assistant message goes on from it (continue)
     kv_pool: bool  # stats() has the block figures and kv_map() draws the pool
-    tools: bool = True  # tool turns work (a remote server that refuses JSON-schema replies cannot: the note says why)
-    note: str = ""  # why some of the above are missing, in words for the user
+    tools: bool = True  # tool turns work (a remote server that refuses JSON-schema replies cannot)
+    # Why a capability is off, by its field's name, in words for the user: each refusal says only its own reason.
+    notes: Mapping[str, str] = field(default_factory=dict)
+
+    def why_off(self, capability: str) -> str:
+        """Why ``capability`` (a field's name) is off here, for an error or a hint."""
+        return self.notes.get(capability, "this engine does not offer it")
 
 
 LOCAL = EngineCapabilities(token_prompts=True, tokenize=True, continue_reply=True, kv_pool=True)

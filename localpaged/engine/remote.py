@@ -260,24 +260,24 @@ class RemoteEngine:
         return _token_list(self._post("/tokenize", {"content": prompt})) or []
 
     def _capabilities(self) -> EngineCapabilities:
-        notes = []
+        notes = {}
         if self._tokenize is None:
-            notes.append("it has no /tokenize, so the server alone judges whether a chat fits its context")
+            notes["tokenize"] = "it has no /tokenize, so the server alone judges whether a chat fits its context"
         if self.server not in CONTINUE_FIELDS:
-            notes.append(
+            notes["continue_reply"] = (
                 "continue needs a server that takes a partial reply as an assistant prefix (localpaged, vLLM, "
                 f"llama.cpp); this one calls itself {self.server!r}"
             )
         refusal = self._tools_refusal()
         if refusal is not None:
-            notes.append(f"it refuses JSON-schema replies, which tools need ({refusal})")
+            notes["tools"] = f"it refuses JSON-schema replies, which tools need ({refusal})"
         return EngineCapabilities(
             token_prompts=False,
             tokenize=self._tokenize is not None,
             continue_reply=self.server in CONTINUE_FIELDS,
             kv_pool=False,
             tools=refusal is None,
-            note="; ".join(notes),
+            notes=notes,
         )
 
     def _tools_refusal(self) -> str | None:
@@ -395,7 +395,9 @@ class RemoteEngine:
             messages = check_messages(prompt)
             if messages[-1]["role"] == "assistant":  # a reply to continue
                 if not self.info.capabilities.continue_reply:
-                    raise RequestError(f"{self.url} cannot continue a reply: {self.info.capabilities.note}")
+                    raise RequestError(
+                        f"{self.url} cannot continue a reply: {self.info.capabilities.why_off('continue_reply')}"
+                    )
                 extra.update(CONTINUE_FIELDS[self.server])
                 echo = messages[-1]["content"] if self.server in ECHOES_PREFIX else None
             body["messages"] = messages

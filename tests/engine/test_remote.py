@@ -236,7 +236,9 @@ def test_continue_is_off_where_the_server_cannot(ours: str, store: ChatStore) ->
     session = Session.new(remote, store)
     session.send("Count.", SamplingParams(max_tokens=4, temperature=0))
     assert session.continuable() is not None
-    capabilities = dataclasses.replace(remote.info.capabilities, continue_reply=False, note="not this one")
+    capabilities = dataclasses.replace(
+        remote.info.capabilities, continue_reply=False, notes={"continue_reply": "not this one"}
+    )
     remote.info = dataclasses.replace(remote.info, capabilities=capabilities)
     assert session.continuable() is None
     with pytest.raises(RequestError, match="only a last reply that stopped at a token limit"):
@@ -290,7 +292,8 @@ def test_a_stream_cut_off_keeps_the_partial_and_says_why(store: ChatStore) -> No
     with stub_server(HalfServer) as url:
         remote = RemoteEngine(url)
         assert not remote.info.capabilities.tokenize and not remote.info.capabilities.continue_reply
-        assert "no /tokenize" in remote.info.capabilities.note and "'half'" in remote.info.capabilities.note
+        notes = remote.info.capabilities.notes
+        assert "no /tokenize" in notes["tokenize"] and "'half'" in notes["continue_reply"] and "tools" not in notes
         session = Session.new(remote, store)
         with pytest.raises(RemoteEngineError, match="closed the stream before the reply finished"):
             session.send("hi")
@@ -326,7 +329,7 @@ def test_a_server_that_refuses_schema_replies_turns_tools_off_with_its_words(
         capabilities = RemoteEngine(url).info.capabilities
         assert capabilities.tools is takes_tools
         said = "it refuses JSON-schema replies, which tools need (only response_format {'type': 'text'} is supported)"
-        assert (said in capabilities.note) is not takes_tools
+        assert capabilities.notes.get("tools") == (None if takes_tools else said)
         if not takes_tools:
             session = Session.new(RemoteEngine(url), store)
 

@@ -170,7 +170,7 @@ async def test_a_new_system_prompt_on_an_empty_chat_changes_it_in_place(make_app
 async def test_continue_is_dimmed_with_a_note_where_the_engine_cannot(make_app, engine) -> None:
     """A remote server that cannot go on from a partial reply: continue shows, dimmed, and says why."""
     engine.default, engine.delay = long_reply, 0
-    capabilities = dataclasses.replace(LOCAL, continue_reply=False, note="this server cannot")
+    capabilities = dataclasses.replace(LOCAL, continue_reply=False, notes={"continue_reply": "this server cannot"})
     engine.info = dataclasses.replace(engine.info, capabilities=capabilities)
     app = make_app(settings=Settings(sampling=SamplingSettings(max_tokens=30)))
     async with app.run_test(size=(120, 40)) as pilot:

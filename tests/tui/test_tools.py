@@ -138,7 +138,9 @@ async def test_a_restart_shows_and_replays_the_stored_calls(store) -> None:
 
 async def test_an_engine_that_refuses_tools_shows_why_instead_of_the_picker(store) -> None:
     engine = FakeEngine()
-    refuses = EngineCapabilities(False, False, False, False, tools=False, note="it refuses JSON-schema replies")
+    refuses = EngineCapabilities(
+        False, False, False, False, tools=False, notes={"tools": "it refuses JSON-schema replies"}
+    )
     engine.info = dataclasses.replace(FAKE_INFO, capabilities=refuses)
     async with make(store, engine).run_test(size=(120, 40)) as pilot:
         screen = await main_screen(pilot)

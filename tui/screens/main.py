@@ -443,7 +443,11 @@ class MainScreen(ChatActions):
         if chat is None or reply is None:
             capabilities = self.engine.info.capabilities
             if not capabilities.continue_reply:
-                self.notify(f"Continue is off on this engine: {capabilities.note}.", severity="warning", timeout=8)
+                self.notify(
+                    f"Continue is off on this engine: {capabilities.why_off('continue_reply')}.",
+                    severity="warning",
+                    timeout=8,
+                )
             else:
                 self.notify("Only a reply that stopped at a token limit can be continued.", severity="warning")
             return
@@ -506,7 +510,7 @@ class MainScreen(ChatActions):
             self.show_title()
 
         capabilities = self.engine.info.capabilities
-        disabled = "" if capabilities.tools else f"Tools are off on this engine: {capabilities.note}."
+        disabled = "" if capabilities.tools else f"Tools are off on this engine: {capabilities.why_off('tools')}."
         self.app.push_screen(ToolsDialog(self.app.mcp, chat.session.tools_chosen, disabled), save)
 
     def action_toggle_kv_map(self) -> None:
