@@ -151,7 +151,7 @@ def test_the_async_front_end_with_random_prompts(front_end: AsyncLLM, prompt, pa
         assert out.finished and out.finish_reason in ("stop", "length")
     stats = front_end.stats()
     assert stats.blocks_used == 0 and stats.running == stats.waiting == 0
-    assert front_end._streams == {}  # no stream left registered by a request that could not be sent
+    assert len(front_end._streams) == 0  # no stream left registered by a request that could not be sent
 
 
 # -- the CLI -----------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ import itertools
 import os
 import queue
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +33,7 @@ from localpaged.engine import messages as m
 from localpaged.engine.core_client import CoreProcess, CoreThread
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput, TokenLogprob
 from localpaged.engine.protocol import EngineInfo, EngineStats, Prompt
+from localpaged.engine.request_registry import RequestRegistry, new_request_id
 from localpaged.engine.tokenizer import (
     check_messages,
     check_prompt_length,
@@ -43,6 +43,7 @@ from localpaged.engine.tokenizer import (
 )
 from localpaged.engine.vocabulary import Vocabulary
 from localpaged.errors import EngineDeadError, LocalpagedError, RequestError
+from localpaged.models import Progress
 from localpaged.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ class AsyncLLM:
         *,
         llm: Any = None,
         engine_process: bool | None = None,
-        progress: Callable[[str, float | None], None] | None = None,
+        progress: Progress | None = None,
         **engine_config: Any,
     ) -> None:
         """Start the engine core for `model` in its own process, or (``engine_process=False``) on a thread.
@@ -166,8 +167,8 @@ class AsyncLLM:
         ``llm`` wraps an existing LLM, or anything of its shape, on a thread of this process (tests).
         Start-up errors are the engine's own: a bad model path is a ModelNotFoundError, and so on.
         """
-        self._lock = threading.Lock()  # guards _streams, _calls, _closed
-        self._streams: dict[str, _Stream] = {}
+        self._streams: RequestRegistry[_Stream] = RequestRegistry()
+        self._lock = threading.Lock()  # guards _calls, _closed
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._closed: LocalpagedError | None = None  # why nothing more can be served
@@ -191,7 +192,7 @@ class AsyncLLM:
         self._max_prompt_chars = max_prompt_chars(self.tokenizer, self.info.max_model_len)
         atexit.register(self.shutdown)
 
-    def _start_process(self, config: dict, progress: Callable | None) -> None:
+    def _start_process(self, config: dict, progress: Progress | None) -> None:
         from localpaged.engine.tokenizer import load_front_end_tokenizer, load_tokenizer, probe_ids
 
         # The tokenizer loads here while the core loads the weights.
@@ -319,10 +320,7 @@ class AsyncLLM:
 
         Raises RequestError when no request with that id is in flight.
         """
-        with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is None:
-            raise RequestError(f"no request {request_id!r} is in flight (unknown id, or already finished)")
+        stream = self._streams.in_flight(request_id)
         self._send(m.Abort(request_id))
         await asyncio.wrap_future(stream.ended)
 
@@ -348,29 +346,20 @@ class AsyncLLM:
     def _open(
         self, prompt: list[int], params: SamplingParams | None, request_id: str | None, deliver: Deliver
     ) -> _Consumer:
-        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        stream = _Stream(request_id, deliver, n=params.n if params is not None else 1)
-        with self._lock:
-            if self._closed is not None:
-                raise self._closed
-            if request_id in self._streams:
-                raise RequestError(f"request id {request_id!r} is already in flight; use another id")
-            self._streams[request_id] = stream
+        stream = _Stream(new_request_id(request_id), deliver, n=params.n if params is not None else 1)
+        self._streams.add(stream)
         fields = None if params is None else dataclasses.asdict(params)
         try:
-            self._send(m.Add(request_id, prompt, fields))
+            self._send(m.Add(stream.request_id, prompt, fields))
         except BaseException:
-            with self._lock:
-                if self._streams.get(request_id) is stream:
-                    del self._streams[request_id]
+            self._streams.discard(stream)
             raise
         return _Consumer(self, stream)
 
     def _walk_away(self, stream: _Stream) -> None:
         """A consumer left early: abort its request, unless that id now belongs to someone else."""
-        with self._lock:
-            if self._closed is not None or self._streams.get(stream.request_id) is not stream:
-                return
+        if self._streams.get(stream.request_id) is not stream:
+            return  # it ended meanwhile (or the engine closed)
         self._send(m.Abort(stream.request_id), quiet=True)
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -418,8 +407,7 @@ class AsyncLLM:
                 future.set_result(message.value)
 
     def _on_output(self, out: m.Output) -> None:
-        with self._lock:
-            stream = self._streams.get(out.request_id)
+        stream = self._streams.get(out.request_id)
         if stream is None:
             return
         output = stream.update(out)
@@ -430,8 +418,7 @@ class AsyncLLM:
             self._walk_away(stream)
 
     def _end(self, request_id: str) -> _Stream | None:
-        with self._lock:
-            stream = self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id)
         if stream is not None:
             stream.ended.set_result(None)
         return stream
@@ -445,9 +432,9 @@ class AsyncLLM:
                 f"the engine core process died ({self._core.exit_cause()}); what was generated so far is kept. "
                 "Start a new engine to go on (in the app: restart; in a script: create a new AsyncLLM)"
             )
+        streams = self._streams.close(closed)
         with self._lock:
             self._closed = closed
-            streams, self._streams = list(self._streams.values()), {}
             calls, self._calls = list(self._calls.values()), {}
         for stream in streams:
             stream.ended.set_result(None)

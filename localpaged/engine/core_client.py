@@ -19,9 +19,9 @@ from typing import Any
 from localpaged.engine import messages as m
 from localpaged.engine.core import EngineCore
 from localpaged.errors import EngineDeadError
+from localpaged.models import Progress
 
 Dispatch = Callable[[Any], None]  # takes one decoded message from the core
-Progress = Callable[[str, "float | None"], None]
 
 # How long shutdown() waits for the core to finish its step and exit before killing it.
 SHUTDOWN_WAIT_S = 10.0

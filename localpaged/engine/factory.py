@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from localpaged.engine.protocol import EngineClient
-
-Progress = Callable[[str, "float | None"], None]
+from localpaged.models import Progress
 
 
 def make_engine(

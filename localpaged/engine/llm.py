@@ -40,6 +40,7 @@ from localpaged.engine.setup import EngineParts, build_engine_parts
 from localpaged.engine.speculative import Speculator
 from localpaged.engine.tokenizer import Prompt, check_prompt_length, encode_chat, encode_prompt, max_prompt_chars
 from localpaged.errors import RequestError
+from localpaged.models import Progress
 from localpaged.models.loader import ModelFiles
 from localpaged.sampling import SamplingParams
 
@@ -67,7 +68,12 @@ class _SampleState:
 
 class LLM:
     def __init__(
-        self, model: str | None = None, *, progress=None, model_files: ModelFiles | None = None, **engine_config
+        self,
+        model: str | None = None,
+        *,
+        progress: Progress | None = None,
+        model_files: ModelFiles | None = None,
+        **engine_config,
     ) -> None:
         """Load ``model`` (None: the default). ``model_files``: that model already resolved, as the core
         process does first so that its front end can load the tokenizer while the weights load."""

@@ -26,9 +26,7 @@ import asyncio
 import contextlib
 import json
 import os
-import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -37,6 +35,7 @@ import openai
 
 from localpaged.engine.output import KVMap, RequestMetrics, RequestOutput
 from localpaged.engine.protocol import EngineCapabilities, EngineInfo, EngineStats, Prompt
+from localpaged.engine.request_registry import RequestRegistry, new_request_id
 from localpaged.engine.tokenizer import check_messages
 from localpaged.engine.vocabulary import Vocabulary
 from localpaged.errors import ConfigError, LocalpagedError, RemoteEngineError, RequestError
@@ -87,8 +86,7 @@ class RemoteEngine:
         }
         self._client = openai.OpenAI(**self._client_args)
         self._async: tuple[asyncio.AbstractEventLoop, openai.AsyncOpenAI] | None = None
-        self._lock = threading.Lock()  # guards _replies
-        self._replies: dict[str, _Reply] = {}
+        self._replies: RequestRegistry[_Reply] = RequestRegistry()
         self._closed = False
         card = self._model_card(model)
         self.server: str = getattr(card, "owned_by", None) or "unknown"  # "vllm", "llamacpp", "localpaged", ...
@@ -111,8 +109,7 @@ class RemoteEngine:
 
     def stats(self) -> EngineStats:
         """What is known here: the replies in flight and their tok/s; the server's pool is not visible."""
-        with self._lock:
-            rates = [reply.rate() for reply in self._replies.values()]
+        rates = [reply.rate() for reply in self._replies.values()]
         return EngineStats(running=len(rates), waiting=0, tokens_per_s=sum(r for r in rates if r is not None))
 
     def prefetch(self, prompt: Prompt) -> int:
@@ -159,7 +156,7 @@ class RemoteEngine:
         finally:
             reader.cancel()  # leaving early: closing the response tells the server to stop
             await asyncio.gather(reader, return_exceptions=True)
-            self._close(reply)
+            self._replies.discard(reply)
 
     def iter_stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
@@ -186,17 +183,14 @@ class RemoteEngine:
                         yield out
             yield reply.final()
         finally:
-            self._close(reply)
+            self._replies.discard(reply)
 
     async def abort(self, request_id: str) -> None:
         """Close the request's HTTP stream; its stream ends with finish_reason "abort", the text so far kept.
 
         Raises RequestError when no request with that id is in flight.
         """
-        with self._lock:
-            reply = self._replies.get(request_id)
-        if reply is None:
-            raise RequestError(f"no request {request_id!r} is in flight (unknown id, or already finished)")
+        reply = self._replies.in_flight(request_id)
         reply.aborted = True
         reply.wake()
 
@@ -205,6 +199,7 @@ class RemoteEngine:
         if self._closed:
             return
         self._closed = True
+        self._replies.close(RequestError("the remote engine has been shut down; create a new RemoteEngine to go on"))
         self._client.close()
         if self._async is not None:
             loop, client = self._async
@@ -331,19 +326,9 @@ class RemoteEngine:
     # ----- one request -----------------------------------------------------------------
 
     def _open(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> _Reply:
-        if self._closed:
-            raise RequestError("the remote engine has been shut down; create a new RemoteEngine to go on")
-        reply = _Reply(request_id or f"req-{uuid.uuid4().hex[:16]}", *self._request(prompt, params or SamplingParams()))
-        with self._lock:
-            if reply.request_id in self._replies:
-                raise RequestError(f"request id {reply.request_id!r} is already in flight; use another id")
-            self._replies[reply.request_id] = reply
+        reply = _Reply(new_request_id(request_id), *self._request(prompt, params or SamplingParams()))
+        self._replies.add(reply)
         return reply
-
-    def _close(self, reply: _Reply) -> None:
-        with self._lock:
-            if self._replies.get(reply.request_id) is reply:
-                del self._replies[reply.request_id]
 
     def _request(self, prompt: Prompt, params: SamplingParams) -> tuple[bool, dict, str | None]:
         """(chat?, the create() arguments, the prefix the server will echo) for ``prompt`` and ``params``."""

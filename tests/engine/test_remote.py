@@ -160,6 +160,30 @@ def test_more_than_one_sample_is_refused_here(ours: str) -> None:
         list(remote.iter_stream("hi", SamplingParams(n=3)))
 
 
+def test_request_ids_are_kept_as_the_local_engine_keeps_them(ours: str) -> None:
+    """One request an id at a time, an abort of an id not in flight named, nothing taken after shutdown."""
+    remote = RemoteEngine(ours, api_key=KEY)
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def main() -> None:
+        with pytest.raises(RequestError, match="no request 'nobody' is in flight"):
+            await remote.abort("nobody")
+        first = remote.stream("the first one", long, request_id="same")
+        await first.__anext__()
+        with pytest.raises(RequestError, match="request id 'same' is already in flight"):
+            await anext(remote.stream("the second one", long, request_id="same"))
+        await remote.abort("same")
+        assert [out.finish_reason async for out in first][-1] == "abort"
+        assert remote.stats().running == 0
+        second = [out async for out in remote.stream("again", SamplingParams(max_tokens=2), request_id="same")]
+        assert second[-1].finished
+
+    asyncio.run(main())
+    remote.shutdown()
+    with pytest.raises(RequestError, match="has been shut down"):
+        list(remote.iter_stream("hi"))
+
+
 # ----- a session on a remote engine --------------------------------------------------------
 
 
