@@ -11,6 +11,7 @@ aborts the requests in flight and exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -212,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(config_show)
     config_show.add_argument("--prompt", metavar="NAME", help="a named system prompt, as for `run`")
     _add_sampling(config_show)
+    config_show.add_argument(
+        "--engine",
+        action="store_true",
+        help="also start the engine with these settings and print what it settled on here (device, dtypes, pool)",
+    )
     config_show.set_defaults(func=cmd_config_show)
     config_actions.add_parser("path", help="print the settings file's path").set_defaults(func=cmd_config_path)
 
@@ -617,12 +623,22 @@ def cmd_config_show(args: argparse.Namespace, engines: list[EngineClient]) -> No
     width = max(len(f"{key} = {value}") for key, value, _ in entries)
     for key, value, origin in entries:
         print(_shown(f"{f'{key} = {value}':<{width}}  # {origin}", one_line=True))
+    if args.engine:
+        engine = open_engine(settings.model, **settings.engine.as_kwargs())
+        engines.append(engine)
+        resolved = engine.info.resolved
+        assert resolved is not None  # a local engine always reports it
+        print(f"\n# what the engine settled on for {engine.info.model_name} on this machine")
+        for name, value in dataclasses.asdict(resolved).items():
+            print(f"{name} = {_toml_value(value, 'none')}")
 
 
 def _toml_value(value: object, unset: str | None) -> str:
     """A setting as TOML would write it; an unset one as what it means, in parentheses."""
     if value is None:
         return f"({unset or 'not set'})"
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, str):
         import json
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import stat
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from localpaged import cli
 from localpaged.chat.store import ChatStore
+from localpaged.config import ResolvedConfig
 from localpaged.config_file import Settings, load_settings, save_theme
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.errors import ConfigError
@@ -153,6 +155,20 @@ def test_config_show_prints_each_value_and_where_it_came_from(config: Path, caps
     assert shown["sampling.top_k"].split() == ["0", "#", "built-in"]
     assert shown["sampling.max_tokens"].startswith("(no limit: until the model stops or the context is full)")
     assert shown["keys.new_chat"].split() == ['"ctrl+t"', "#", str(config)]
+
+
+def test_config_show_engine_prints_what_the_engine_settled_on(config: Path, tiny_model_path: Path, capsys) -> None:
+    """The user's settings as given, then the engine's own record: "auto" decided, the pool sized."""
+    write(config, f'model = "{tiny_model_path}"\n[engine]\nkv_cache_memory = "64MiB"\nkv_disk = false\n')
+    assert cli.main(["config", "show", "--engine"]) == 0
+    out = capsys.readouterr().out
+    given, settled = out.split("\n\n# what the engine settled on for ")
+    assert 'engine.kv_cache_memory = "64MiB"' in given and "engine.kv_cache_dtype = (auto" in given
+    shown = dict(line.split(" = ", 1) for line in settled.splitlines()[1:])
+    assert shown["device"] == '"cpu"' and shown["kv_disk"] == "false" and shown["block_size"] == "16"
+    assert shown["kv_cache_dtype"] in ('"float16"', '"float32"', '"bfloat16"')
+    assert 0 < int(shown["kv_cache_bytes"]) <= 64 * 2**20
+    assert set(shown) == {field.name for field in dataclasses.fields(ResolvedConfig)}
 
 
 def test_config_show_without_a_file_and_with_a_bad_one(config: Path, capsys) -> None:
