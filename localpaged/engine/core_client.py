@@ -89,8 +89,10 @@ class CoreProcess:
     ) -> None:
         """``on_resolved(model_folder)`` is called as soon as the core knows the model's folder."""
         ours, theirs = socket.socketpair()
+        # -P: the working folder is not put first on sys.path, so a folder named localpaged there (a checkout,
+        # anything a user runs from) is never imported in place of the installed package.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "localpaged.engine.core", str(theirs.fileno())],
+            [sys.executable, "-P", "-m", "localpaged.engine.core", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

@@ -135,6 +135,21 @@ def test_start_up_errors_are_the_engines_own() -> None:
         AsyncLLM(max_num_seqs=0)  # checked in the front end, before any process starts
 
 
+def test_the_core_never_imports_a_localpaged_folder_in_the_working_folder(
+    tiny_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started from a folder holding a `localpaged` package of its own (a checkout, or anything planted there),
+    the core runs the installed code, not that folder's."""
+    decoy = tmp_path / "localpaged" / "engine"
+    decoy.mkdir(parents=True)
+    for init in (decoy.parent / "__init__.py", decoy / "__init__.py"):
+        init.write_text("")
+    (decoy / "core.py").write_text('raise SystemExit("the working folder\'s localpaged ran")\n')
+    monkeypatch.chdir(tmp_path)
+    with AsyncLLM(str(tiny_model_path), **TINY) as engine:
+        assert engine.generate_text("hi", SamplingParams(max_tokens=2, temperature=0)).finished
+
+
 def test_a_start_up_error_in_the_core_leaves_no_process(tiny_model_path: Path) -> None:
     children_before = set(_children())
     with pytest.raises(ConfigError, match="max_model_len"):
