@@ -219,11 +219,12 @@ def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    logits = logits / p.temperature
-    if p.top_k:
-        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    """One draw from ``logits`` after temperature, top-k and top-p. With top-k the draw is among the k likeliest
+    alone (in descending order, as top-p wants them): no pass over the whole vocabulary after the top-k."""
+    candidates = None
+    if p.top_k and p.top_k < logits.numel():
+        logits, candidates = torch.topk(logits, p.top_k)
+    probs = torch.softmax(logits / p.temperature, dim=-1)
     # Checked here, not left to multinomial: on CUDA it asserts inside the kernel, which kills the whole context.
     if not torch.isfinite(probs.sum()):
         raise ValueError(
@@ -231,7 +232,9 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
             "greedy decoding (temperature=0) does not sample from them"
         )
     if p.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the smallest set reaching top_p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
+        if candidates is None:
+            probs, candidates = probs.sort(descending=True)
+        drop = probs.cumsum(0) - probs > p.top_p  # keep the smallest set reaching top_p
+        probs = probs.masked_fill(drop, 0.0)
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    return token if candidates is None else int(candidates[token])
