@@ -152,6 +152,15 @@ def tiny_llm(tiny_model_path):
 
 
 @pytest.fixture(scope="session")
+def default_hf(default_model_source: Path):
+    """transformers' own model of the default model's file in float32: the oracle, loaded once (reading a GGUF
+    through transformers takes it tens of seconds)."""
+    from tests.oracle import load_hf
+
+    return load_hf(default_model_source)
+
+
+@pytest.fixture(scope="session")
 def default_llm():
     """The real default model in float32 on the CPU with float32 KV (the exact path, which the parity
     tests compare with Hugging Face), shared by the tests marked ``model``."""

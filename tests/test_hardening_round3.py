@@ -12,6 +12,7 @@ import pytest
 from localpaged.chat.store import ChatStore
 from localpaged.errors import StoreError
 from localpaged.locations import make_private
+from localpaged.sampling import SamplingParams
 
 
 def test_a_symlinked_database_is_refused_and_its_target_left_alone(tmp_path: Path) -> None:
@@ -89,7 +90,7 @@ def test_a_kv_folder_that_cannot_be_made_turns_the_tier_off_with_one_warning(
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "the disk KV tier is off for this run" in warning and "--no-kv-disk" in warning
     assert llm.kv_disk is None and not llm.resolved.kv_disk and llm.config.kv_disk  # as given, and as settled
-    assert llm.generate("hello")[0].finish_reason in ("stop", "length")
+    assert llm.generate("hello", SamplingParams(max_tokens=4))[0].finish_reason in ("stop", "length")
 
 
 def test_a_home_that_cannot_be_written_still_lists_and_shows_the_shipped_prompts(

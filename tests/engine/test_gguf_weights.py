@@ -108,11 +108,13 @@ def test_tiny_qwen3_gguf_with_q_and_k_norms_matches_transformers(tmp_path, gguf_
 
 
 @pytest.mark.model
-def test_default_model_blocks_equal_transformers_weights_from_the_same_file(default_llm, default_model_source):
+def test_default_model_blocks_equal_transformers_weights_from_the_same_file(
+    default_llm, default_model_source, default_hf
+):
     """Every weight name maps, Q and K rows are un-permuted as transformers does it, the values are its values."""
     if default_model_source.is_dir():
         pytest.skip("a stand-in folder has no GGUF")
-    hf_state = load_hf(default_model_source).state_dict()
+    hf_state = default_hf.state_dict()
     weights = GGUFWeights(GGUFFile(default_model_source), list(hf_state), default_llm.runner.model.config)
     ours = {name: weights.read(name) for name in weights.names}
     assert sorted(ours) == sorted(n for n in hf_state if n != "lm_head.weight")  # the head is tied: no copy in the file

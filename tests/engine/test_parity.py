@@ -82,5 +82,5 @@ def test_tiny_qwen2_matches_hf(tiny_qwen2_path):
 
 
 @pytest.mark.model
-def test_default_model_matches_hf(default_llm, default_model_source):
-    _check_modes(default_llm, load_hf(default_model_source), _prompts(default_llm.tokenizer), "SmolLM2")
+def test_default_model_matches_hf(default_llm, default_hf):
+    _check_modes(default_llm, default_hf, _prompts(default_llm.tokenizer), "SmolLM2")
