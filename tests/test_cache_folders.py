@@ -49,6 +49,23 @@ def built_library(cache: Path) -> Path:
     return folder / cpu.LIBRARY
 
 
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One build for the module's tests of what a cache does with a library it finds: each starts from a copy,
+    so only the rebuild it provokes compiles."""
+    cache = tmp_path_factory.mktemp("prebuilt") / "cache"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LOCALPAGED_CACHE", str(cache))
+        built_library(cache)
+    return cache / "kernels"
+
+
+def found_library(cache: Path, prebuilt: Path) -> Path:
+    """The library a first start built, in ``cache``, as a later start finds it."""
+    shutil.copytree(prebuilt, cache / "kernels", symlinks=True)
+    return built_library(cache)
+
+
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
@@ -67,8 +84,8 @@ def test_the_kernel_library_is_built_private_with_its_hash_and_reused(cache: Pat
 
 @needs_compiler
 @pytest.mark.parametrize("where", ["library", "folder"])
-def test_a_kernel_library_writable_by_others_is_rebuilt(cache: Path, where: str) -> None:
-    library = built_library(cache)
+def test_a_kernel_library_writable_by_others_is_rebuilt(cache: Path, prebuilt: Path, where: str) -> None:
+    library = found_library(cache, prebuilt)
     target = library if where == "library" else library.parent
     target.chmod(mode(target) | 0o002)
     with pytest.warns(UserWarning, match="writable by group or others"):
@@ -77,11 +94,11 @@ def test_a_kernel_library_writable_by_others_is_rebuilt(cache: Path, where: str)
 
 
 @needs_compiler
-def test_a_swapped_kernel_library_is_rebuilt_not_loaded(cache: Path, tmp_path: Path) -> None:
+def test_a_swapped_kernel_library_is_rebuilt_not_loaded(cache: Path, prebuilt: Path, tmp_path: Path) -> None:
     """A valid shared library at the path, with the user's modes, whose hash is not the recorded one."""
     from localpaged.kernels import cpu
 
-    library = built_library(cache)
+    library = found_library(cache, prebuilt)
     mark = tmp_path / "constructor-ran"
     evil = tmp_path / "evil.c"
     evil.write_text(EVIL_SOURCE.replace("{mark}", str(mark)))
@@ -97,10 +114,10 @@ def test_a_swapped_kernel_library_is_rebuilt_not_loaded(cache: Path, tmp_path: P
 
 
 @needs_compiler
-def test_a_kernel_library_without_its_hash_is_rebuilt(cache: Path) -> None:
+def test_a_kernel_library_without_its_hash_is_rebuilt(cache: Path, prebuilt: Path) -> None:
     from localpaged.kernels import cpu
 
-    library = built_library(cache)
+    library = found_library(cache, prebuilt)
     (library.parent / cpu.HASH).unlink()
     with pytest.warns(UserWarning, match="No such file"):
         rebuilt = built_library(cache)
@@ -125,11 +142,13 @@ def replace_with_a_recorded_build(library: Path, source: str, tmp_path: Path) ->
         ("int lp_qgemm(void) { return 0; }\n", "exports no lp_abi_version"),
     ],
 )
-def test_a_kernel_library_of_another_abi_version_is_rebuilt(cache: Path, tmp_path: Path, source: str, reason: str):
+def test_a_kernel_library_of_another_abi_version_is_rebuilt(
+    cache: Path, prebuilt: Path, tmp_path: Path, source: str, reason: str
+):
     """A cache folder from an older install: its sha256 matches its record, only its version tells."""
     from localpaged.kernels import cpu
 
-    library = built_library(cache)
+    library = found_library(cache, prebuilt)
     replace_with_a_recorded_build(library, source, tmp_path)
     with pytest.warns(UserWarning, match=reason):
         lib = cpu._load(COMPILER, quick_path())
