@@ -31,4 +31,18 @@ void lp_free_rows(lp_rounded_rows *r);
 /* Whether the CPU has AVX-512 VNNI (with VL and BW), which the integer kernels' fast paths are compiled for. */
 int lp_has_vnni(void);
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* acc + each lane's two int16 products of v and the pair at p (broadcast to every lane), summed: one vpdpwssd, its
+ * pair read straight from memory, for the int16 matmul and the int16 prefill. Written out because GCC 12 copied
+ * every accumulator twice around its builtin and spilled the other operand to the stack each step (6 rows: 12
+ * register moves and a store and a load per 6 vpdpwssd). */
+static inline __attribute__((always_inline, target("avx512f,avx512vl,avx512bw,avx512vnni"))) __m512i
+add_pair_products(__m512i acc, __m512i v, const int16_t *p) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(v), "m"(*(const int32_t *)p));
+    return acc;
+}
+#endif
+
 #endif

@@ -301,47 +301,35 @@ static inline void exp_scores(float *s, long n, float *max, float *sum) {
 }
 
 /* The small per-layer steps of a decode batch, each one pass over a few KiB instead of several torch
- * ops (a torch op on a 16 x 576 tensor costs more in dispatch than in arithmetic). Rows go to
- * OpenMP threads only when there are many: a parallel region costs more than a short row. */
+ * ops (a torch op on a 16 x 576 tensor costs more in dispatch than in arithmetic): a row of each here, the
+ * row loop in cpu_rows.h. */
 
 /* sum = x + residual (x alone where residual is NULL); out = sum / sqrt(mean(sum^2) + eps) * weight. D % 8 == 0. */
-int lp_add_rms_norm(const float *x, const float *residual, const float *weight, int64_t M, int64_t D, float eps,
-                    float *sum, float *out) {
-    if (M < 0 || D <= 0 || D % 8) return LP_BAD_ARGUMENT;
-#pragma omp parallel for if (M >= 64)
-    for (long r = 0; r < M; r++) {
-        const float *xr = x + r * D;
-        float *sr = sum + r * D, *o = out + r * D;
-        __m256 sq = _mm256_setzero_ps();
-        for (long d = 0; d < D; d += 8) {
-            __m256 v = _mm256_loadu_ps(xr + d);
-            if (residual) v = _mm256_add_ps(v, _mm256_loadu_ps(residual + r * D + d));
-            _mm256_storeu_ps(sr + d, v);
-            sq = _mm256_fmadd_ps(v, v, sq);
-        }
-        const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(sum8(sq) / (float)D + eps));
-        for (long d = 0; d < D; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(sr + d), inv), _mm256_loadu_ps(weight + d)));
+static inline void add_rms_norm_row(const float *x, const float *residual, const float *weight, long D, float eps,
+                                    float *sum, float *out) {
+    __m256 sq = _mm256_setzero_ps();
+    for (long d = 0; d < D; d += 8) {
+        __m256 v = _mm256_loadu_ps(x + d);
+        if (residual) v = _mm256_add_ps(v, _mm256_loadu_ps(residual + d));
+        _mm256_storeu_ps(sum + d, v);
+        sq = _mm256_fmadd_ps(v, v, sq);
     }
-    return LP_OK;
+    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(sum8(sq) / (float)D + eps));
+    for (long d = 0; d < D; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(sum + d), inv), _mm256_loadu_ps(weight + d)));
 }
 
-/* gate_up [M, 2I] (gate then up) -> out [M, I] = silu(gate) * up. I % 8 == 0. */
-int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
-    if (M < 0 || I <= 0 || I % 8) return LP_BAD_ARGUMENT;
-#pragma omp parallel for if (M >= 64)
-    for (long r = 0; r < M; r++) {
-        const float *g = gate_up + r * 2 * I, *u = g + I;
-        float *o = out + r * I;
-        for (long i = 0; i < I; i += 8) {
-            __m256 x = _mm256_loadu_ps(g + i);
-            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)); /* exp(-x); large -x saturates, silu -> 0 */
-            __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-        }
+/* out = silu(gate) * up over a row of I (I % 8 == 0). */
+static inline void silu_mul_row(const float *gate, const float *up, long I, float *out) {
+    for (long i = 0; i < I; i += 8) {
+        __m256 x = _mm256_loadu_ps(gate + i);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)); /* exp(-x); large -x saturates, silu -> 0 */
+        __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
     }
-    return LP_OK;
 }
+
+#include "cpu_rows.h" /* lp_add_rms_norm and lp_silu_mul over the rows above */
 
 /* Token n of lp_rope_write_kv: its q and k heads rotated, q into q_out, k and v into slot `slot` of the caches
  * (none where slot is -1). KV is a constant after inlining. */

@@ -409,41 +409,29 @@ static ALWAYS_INLINE void exp_scores(float *s, long n, float *max, float *sum) {
     *max = mx, *sum = total;
 }
 
-/* The small per-layer steps, as in cpu_kernels_avx2.c: rows to OpenMP threads only when there are many. */
+/* The small per-layer steps' rows, as in cpu_kernels_avx2.c; the row loop in cpu_rows.h. */
 
-int lp_add_rms_norm(const float *x, const float *residual, const float *weight, int64_t M, int64_t D, float eps,
-                    float *sum, float *out) {
-    if (M < 0 || D <= 0 || D % 8) return LP_BAD_ARGUMENT;
-#pragma omp parallel for if (M >= 64)
-    for (long r = 0; r < M; r++) {
-        const float *xr = x + r * D;
-        float *sr = sum + r * D, *o = out + r * D;
-        floats8 sq = {0};
-        for (long d = 0; d < D; d += 8) {
-            floats8 v = load8(xr + d);
-            if (residual) v += load8(residual + r * D + d);
-            store8(sr + d, v);
-            sq += v * v;
-        }
-        const float inv = 1.0f / sqrtf(sum8(sq) / (float)D + eps);
-        for (long d = 0; d < D; d += 8) store8(o + d, load8(sr + d) * inv * load8(weight + d));
+static inline void add_rms_norm_row(const float *x, const float *residual, const float *weight, long D, float eps,
+                                    float *sum, float *out) {
+    floats8 sq = {0};
+    for (long d = 0; d < D; d += 8) {
+        floats8 v = load8(x + d);
+        if (residual) v += load8(residual + d);
+        store8(sum + d, v);
+        sq += v * v;
     }
-    return LP_OK;
+    const float inv = 1.0f / sqrtf(sum8(sq) / (float)D + eps);
+    for (long d = 0; d < D; d += 8) store8(out + d, load8(sum + d) * inv * load8(weight + d));
 }
 
-int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
-    if (M < 0 || I <= 0 || I % 8) return LP_BAD_ARGUMENT;
-#pragma omp parallel for if (M >= 64)
-    for (long r = 0; r < M; r++) {
-        const float *g = gate_up + r * 2 * I, *u = g + I;
-        float *o = out + r * I;
-        for (long i = 0; i < I; i += 8) {
-            const floats8 x = load8(g + i);
-            store8(o + i, x / (1.0f + exp8(-x)) * load8(u + i)); /* exp(-x): large -x saturates, silu -> 0 */
-        }
+static inline void silu_mul_row(const float *gate, const float *up, long I, float *out) {
+    for (long i = 0; i < I; i += 8) {
+        const floats8 x = load8(gate + i);
+        store8(out + i, x / (1.0f + exp8(-x)) * load8(up + i)); /* exp(-x): large -x saturates, silu -> 0 */
     }
-    return LP_OK;
 }
+
+#include "cpu_rows.h"
 
 /* Token n of lp_rope_write_kv, as rope_write_row in cpu_kernels_avx2.c; each product ROUNDED, so q and k equal torch's
  * bit for bit before the cache's rounding. */

@@ -108,15 +108,6 @@ static inline __attribute__((always_inline)) VNNI_BF16 void round_step(const int
     }
 }
 
-/* acc + each lane's two int16 products of q and the pair at k (broadcast to every lane): one vpdpwssd, its pair read
- * straight from memory. Written out because GCC 12 copies every accumulator twice around its builtin in this loop, as
- * it does in cpu_qgemm_int16.c. */
-static inline __attribute__((always_inline)) VNNI_BF16 __m512i add_pair_products(__m512i acc, __m512i q,
-                                                                               const int16_t *k) {
-    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*(const int32_t *)k));
-    return acc;
-}
-
 /* s[j][r] for the step's keys (KEY_GROUP at a time, as far as n reaches) and every row, as fp32 log2 units. */
 static inline __attribute__((always_inline)) VNNI_BF16 void step_scores(const int32_t *qt, const float *qscale,
                                                                       long rows, const int16_t *kq,

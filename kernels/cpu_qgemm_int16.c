@@ -91,15 +91,6 @@ static inline __attribute__((always_inline)) VNNI16 __m512i pair_weights(const i
     return w;
 }
 
-/* acc + each lane's two int16 products of w and the pair at x (broadcast to every lane), summed: one vpdpwssd, its
- * pair read straight from memory. Written out because GCC 12 copied every accumulator twice around its builtin and
- * spilled the weights to the stack each step (6 rows: 12 register moves and a store and a load per 6 vpdpwssd). */
-static inline __attribute__((always_inline)) VNNI16 __m512i add_pair_products(__m512i acc, __m512i w,
-                                                                              const int16_t *x) {
-    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
-    return acc;
-}
-
 /* R rows (<= 6, a constant after inlining) from r0 against one tile, its pairs from the expanded panel P (PANEL) or
  * unpacked from qt as they are needed: per group, each row's 16 integer dot products in one register, then scaled
  * into fp32 accumulators as scaled_group does. */
