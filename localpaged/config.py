@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from localpaged.errors import ConfigError
@@ -77,13 +78,38 @@ FIELDS: dict[str, Field] = {
     "kv_disk_bytes": Field((int, str), "bytes or a size such as '2GiB'", size=True),
     "cascade_attention": Field((bool,), "true or false"),
     "speculative": Field(
-        (str,),
-        "text: 'auto', 'off', 'ngram' or 'suffix'",
+        (str, Mapping),
+        "text: 'auto', 'off', 'ngram' or 'suffix', or a draft model: {'draft': MODEL, 'k': N}",
         choices=("auto", "off", "ngram", "suffix"),
         hint="drafts from n-gram lookup in the request's own text ('ngram') and in earlier replies too ('suffix'); "
-        "'auto' is 'suffix' while the batch is small",
+        "'auto' is 'suffix' while the batch is small; a draft model is {'draft': MODEL, 'k': N}",
     ),
 }
+DRAFT_KEYS = ("draft", "k")  # speculative = {"draft": MODEL, "k": N}: a draft model (engine.draft)
+DRAFT_K = (1, 8)  # a draft model's k, the drafts a sequence proposes a step at most
+DRAFT_K_DEFAULT = 3
+
+
+def check_draft(value: Mapping) -> None:
+    """ConfigError naming what to change, unless ``value`` is ``{"draft": MODEL, "k": N}`` (k optional).
+
+    The draft's files and vocabulary are checked where the engine loads it (``engine.setup``)."""
+    unknown = sorted(str(key) for key in value if key not in DRAFT_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"speculative={dict(value)!r}: unknown key(s) {', '.join(unknown)}; a draft model takes "
+            "'draft' (a model path or name, as --model) and 'k' (drafts a step, 1 to 8)"
+        )
+    draft = value.get("draft")
+    if not isinstance(draft, (str, os.PathLike)) or not str(draft).strip():
+        raise ConfigError(
+            f"speculative={dict(value)!r}: 'draft' must name the draft model (a .gguf file, a Hugging Face folder "
+            "or a name `localpaged models` lists), e.g. {'draft': 'SmolLM2-135M.gguf', 'k': 3}"
+        )
+    k = value.get("k", DRAFT_K_DEFAULT)
+    low, high = DRAFT_K
+    if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
+        raise ConfigError(f"speculative={dict(value)!r}: 'k' must be a whole number from {low} to {high}")
 
 
 def check_field(name: str, value: object) -> None:
@@ -99,6 +125,9 @@ def check_field(name: str, value: object) -> None:
         return
     if (isinstance(value, bool) and bool not in spec.types) or not isinstance(value, spec.types):
         raise ConfigError(f"{name}={value!r} ({type(value).__name__}) must be {spec.want}")
+    if isinstance(value, Mapping):
+        check_draft(value)
+        return
     if spec.size and parse_bytes(value, name) <= 0:  # type: ignore[arg-type]
         raise ConfigError(f"{name}={value!r}: must be positive")
     if spec.choices and value not in spec.choices and not (name == "device" and str(value).startswith("cuda:")):
@@ -132,7 +161,9 @@ class EngineConfig:
     kv_disk: bool = True  # the disk tier below the block pool (see localpaged.engine.kv_disk)
     kv_disk_bytes: int | str = 2 * 2**30  # the disk tier's size limit; least recently used blocks go first
     cascade_attention: bool = True  # shared-prefix attention: a prefix common to the batch's sequences read once
-    speculative: str = "auto"  # speculative decoding's draft tokens (engine.speculative); greedy output is unchanged
+    # speculative decoding's draft tokens (engine.speculative); greedy output is unchanged. A mapping
+    # {"draft": MODEL, "k": N} drafts with a smaller model of the same vocabulary (engine.draft).
+    speculative: str | Mapping = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -159,5 +190,7 @@ class ResolvedConfig:
     enable_prefix_caching: bool
     kv_disk: bool  # the disk tier is open
     cascade_attention: bool
-    speculative: str = "off"  # the draft proposer: "off", "ngram" or "suffix"
+    speculative: str = "off"  # the draft proposer: "off", "ngram", "suffix" or "draft" (a draft model)
     speculative_max_rows: int | None = None  # a step's decode rows at most, drafts included; None: no limit
+    speculative_draft: str | None = None  # the draft model's name, with "draft"
+    speculative_k: int | None = None  # the most drafts a sequence proposes a step, with "draft"

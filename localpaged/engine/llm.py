@@ -29,6 +29,7 @@ import torch
 
 from localpaged.config import EngineConfig
 from localpaged.engine.block_pool import BlockPool
+from localpaged.engine.draft import DraftModel
 from localpaged.engine.kv_cache_manager import KVCacheManager
 from localpaged.engine.output import IncrementalDetokenizer, KVMap, RequestMetrics, RequestOutput, TokenLogprob
 from localpaged.engine.protocol import EngineInfo, EngineStats
@@ -101,10 +102,22 @@ class LLM:
             max_model_len=resolved.max_model_len,
             cascade=resolved.cascade_attention,
         )
+        if parts.draft is not None:  # its K/V over the same blocks, on the same paths, without CUDA graphs
+            draft = ModelRunner(
+                parts.draft.model,
+                parts.draft.attention,
+                parts.num_blocks,
+                resolved.block_size,
+                self.device,
+                parts.kv_dtype,
+            )
+            self.runner.drafter = DraftModel(draft, parts.model.config.vocab_size, resolved.max_num_batched_tokens)
         self.kv_disk = parts.kv_disk
         self.kv = KVCacheManager(self.pool, self.kv_disk, self.runner)
         self.speculator = (
-            Speculator(resolved.speculative, resolved.speculative_max_rows) if resolved.speculative != "off" else None
+            Speculator(resolved.speculative, resolved.speculative_max_rows, resolved.speculative_k)
+            if resolved.speculative != "off"
+            else None
         )
         self.scheduler = Scheduler(
             self.kv, resolved.max_num_seqs, resolved.max_num_batched_tokens, self.speculator, resolved.max_model_len

@@ -8,7 +8,8 @@ A sequence with draft tokens (engine.speculative) runs its last token and each d
 its own, over the same block table, row j attending the sequence's first ``num_computed_tokens + j + 1``
 tokens: every path computes such a row as it computes any decode (the native decode step, CUDA graphs,
 the decode kernels), so a kept draft's token is the one a step without drafts would pick. Each row gets
-logits; the tokens are kept up to the first draft the sampler disagrees with (``accept``).
+logits; the tokens are kept up to the first draft the sampler disagrees with (``accept``). A draft model's
+drafts (engine.draft) are computed here, first thing in ``run``, once the scheduler has allocated their slots.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 import mmap
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +29,9 @@ from localpaged.engine.structured import apply_grammar_bitmask
 from localpaged.kernels.torch_attention import CascadePlan
 from localpaged.layers.attention import Attention, AttentionMetadata
 from localpaged.models.llama_cpu_decode import NativeDecode
+
+if TYPE_CHECKING:
+    from localpaged.engine.draft import DraftModel
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -83,6 +88,7 @@ class ModelRunner:
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(model, attention, graph_batch_sizes, max_blocks, block_size, device)
         self.native_decode = NativeDecode.build(model, attention)  # None where the model's modules must run
+        self.drafter: DraftModel | None = None  # a draft model, which fills the drafts it owes (engine.draft)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -212,6 +218,15 @@ class ModelRunner:
             ),
         )
 
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's final hidden states over the rows of ``meta``, on the fastest path that takes them."""
+        if self.graphs is not None and meta.cascade is None and self.graphs.can_run(meta, len(meta.context_lens)):
+            return self.graphs.run(ids, pos, meta)
+        if self.native_decode is not None and meta.max_q_len == 1:
+            return self.native_decode.run(ids, pos, meta)
+        self.attention.prepare(meta)
+        return self.model(ids, pos, meta)
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[list[SampledToken] | Exception | None]:
         """One forward over the batch; for each sequence that reached its end its new tokens (and their logprobs):
@@ -220,15 +235,10 @@ class ModelRunner:
         A sequence whose own sampling failed gets the exception instead of tokens (see ``sample``);
         a failure of the batch as a whole (the forward pass) raises.
         """
+        if self.drafter is not None:
+            self.drafter.propose(batch)
         ids, pos, meta, to_sample, logit_rows = self.prepare(batch)
-        entries = len(meta.context_lens)
-        if self.graphs is not None and meta.cascade is None and self.graphs.can_run(meta, entries):
-            hidden = self.graphs.run(ids, pos, meta)
-        elif self.native_decode is not None and meta.max_q_len == 1:
-            hidden = self.native_decode.run(ids, pos, meta)
-        else:
-            self.attention.prepare(meta)
-            hidden = self.model(ids, pos, meta)
+        hidden = self.forward(ids, pos, meta)
         if not logit_rows:
             return [None] * len(batch.seqs)
         logits = self.model.compute_logits(hidden[logit_rows])

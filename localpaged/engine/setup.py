@@ -9,12 +9,13 @@ import dataclasses
 import hashlib
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from localpaged.config import EngineConfig, ResolvedConfig, check_field, parse_bytes
+from localpaged.config import DRAFT_K_DEFAULT, EngineConfig, ResolvedConfig, check_field, parse_bytes
 from localpaged.engine.kv_disk import BlockLayout, KVDiskTier, layout_fingerprint
 from localpaged.engine.runner import ModelRunner
 from localpaged.engine.speculative import AUTO_MAX_ROWS
@@ -40,6 +41,16 @@ GiB = 1 << 30
 
 
 @dataclass
+class DraftParts:
+    """The draft model of speculative decoding (engine.draft), loaded beside the target."""
+
+    name: str
+    model: LlamaForCausalLM
+    attention: AttentionPath
+    block_bytes: int  # its K/V of one block, which the pool counts in each block
+
+
+@dataclass
 class EngineParts:
     name: str
     folder: Path
@@ -53,6 +64,7 @@ class EngineParts:
     stop_token_ids: set[int]
     kv_disk: KVDiskTier | None
     resolved: ResolvedConfig
+    draft: DraftParts | None = None  # with speculative={"draft": ...}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -223,6 +235,73 @@ def resolve_attention_name(name: str | None) -> str | None:
     return from_env
 
 
+def load_model(
+    files: ModelFiles,
+    hf_config,
+    blocks: bool,
+    activations: str,
+    attention_name: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> tuple[LlamaForCausalLM, AttentionPath]:
+    """The model of ``files`` with its weights on ``device``, and its attention path; ``blocks``: keep a GGUF's
+    quantised blocks (``use_block_weights``)."""
+    attention = select_attention(attention_name, device, dtype, head_dim_of(hf_config), activations)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config, attention, max_model_len)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary_emb.init_tables()
+    if files.gguf is None:
+        model.load_hf_state_dict(load_state_dict(files.folder))
+    else:
+        weights = GGUFWeights(GGUFFile(files.gguf), model.hf_weight_names(), hf_config)
+        if blocks:
+            model.load_hf_state_dict(swap_in_blocks(model, weights, activations))
+        else:  # float weights, or the GPU: dequantised from the file into the model's dtype on its device
+            model.load_hf_state_dict({n: dequantized(weights.read(n)) for n in weights.names})
+    model.eval()
+    return model, attention
+
+
+def load_draft(
+    config: EngineConfig,
+    tokenizer,
+    hf_config,
+    attention_name: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    max_model_len: int,
+    progress: Progress,
+) -> DraftParts:
+    """The draft model ``config.speculative`` names, loaded as the target is (same device, dtype, KV type and
+    kernels); a ConfigError where its vocabulary is not the target's or its context is shorter."""
+    spec = config.speculative
+    assert isinstance(spec, Mapping)
+    files = resolve_model(spec["draft"], progress)
+    progress("Loading the draft model", None)
+    draft_config = load_config(files.folder)
+    if load_tokenizer(files.folder).get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(
+            f"speculative draft {files.name}: its vocabulary is not the target model's (the same tokens under the "
+            "same ids): a draft must share the target's tokenizer; name a smaller model of the same family"
+        )
+    limit = min(draft_config.max_position_embeddings, getattr(draft_config, "sliding_window", None) or 1 << 30)
+    if limit < max_model_len:
+        raise ConfigError(
+            f"speculative draft {files.name} reads {limit} positions, fewer than max_model_len={max_model_len}: "
+            f"lower max_model_len to {limit} or name another draft"
+        )
+    blocks = use_block_weights(config, files, device, dtype)
+    activations = resolve_activations(config.activations, blocks)
+    model, attention = load_model(
+        files, draft_config, blocks, activations, attention_name, device, dtype, max_model_len
+    )
+    block_bytes = ModelRunner.bytes_per_block(draft_config, model.head_dim, config.block_size, kv_dtype)
+    return DraftParts(files.name, model, attention, block_bytes)
+
+
 def build_engine_parts(
     config: EngineConfig, progress: Progress | None = None, files: ModelFiles | None = None
 ) -> EngineParts:
@@ -250,28 +329,22 @@ def build_engine_parts(
     blocks = use_block_weights(config, files, device, dtype)
     activations = resolve_activations(config.activations, blocks)
     attention_name = resolve_attention_name(config.attention)
-    attention = select_attention(attention_name, device, dtype, head_dim_of(hf_config), activations)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, attention, max_model_len)
-    model = model.to_empty(device=device).to(dtype)
-    model.rotary_emb.init_tables()
-    if files.gguf is None:
-        model.load_hf_state_dict(load_state_dict(files.folder))
-    else:
-        weights = GGUFWeights(GGUFFile(files.gguf), model.hf_weight_names(), hf_config)
-        if blocks:
-            model.load_hf_state_dict(swap_in_blocks(model, weights, activations))
-        else:  # float weights, or the GPU: dequantised from the file into the model's dtype on its device
-            model.load_hf_state_dict({n: dequantized(weights.read(n)) for n in weights.names})
-    model.eval()
+    model, attention = load_model(files, hf_config, blocks, activations, attention_name, device, dtype, max_model_len)
+    draft = None
+    if isinstance(config.speculative, Mapping):
+        draft = load_draft(
+            config, tokenizer, hf_config, attention_name, device, dtype, kv_dtype, max_model_len, progress
+        )
 
-    block_bytes = ModelRunner.bytes_per_block(hf_config, model.head_dim, config.block_size, kv_dtype)
+    target_bytes = ModelRunner.bytes_per_block(hf_config, model.head_dim, config.block_size, kv_dtype)
+    block_bytes = target_bytes + (draft.block_bytes if draft is not None else 0)  # the draft's K/V of each block too
     kv_bytes = parse_bytes(config.kv_cache_memory) if config.kv_cache_memory is not None else default_kv_memory(device)
     num_blocks = kv_bytes // block_bytes
     needed = -(-max_model_len // config.block_size)
     if num_blocks < needed:
         raise ConfigError(
-            f"the KV pool ({kv_bytes / 2**20:.0f} MiB = {num_blocks} blocks of {block_bytes / 2**10:.0f} KiB) cannot hold one "
+            f"the KV pool ({kv_bytes / 2**20:.0f} MiB = {num_blocks} blocks of {block_bytes / 2**10:.0f} KiB"
+            f"{' with the draft model' + chr(39) + 's K/V' if draft is not None else ''}) cannot hold one "
             f"sequence of max_model_len={max_model_len} ({needed} blocks); raise kv_cache_memory to at least "
             f"{needed * block_bytes / 2**20:.0f} MiB or lower max_model_len"
         )
@@ -293,10 +366,12 @@ def build_engine_parts(
         enable_prefix_caching=config.enable_prefix_caching,
         kv_disk=config.kv_disk and config.enable_prefix_caching,
         cascade_attention=config.cascade_attention,
-        speculative="suffix" if config.speculative == "auto" else config.speculative,
+        speculative="draft" if draft is not None else "suffix" if config.speculative == "auto" else config.speculative,
         speculative_max_rows=AUTO_MAX_ROWS["cpu" if device.type == "cpu" else "gpu"]
         if config.speculative == "auto"
         else None,
+        speculative_draft=draft.name if draft is not None else None,
+        speculative_k=config.speculative.get("k", DRAFT_K_DEFAULT) if draft is not None else None,
     )
     kv_disk = None
     if resolved.kv_disk:
@@ -318,4 +393,5 @@ def build_engine_parts(
         stop_token_ids(tokenizer, hf_config),
         kv_disk,
         resolved,
+        draft,
     )

@@ -9,7 +9,8 @@ it, which is rejection sampling for a draft that is one token for sure: the repl
 target's. The rows past the first mismatch are thrown away: the scheduler counts only the kept tokens
 as computed and gives back the blocks past them (``Scheduler.on_step_done``).
 
-Drafts come from n-gram lookup (``engine.proposer``) in the sequence's own prompt and reply ("ngram"),
+Drafts come from a draft model (``engine.draft``: a smaller model of the same vocabulary, "draft"), or from
+n-gram lookup (``engine.proposer``) in the sequence's own prompt and reply ("ngram"),
 and also in what the engine generated for earlier requests ("suffix": a regenerated reply repeats an
 earlier one). Each sequence adapts its k: it grows while drafts are taken whole and falls to what was
 taken, and a sequence whose drafts keep missing waits a while before it proposes again. Not every request
@@ -19,6 +20,11 @@ else runs) decode one token a step. "auto" speculates with the suffix proposer w
 drafts included, stay within ``AUTO_MAX_ROWS``: on the CPU the native matmul multiplies up to four rows
 straight from the packed weights, and past that it unpacks a panel first, so a fifth row costs about
 as much as the step did (``benchmarks/spec_decode.py`` measures the engine with and without drafts).
+
+A draft model's drafts are computed only once the step's blocks are allocated, since it writes its own K/V
+at the drafts' positions: ``drafts`` returns ``PENDING`` slots, counted by the scheduler like any drafts, and
+the model runner has the draft model fill them before the step runs (as vLLM v1's model runner runs its
+drafter). The draft model proposes up to the user's k a step and adapts it as the n-gram drafts do.
 """
 
 from __future__ import annotations
@@ -36,26 +42,34 @@ AUTO_MAX_ROWS = {"cpu": 4, "gpu": 16}
 MAX_IDLE = 16  # steps a sequence whose drafts keep missing waits, at most, before it proposes again
 OWN_NGRAMS = (2, 4)  # n-gram sizes looked up in a sequence's own tokens
 HISTORY_NGRAMS = (3, 8)  # and in the engine's history: longer, since it holds many requests' text
+PENDING = -1  # a draft slot the draft model fills once the step's blocks are allocated (engine.draft)
 
 
 @dataclass
 class SpecState:
     """One sequence's speculation: its n-gram index, its current k, and how long it waits after misses."""
 
-    index: NgramIndex
+    index: NgramIndex | None  # None for a draft model's drafts
     k: int = K_START
     misses: int = 0  # steps in a row whose drafts were all refused
     idle: int = 0  # steps left before it proposes again
+    draft_computed: int = 0  # tokens whose K/V the draft model holds in the sequence's blocks (engine.draft)
+    draft_preemptions: int = 0  # the sequence's preemptions when it last caught up (a preempted one starts over)
 
 
 class Speculator:
     """Drafts for the scheduler (an engine with speculation off has none), and the counts of proposed and accepted
     draft tokens for the engine's stats."""
 
-    def __init__(self, mode: str, max_rows: int | None = None) -> None:
-        """``mode``: "ngram" or "suffix"; ``max_rows``: a step's decode rows at most, drafts included (None: any)."""
+    def __init__(self, mode: str, max_rows: int | None = None, k: int | None = None) -> None:
+        """``mode``: "ngram", "suffix" or "draft"; ``max_rows``: a step's decode rows at most, drafts included (None:
+        any); ``k``: the most drafts a sequence proposes a step (default ``K_MAX``), where it starts too with
+        "draft"."""
         self.max_rows = max_rows
-        self.own = NgramProposer(K_MAX, *OWN_NGRAMS)
+        self.k_max = k or K_MAX
+        self.model_drafts = mode == "draft"
+        self.k_start = self.k_max if self.model_drafts else K_START
+        self.own = NgramProposer(self.k_max, *OWN_NGRAMS)
         self.history = History(*HISTORY_NGRAMS) if mode == "suffix" else None
         self.num_proposed = 0
         self.num_accepted = 0
@@ -68,7 +82,7 @@ class Speculator:
 
     def spare_rows(self, num_decodes: int) -> int:
         """How many draft tokens a step with ``num_decodes`` decoding sequences may take in all."""
-        return K_MAX * num_decodes if self.max_rows is None else max(self.max_rows - num_decodes, 0)
+        return self.k_max * num_decodes if self.max_rows is None else max(self.max_rows - num_decodes, 0)
 
     def drafts(self, seq: Sequence, room: int) -> list[int]:
         """Up to ``room`` draft tokens for ``seq``'s next step ([] when it should decode one token)."""
@@ -76,11 +90,13 @@ class Speculator:
             return []
         state: SpecState | None = seq.spec
         if state is None:
-            state = seq.spec = SpecState(self.own.index())
+            state = seq.spec = SpecState(None if self.model_drafts else self.own.index(), k=self.k_start)
         if state.idle:
             state.idle -= 1
             return []
         k = min(state.k, room)
+        if self.model_drafts:
+            return [PENDING] * k
         drafts, n = self.own.propose(seq.token_ids, k, state.index)
         if self.history is not None:
             earlier, m = self.history.propose(seq.token_ids, k, at_least=n + 1)
@@ -94,7 +110,7 @@ class Speculator:
         self.num_accepted += accepted
         state: SpecState = seq.spec
         if accepted == proposed:
-            state.k = min(state.k * 2, K_MAX)
+            state.k = min(state.k * 2, self.k_max)
         else:
             state.k = accepted + 1
         if accepted:
