@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -296,6 +296,38 @@ def _add_speculative(parser: argparse.ArgumentParser) -> None:
         "the chat's own text (ngram), and from earlier replies too (suffix); off; auto (default): suffix while few "
         "chats decode",
     )
+    parser.add_argument(
+        "--speculative-draft",
+        metavar="MODEL",
+        help="draft tokens from this smaller model of the same vocabulary instead (a path or name, as --model)",
+    )
+    parser.add_argument(
+        "--speculative-k",
+        type=int,
+        metavar="N",
+        help="the draft model's drafts a step at most, 1 to 8 (default: 3)",
+    )
+
+
+def _speculative_flags(args: argparse.Namespace, current: object) -> tuple[object, str]:
+    """``engine.speculative`` from the flags (None: not given) and the flag to name for it; ``current``: the
+    settings file's value, whose draft ``--speculative-k`` alone changes the k of."""
+    mode = getattr(args, "speculative", None)
+    draft, k = getattr(args, "speculative_draft", None), getattr(args, "speculative_k", None)
+    if draft is not None:
+        if mode is not None:
+            raise ConfigError(
+                f"--speculative {mode} and --speculative-draft: pass one (a draft model is its own kind of drafts)"
+            )
+        return {"draft": draft, **({"k": k} if k is not None else {})}, "--speculative-draft"
+    if k is not None:
+        if mode is not None or not isinstance(current, Mapping):
+            raise ConfigError(
+                "--speculative-k sets a draft model's k: pass --speculative-draft MODEL too "
+                "(or set speculative = { draft = MODEL } in the settings file's [engine])"
+            )
+        return {**current, "k": k}, "--speculative-k"
+    return mode, "--speculative"
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
@@ -318,8 +350,9 @@ def _settings(args: argparse.Namespace) -> Settings:
         flags[f"sampling.{name}"] = getattr(args, name, None)
     flags["engine.kv_disk"] = False if getattr(args, "no_kv_disk", False) else None
     flags["engine.kv_cache_dtype"] = getattr(args, "kv_cache_dtype", None)
-    flags["engine.speculative"] = getattr(args, "speculative", None)
-    return load_settings().with_flags(flags, {"engine.kv_disk": "--no-kv-disk"})
+    settings = load_settings()
+    flags["engine.speculative"], speculative_flag = _speculative_flags(args, settings.engine.speculative)
+    return settings.with_flags(flags, {"engine.kv_disk": "--no-kv-disk", "engine.speculative": speculative_flag})
 
 
 def _add_engine(parser: argparse.ArgumentParser) -> None:
@@ -639,6 +672,8 @@ def _toml_value(value: object, unset: str | None) -> str:
         return f"({unset or 'not set'})"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, Mapping):  # an inline table: speculative = { draft = "...", k = 3 }
+        return "{ " + ", ".join(f"{key} = {_toml_value(item, None)}" for key, item in value.items()) + " }"
     if isinstance(value, str):
         import json
 

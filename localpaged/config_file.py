@@ -101,7 +101,7 @@ class EngineSettings:
     max_model_len: int | None = None
     kv_disk: bool | None = None
     kv_disk_bytes: int | str | None = None
-    speculative: str | None = None
+    speculative: str | Mapping[str, Any] | None = None  # a mode, or a draft model: { draft = "...", k = 3 }
 
     def as_kwargs(self) -> dict[str, Any]:
         """The ones that are set, as keyword arguments for AsyncLLM / EngineConfig."""
@@ -362,7 +362,7 @@ def _check_value(table: str, key: str, value: Any, where: Any) -> Any:
         raise ConfigError(f"{where()}: {exc}") from exc
 
 
-def _engine_value(key: str, value: Any) -> int | str | bool:
+def _engine_value(key: str, value: Any) -> int | str | bool | Mapping[str, Any]:
     from localpaged.config import check_field  # torch-free: the one check EngineConfig's fields go through
 
     check_field(key, value)

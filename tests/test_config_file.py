@@ -317,3 +317,38 @@ def test_a_fifo_or_a_huge_settings_file_is_an_error_not_a_hang(config: Path) -> 
         big.truncate(2 * 1024 * 1024)  # sparse: 2 MiB of nothing
     with pytest.raises(ConfigError, match="more than the"):
         load_settings()
+
+
+def test_a_draft_model_comes_from_the_files_inline_table_or_the_flags(config: Path, opened: list[dict], capsys) -> None:
+    write(config, '[engine]\nspeculative = { draft = "small.gguf", k = 2 }\n')
+    assert cli.main(["serve", "--port", "0"]) == 2
+    assert cli.main(["run", "--no-store", "--speculative-k", "5", "hi"]) == 2  # the file's draft, another k
+    assert cli.main(["run", "--no-store", "--speculative-draft", "tiny.gguf", "hi"]) == 2
+    assert cli.main(["run", "--no-store", "--speculative", "off", "hi"]) == 2
+    assert [s["speculative"] for s in opened] == [
+        {"draft": "small.gguf", "k": 2},
+        {"draft": "small.gguf", "k": 5},
+        {"draft": "tiny.gguf"},
+        "off",
+    ]
+    settings = cli._settings(
+        cli.build_parser().parse_args(["chat", "--speculative-draft", "d.gguf", "--speculative-k", "4"])
+    )
+    assert settings.engine.speculative == {"draft": "d.gguf", "k": 4}
+    assert settings.origin("engine.speculative") == "flag --speculative-draft"
+    capsys.readouterr()
+    assert cli.main(["config", "show"]) == 0
+    assert 'engine.speculative = { draft = "small.gguf", k = 2 }' in capsys.readouterr().out
+
+
+def test_bad_draft_settings_say_what_to_change(config: Path) -> None:
+    parse = cli.build_parser().parse_args
+    with pytest.raises(ConfigError, match="pass one"):
+        cli._settings(parse(["chat", "--speculative", "ngram", "--speculative-draft", "d.gguf"]))
+    with pytest.raises(ConfigError, match="--speculative-k sets a draft model's k: pass --speculative-draft"):
+        cli._settings(parse(["chat", "--speculative-k", "4"]))
+    with pytest.raises(ConfigError, match=r"--speculative-draft: .*'k' must be a whole number from 1 to 8"):
+        cli._settings(parse(["chat", "--speculative-draft", "d.gguf", "--speculative-k", "9"]))
+    write(config, '[engine]\nspeculative = { model = "small.gguf" }\n')
+    with pytest.raises(ConfigError, match=r"line 2: \[engine\] speculative: .*unknown key\(s\) model"):
+        load_settings()
