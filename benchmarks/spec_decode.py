@@ -34,10 +34,13 @@ own ``predicted_per_second``, its acceptance its ``draft_n_accepted / draft_n``.
 workload and round (``ngram-mod``'s pool outlives requests). Without the binaries that part is recorded
 as not run; llama.cpp's ``llama-lookup`` is not needed (the server has these).
 
+With ``--draft MODEL`` every workload also runs mode "draft": drafts from that draft model
+(``speculative={"draft": MODEL, "k": --draft-k}``), on its own engine, which keeps nothing across requests.
+
 Writes benchmarks/results/spec_decode.json and prints a table.
 
     python benchmarks/spec_decode.py [--rounds 3] [--modes ngram,suffix,auto] [--sessions 16,64]
-        [--model PATH] [--skip-llama] [--quick] [--out PATH]
+        [--model PATH] [--draft MODEL [--draft-k 3]] [--skip-llama] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from peers import LLAMA_CPP_PYTHON_VERSION, LlamaServer, cpu_name, llama_bin_dir
 from throughput import QUESTIONS, SYSTEM
 
 MODES = ("ngram", "suffix", "auto")
+DRAFT = "draft"  # the mode of --draft MODEL: a draft model's drafts, on every workload
 # The modes each workload compares with off, and its goal (best on / best off).
 WORKLOAD_MODES = {
     "code_edit": ("ngram", "auto"),
@@ -77,7 +81,7 @@ QUICK |= {"rounds": 1, "sessions": "4"}  # a smoke run: well under a minute on t
 # The pool's size fixed (64 sessions' contexts fit in float32 KV), so that engines alive together size alike.
 ENGINE = {"kv_disk": False, "kv_cache_memory": "2GiB"}
 # Modes with no state across requests: their engine serves every round (a fresh one would change nothing).
-STATELESS = ("off", "ngram")
+STATELESS = ("off", "ngram", DRAFT)
 STAT_FIELDS = ("spec_proposed_tokens", "spec_accepted_tokens")
 NOT_IN_ENGINE = "speculative not in this engine"
 # llama-server's draftless speculation: the closest it has to our "ngram", and its default (shared across requests).
@@ -140,8 +144,9 @@ def greedy(tokens: int):
     return SamplingParams(max_tokens=tokens, temperature=0.0)
 
 
-def open_engine(mode: str, model: str | None) -> Any:
-    """A fresh engine with ``speculative=mode``; None if this engine has no speculative decoding.
+def open_engine(mode: str, model: str | None, draft: dict | None = None) -> Any:
+    """A fresh engine with ``speculative=mode`` (``draft``, the draft model's setting, for "draft"); None if this
+    engine has no speculative decoding.
 
     The off side falls back to an engine without the argument, so that it runs on an engine from before it.
     """
@@ -149,7 +154,7 @@ def open_engine(mode: str, model: str | None) -> Any:
     from localpaged.errors import ConfigError
 
     try:
-        return LLM(model, speculative=mode, **ENGINE)
+        return LLM(model, speculative=draft if mode == DRAFT else mode, **ENGINE)
     except (ConfigError, TypeError) as exc:
         if "speculative" not in str(exc):  # another setting's error, not this one's absence
             raise
@@ -274,10 +279,10 @@ def run_ours(args: argparse.Namespace, modes: list[str]) -> tuple[dict, bool]:
     extra: dict[str, Any] = {}
     for r in range(args.rounds):
         for name, wanted, unit in units:
-            on = [m for m in wanted if m in modes and m not in missing]
+            on = [m for m in (*wanted, DRAFT) if m in modes and m not in missing]
             order = ["off", *on] if r % 2 == 0 else [*reversed(on), "off"]
             for mode in order:
-                llm = kept.get(mode) or open_engine(mode, args.model)
+                llm = kept.get(mode) or open_engine(mode, args.model, args.draft_setting)
                 if llm is None:
                     print(f"  {mode}: {NOT_IN_ENGINE}", flush=True)
                     missing.add(mode)
@@ -288,7 +293,8 @@ def run_ours(args: argparse.Namespace, modes: list[str]) -> tuple[dict, bool]:
                         kept[mode] = llm
                 extra.setdefault("model", llm.model_name)
                 extra.setdefault("resolved", {})[mode] = {
-                    name: getattr(llm.resolved, name, None) for name in ("speculative", "speculative_max_decodes")
+                    name: getattr(llm.resolved, name, None)
+                    for name in ("speculative", "speculative_max_rows", "speculative_draft", "speculative_k")
                 }
                 got = unit(llm, args)
                 if mode not in STATELESS:
@@ -331,7 +337,7 @@ def summarize(row: str, by_mode: dict[str, list[dict]], missing: set[str]) -> di
             "identical": all(m["tokens"] == reference for m in off),  # off against itself, round to round
         },
     }
-    for mode in WORKLOAD_MODES[workload]:
+    for mode in (*WORKLOAD_MODES[workload], DRAFT):
         if mode in missing:
             out[mode] = NOT_IN_ENGINE
             continue
@@ -449,7 +455,7 @@ def report(results: dict) -> None:
     print("| workload | off | mode | on | on / off | goal | acceptance | identical |")
     print("|---|---|---|---|---|---|---|---|")
     for row, r in results["rows"].items():
-        modes = [m for m in MODES if m in r]
+        modes = [m for m in (*MODES, DRAFT) if m in r]
         if not modes:
             print(f"| {row} | {r['off']['tok_s']:.1f} | - | - | - | {r['goal']:.1f}x | - | - |")
         for m in modes:
@@ -485,6 +491,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--modes", default=",".join(MODES), help="speculative modes to compare with off; '' for off only")
     ap.add_argument("--sessions", help="session counts, comma-separated (default 16,64)")
     ap.add_argument("--model", help="another model (a GGUF or HF folder); the default model otherwise")
+    ap.add_argument("--draft", help="also run mode 'draft': drafts from this draft model (a GGUF or HF folder)")
+    ap.add_argument("--draft-k", type=int, default=3, help="the draft model's drafts a step at most (default 3)")
     ap.add_argument("--skip-llama", action="store_true", help="ours only, no llama-server")
     ap.add_argument("--quick", action="store_true", help="a smoke run: few tokens, one round, small sessions")
     ap.add_argument("--out", type=Path, default=RESULTS / "spec_decode.json")
@@ -497,7 +505,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         ap.error(f"unknown modes {unknown}; pick from {', '.join(MODES)}")
-    args.mode_list = modes
+    args.draft_setting = {"draft": args.draft, "k": args.draft_k} if args.draft else None
+    args.mode_list = modes + ([DRAFT] if args.draft else [])
     return args
 
 
@@ -514,6 +523,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rounds": args.rounds,
         "tokens": {k: getattr(args, k) for k in ("edit_tokens", "reply_tokens", "chat_tokens", "session_tokens")},
         "modes": args.mode_list,
+        "draft": args.draft_setting,  # mode "draft"'s setting, None without --draft
     }
     with own_kv_folder():
         print("localpaged:", flush=True)

@@ -411,7 +411,7 @@ def spec_cells(on: object, off: float | None) -> list[str]:
 
 
 def render_spec_decode(data: dict) -> str:
-    modes = ("ngram", "suffix", "auto")
+    modes = ("ngram", "suffix", "auto", "draft")
     rows = []
     for name, r in (data.get("rows") or {}).items():
         off = (r.get("off") or {}).get("tok_s")
@@ -431,6 +431,10 @@ def render_spec_decode(data: dict) -> str:
         f"and {num(tokens.get('session_tokens'), 0)} a session. Acceptance: accepted over proposed draft tokens; "
         "identical: every run's greedy token ids equal speculation off's."
     )
+    draft = data.get("draft")
+    if draft:
+        name = ((data.get("resolved") or {}).get("draft") or {}).get("speculative_draft") or draft.get("draft")
+        head += f" `draft`: drafts from the draft model {name}, k = {draft.get('k')}."
     if data.get("quick"):
         head += " A `--quick` run: smoke-test figures."
     header = ["workload", "off", "mode", "on", "on / off", "acceptance", "identical", "goal"]
