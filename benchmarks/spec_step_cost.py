@@ -33,7 +33,8 @@ def step_time(llm: LLM, clock: DraftClock, batch: int, drafts: int, steps: int) 
         llm.speculator.k_start = drafts
     else:
         llm.speculator.drafts = lambda seq, room: [100] * min(drafts, room)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    # room for every step to keep all its drafts (a draft model may well propose the very tokens)
+    params = SamplingParams(max_tokens=steps * (drafts + 1) + 8, temperature=0.0, ignore_eos=True)
     prompts = [list(range(1000 + 7 * b, 1000 + 7 * b + PROMPT_TOKENS)) for b in range(batch)]
     ids = [llm.add_request(p, params) for p in prompts]
     running = llm.scheduler.running

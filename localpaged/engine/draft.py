@@ -32,6 +32,8 @@ from localpaged.engine.sequence import Sequence
 from localpaged.engine.speculative import PENDING, SpecState
 from localpaged.layers.attention import AttentionMetadata
 
+DECODE_ROWS = 4  # a catch-up of at most this many tokens a sequence runs as decode rows (``DraftModel._step``)
+
 
 class DraftModel:
     """Fills the draft slots (``speculative.PENDING``) of a batch's sequences with the draft model's greedy tokens."""
@@ -88,24 +90,33 @@ class DraftModel:
 
     def _step(self, entries: list[tuple[Sequence, int, list[int]]]) -> list[int]:
         """One forward of the draft over ``entries`` (a sequence, the position of its first token, the tokens);
-        the greedy token after each entry's last."""
+        the greedy token after each entry's last.
+
+        Where no entry has more than ``DECODE_ROWS`` tokens, each token is a decode row of its own (as the target
+        checks drafts: row p attends the first p + 1 tokens), so the step takes the decode path (the native decode
+        step on the CPU) rather than a prefill's: after a step that kept every draft the draft lacks two tokens.
+        """
         bs = self.runner.block_size
         dev = self.runner.device
+        as_rows = all(len(tokens) <= DECODE_ROWS for _, _, tokens in entries)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         cu = [0]
         lens: list[int] = []
         tables: list[list[int]] = []
+        last_rows: list[int] = []  # each entry's last token's row
         for seq, start, tokens in entries:
             end = start + len(tokens)
             table = seq.block_table
             ids.extend(tokens)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            cu.append(cu[-1] + len(tokens))
-            lens.append(end)
-            tables.append(table)
+            for row_start, row_end in [(p, p + 1) for p in range(start, end)] if as_rows else [(start, end)]:
+                cu.append(cu[-1] + row_end - row_start)
+                lens.append(row_end)
+                tables.append(table)
+            last_rows.append(cu[-1] - 1)
         width = max(len(t) for t in tables)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -117,5 +128,5 @@ class DraftModel:
         )
         ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
         hidden = self.runner.forward(ids_t, torch.tensor(positions, dtype=torch.int64, device=dev), meta)
-        logits = self.runner.model.compute_logits(hidden[[end - 1 for end in cu[1:]]])
+        logits = self.runner.model.compute_logits(hidden[last_rows])
         return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
