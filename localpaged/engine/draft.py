@@ -22,15 +22,12 @@ and computed ``num_computed_tokens``; the draft K/V before that position are of 
 
 from __future__ import annotations
 
-from itertools import pairwise
-
 import torch
 
 from localpaged.engine.runner import ModelRunner
 from localpaged.engine.scheduler import ScheduledBatch
 from localpaged.engine.sequence import Sequence
 from localpaged.engine.speculative import PENDING, SpecState
-from localpaged.layers.attention import AttentionMetadata
 
 DECODE_ROWS = 4  # a catch-up of at most this many tokens a sequence runs as decode rows (``DraftModel._step``)
 
@@ -117,15 +114,7 @@ class DraftModel:
                 lens.append(row_end)
                 tables.append(table)
             last_rows.append(cu[-1] - 1)
-        width = max(len(t) for t in tables)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            max_q_len=max(b - a for a, b in pairwise(cu)),
-            block_size=bs,
-        )
+        meta = self.runner.metadata(slots, tables, cu, lens)
         ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
         hidden = self.runner.forward(ids_t, torch.tensor(positions, dtype=torch.int64, device=dev), meta)
         logits = self.runner.model.compute_logits(hidden[last_rows])

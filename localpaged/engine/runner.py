@@ -143,6 +143,22 @@ class ModelRunner:
         elem = torch.tensor([], dtype=kv_dtype).element_size()
         return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * head_dim * elem
 
+    def metadata(
+        self, slots: list[int], tables: list[list[int]], cu: list[int], context_lens: list[int]
+    ) -> AttentionMetadata:
+        """The attention metadata of a forward's entries over the pool: the KV slots its tokens write, each entry's
+        block table (padded to the longest), query row offsets and context length."""
+        width = max(len(t) for t in tables)
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            max_q_len=max(b - a for a, b in pairwise(cu)),
+            block_size=self.block_size,
+        )
+
     def prepare(
         self, batch: ScheduledBatch
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
@@ -184,16 +200,8 @@ class ModelRunner:
             if end == seq.num_tokens:
                 to_sample.append(i)
                 logit_rows.append(cu[-1] - 1)
-        width = max(len(t) for t in tables)
+        meta = self.metadata(slots, tables, cu, context_lens)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            max_q_len=max(b - a for a, b in pairwise(cu)),
-            block_size=bs,
-        )
         if self.cascade and len(tables) > 1:
             meta.cascade = self.cascade_plan(tables, limits)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
