@@ -7,12 +7,32 @@ model and Hugging Face transformers can load the very same folder as the oracle.
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+
+def _load_the_installed_kernels_package() -> None:
+    """transformers imports the hub's ``kernels`` package where it is installed (a requirement of transformers 5.2x),
+    and pytest puts the checkout first on sys.path, where our kernels/ folder (installed as localpaged.kernels) has
+    that name: the oracle's import failed. The installed one is loaded once, from everywhere but the checkout."""
+    checkout = Path(__file__).resolve().parent.parent
+    kept = sys.path[:]
+    sys.path[:] = [p for p in kept if Path(p or ".").resolve() != checkout]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:
+        pass  # not installed: transformers does not look for it
+    finally:
+        sys.path[:] = kept
+
+
+_load_the_installed_kernels_package()
 
 if not torch.cuda.is_available():
     # Triton kernels run through the interpreter on the CPU; this must be set before they are defined.
