@@ -44,7 +44,7 @@ from localpaged.kernels.cpu_isa import KernelPath, choose_path
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
-ABI_VERSION = 7  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
+ABI_VERSION = 8  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
@@ -310,20 +310,36 @@ def _expect_attention(q: object, k_cache: object, v_cache: object) -> tuple[int,
     return num_blocks, kv_heads, kv_dtype
 
 
+class Scales(ctypes.Structure):
+    """cpu_kernels.h's lp_scales: a packed weight's scales and mins, each an fp16 unit times an int8 per group."""
+
+    _fields_ = [
+        ("unit", POINTER),
+        ("mult", POINTER),
+        ("min_unit", POINTER),
+        ("min_mult", POINTER),
+        ("unit_groups", SIZE),
+    ]
+
+
 @dataclass(frozen=True)
 class PackedBlocks:
-    """A weight in the tile layout of cpu_qgemm.h: ``q`` in 8, 4 or 5 bits a value, fp32 scale and min per group.
+    """A weight in the tile layout of cpu_qgemm.h: ``q`` in 8, 4 or 5 bits a value; per group a scale and a min, each
+    an fp16 unit (per ``unit_groups`` groups) times an int8 (cpu_scales.h).
 
     Checked once when made, so ``qgemm`` trusts its fields on every call.
     """
 
     q: torch.Tensor  # uint8 [tiles, bytes per tile]
-    scale: torch.Tensor  # float32 [tiles, K/G, 16]
-    minimum: torch.Tensor | None  # None where every min is 0 (Q4_0, Q5_0, Q8_0, Q6_K): nothing to read or add
+    unit: torch.Tensor  # float16 [tiles, K/G/unit_groups, 16]
+    mult: torch.Tensor  # int8 [tiles, K/G, 16]
+    min_unit: torch.Tensor | None  # as unit; None where every min is 0 (Q4_0, Q5_0, Q8_0, Q6_K): nothing to add
+    min_mult: torch.Tensor | None  # as mult; None with min_unit
     rows: int  # the weight's rows before padding to whole tiles
     bits: int  # 8 (int8 as is), 4 or 5 (unsigned, stored as q + offset); for int8 activations: 4 or 8, unsigned
     offset: int
     group: int  # weights per scale/min run: one of GROUPS
+    unit_groups: int  # groups per fp16 unit
     activations: str = "float32"  # one of ACTIVATIONS; "int8" is packed in quads (cpu_qgemm_int8.c)
 
     def __post_init__(self) -> None:
@@ -341,20 +357,39 @@ class PackedBlocks:
             raise KernelArgumentError(
                 f"q of shape {tuple(self.q.shape)} is not {self.rows} rows in tiles of {TILE} at {self.bits} bits"
             )
-        for name in ("scale", "minimum"):
+        groups = cols // self.group
+        per = self.unit_groups
+        if per < 1 or per & (per - 1) or groups % per or (self.min_unit is None) != (self.min_mult is None):
+            raise KernelArgumentError(
+                f"units of {per} groups over {groups} groups, a min's unit given {self.min_unit is not None} and "
+                f"its multipliers {self.min_mult is not None}: need units of a power of two of groups that divide "
+                "the groups, and both parts of a min or neither"
+            )
+        shapes = {"unit": (torch.float16, groups // self.unit_groups), "mult": (torch.int8, groups)}
+        for name in ("unit", "mult", "min_unit", "min_mult"):
             value = getattr(self, name)
-            if value is None and name == "minimum":
+            if value is None:
                 continue
-            expect(name, value, torch.float32, 3, contiguous=True)
-            if value.shape != (tiles, cols // self.group, TILE):
-                raise KernelArgumentError(
-                    f"{name} has shape {tuple(value.shape)}, not {(tiles, cols // self.group, TILE)}"
-                )
+            dtype, width = shapes[name.removeprefix("min_")]
+            expect(name, value, dtype, 3, contiguous=True)
+            if value.shape != (tiles, width, TILE):
+                raise KernelArgumentError(f"{name} has shape {tuple(value.shape)}, not {(tiles, width, TILE)}")
 
     @property
     def cols(self) -> int:
         """The weight's columns (the input features)."""
         return self.q.shape[1] // (2 * self.bits)
+
+    @functools.cached_property
+    def scales(self) -> Scales:
+        """The lp_scales over this weight's tensors (which it keeps alive)."""
+
+        def address(t: torch.Tensor | None) -> int | None:
+            return t.data_ptr() if t is not None else None
+
+        return Scales(
+            address(self.unit), address(self.mult), address(self.min_unit), address(self.min_mult), self.unit_groups
+        )
 
 
 _lp_pack_q = Kernel("lp_pack_q", [POINTER, SIZE, SIZE, INT, INT, POINTER])
@@ -375,10 +410,17 @@ def int16_prefill_runs(head_dim: int) -> bool:
 
 
 def pack_blocks(
-    q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, activations: str = "float32"
+    q: torch.Tensor,
+    unit: torch.Tensor,
+    mult: torch.Tensor,
+    min_unit: torch.Tensor,
+    min_mult: torch.Tensor,
+    activations: str = "float32",
 ) -> PackedBlocks:
-    """Reorder ``q`` [N, K] int8 and ``scale``/``minimum`` [N, K/G] (G in GROUPS) into tiles of 16 rows (padded with zeros).
+    """Reorder ``q`` [N, K] int8 and its scales and mins into tiles of 16 rows (padded with zeros).
 
+    A scale is ``unit`` [N, K/U] float16 times ``mult`` [N, K/G] int8 (U a multiple of G, G in GROUPS), a min
+    ``min_unit`` times ``min_mult`` likewise: the factors a GGUF stores (models/gguf_weights.py).
     q is stored in as few bits as its range needs (shifted to start at 0): 4 for Q4_*'s 16 values (two
     columns share a byte: a row's value in column k in the low half, in column k+1 in the high), 5 for Q5_*'s 32 (the same
     nibbles and a plane of high bits), else 8. A Q5_0 weight then costs 0.75 bytes with its scale
@@ -387,18 +429,33 @@ def pack_blocks(
     packs in cpu_qgemm_int8.c's quads, in 4 bits or else 8 (5-bit values too), every value shifted to start at 0.
     """
     expect("q", q, torch.int8, 2)
-    expect("scale", scale, torch.float32, 2)
-    expect("minimum", minimum, torch.float32, 2)
+    for name, value, dtype in (
+        ("unit", unit, torch.float16),
+        ("mult", mult, torch.int8),
+        ("min_unit", min_unit, torch.float16),
+        ("min_mult", min_mult, torch.int8),
+    ):
+        expect(name, value, dtype, 2)
     n, k = q.shape
-    if n == 0 or scale.shape[0] != n or scale.shape[1] == 0 or minimum.shape != scale.shape:
+    groups, units = mult.shape[1], unit.shape[1]
+    if (
+        n == 0
+        or groups == 0
+        or units == 0
+        or any(t.shape[0] != n for t in (unit, mult, min_unit, min_mult))
+        or min_unit.shape != unit.shape
+        or min_mult.shape != mult.shape
+        or groups % units
+    ):
         raise KernelArgumentError(
-            f"q {tuple(q.shape)}, scale {tuple(scale.shape)} and minimum {tuple(minimum.shape)}: "
-            "need q [N, K] with N > 0 and scale, minimum [N, K / group]"
+            f"q {tuple(q.shape)}, unit {tuple(unit.shape)}, mult {tuple(mult.shape)}, min_unit "
+            f"{tuple(min_unit.shape)} and min_mult {tuple(min_mult.shape)}: need q [N, K] with N > 0, mult and "
+            "min_mult [N, K / group], unit and min_unit [N, K / unit span], a span of whole groups"
         )
-    group = k // scale.shape[1]
-    if group not in GROUPS or k != group * scale.shape[1]:
+    group = k // groups
+    if group not in GROUPS or k != group * groups:
         raise KernelArgumentError(
-            f"q has {k} columns and scale {scale.shape[1]} groups: the CPU kernels take groups of {GROUPS} weights"
+            f"q has {k} columns and mult {groups} groups: the CPU kernels take groups of {GROUPS} weights"
         )
     low, high = (int(v) for v in torch.aminmax(q))
     offset = -min(low, 0)
@@ -413,15 +470,27 @@ def pack_blocks(
     pack = _lp_pack_quads if activations == "int8" else _lp_pack_q
     pack(q.data_ptr(), n, k, bits, offset, packed.data_ptr())
 
-    def tiled(t: torch.Tensor) -> torch.Tensor:  # [N, K/G] -> [tiles, K/G, 16], padded with zeros
-        t = torch.cat([t.float(), t.new_zeros(tiles * TILE - n, t.shape[1], dtype=torch.float32)])
+    def tiled(t: torch.Tensor) -> torch.Tensor:  # [N, W] -> [tiles, W, 16], padded with zeros
+        t = torch.cat([t, t.new_zeros(tiles * TILE - n, t.shape[1])])
         return t.reshape(tiles, TILE, t.shape[1]).transpose(1, 2).contiguous()
 
-    minimum = tiled(minimum) if bool(minimum.any()) else None
-    return PackedBlocks(packed, tiled(scale), minimum, n, bits, offset, group, activations)
+    has_min = bool(min_unit.any()) and bool(min_mult.any())
+    return PackedBlocks(
+        packed,
+        tiled(unit),
+        tiled(mult),
+        tiled(min_unit) if has_min else None,
+        tiled(min_mult) if has_min else None,
+        n,
+        bits,
+        offset,
+        group,
+        groups // units,
+        activations,
+    )
 
 
-_lp_qgemm = Kernel("lp_qgemm", [POINTER, SIZE, SIZE, POINTER, POINTER, POINTER, SIZE, INT, INT, INT, POINTER])
+_lp_qgemm = Kernel("lp_qgemm", [POINTER, SIZE, SIZE, POINTER, POINTER, SIZE, INT, INT, INT, POINTER])
 _lp_qgemm_int16 = Kernel("lp_qgemm_int16", _lp_qgemm.argtypes)
 _lp_qgemm_int8 = Kernel("lp_qgemm_int8", _lp_qgemm.argtypes)
 _QGEMM = {"float32": _lp_qgemm, "int16": _lp_qgemm_int16, "int8": _lp_qgemm_int8}  # by PackedBlocks.activations
@@ -446,8 +515,7 @@ def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
         m,
         k,
         w.q.data_ptr(),
-        w.scale.data_ptr(),
-        w.minimum.data_ptr() if w.minimum is not None else None,
+        ctypes.addressof(w.scales),
         padded,
         w.bits,
         w.offset,

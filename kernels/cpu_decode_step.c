@@ -15,9 +15,9 @@
 
 static int project(const lp_projection *w, const float *x, int64_t M, int64_t K, float *y) {
     switch (w->activations) {
-        case LP_ACT_INT8: return lp_qgemm_int8(x, M, K, w->q, w->scale, w->min, w->rows, w->bits, w->offset, w->group, y);
-        case LP_ACT_INT16: return lp_qgemm_int16(x, M, K, w->q, w->scale, w->min, w->rows, w->bits, w->offset, w->group, y);
-        case LP_ACT_F32: return lp_qgemm(x, M, K, w->q, w->scale, w->min, w->rows, w->bits, w->offset, w->group, y);
+        case LP_ACT_INT8: return lp_qgemm_int8(x, M, K, w->q, &w->scales, w->rows, w->bits, w->offset, w->group, y);
+        case LP_ACT_INT16: return lp_qgemm_int16(x, M, K, w->q, &w->scales, w->rows, w->bits, w->offset, w->group, y);
+        case LP_ACT_F32: return lp_qgemm(x, M, K, w->q, &w->scales, w->rows, w->bits, w->offset, w->group, y);
     }
     return LP_BAD_ARGUMENT;
 }

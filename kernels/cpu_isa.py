@@ -26,6 +26,7 @@ from localpaged.errors import ConfigError
 HERE = Path(__file__).parent
 HEADER = HERE / "cpu_kernels.h"  # the interface every build exports
 QGEMM = HERE / "cpu_qgemm.h"  # lp_qgemm's panel, tiling, OpenMP and dispatch, included by both kernel sources
+SCALES = HERE / "cpu_scales.h"  # packed scales (an fp16 times an int8) and their fp32 rebuild, for every qgemm
 KV_DISPATCH = HERE / "cpu_kv_dispatch.h"  # lp_paged_decode's and lp_rope_write_kv's, included by both as well
 ROWS = HERE / "cpu_rows.h"  # the small per-layer steps' argument checks and row loop, included by both as well
 CASCADE = HERE / "cpu_cascade.h"  # shared-prefix attention's plan and merge, for the dispatch and the int16 prefill
@@ -68,7 +69,17 @@ class KernelPath:
     @property
     def inputs(self) -> tuple[Path, ...]:
         """Every file whose bytes decide the library: the sources and the headers they include."""
-        return (*self.sources, *self.includes, HEADER, QGEMM, KV_DISPATCH, ROWS, CASCADE, INT_ACTIVATIONS_HEADER)
+        return (
+            *self.sources,
+            *self.includes,
+            HEADER,
+            QGEMM,
+            SCALES,
+            KV_DISPATCH,
+            ROWS,
+            CASCADE,
+            INT_ACTIVATIONS_HEADER,
+        )
 
 
 # Widest first: "auto" takes the first one the CPU runs. The AVX2 source is built with contraction off (its

@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define TILE 16 /* weight rows per packed tile */
-#define LP_ABI_VERSION 7
+#define LP_ABI_VERSION 8
 
 enum {
     LP_OK = 0,
@@ -43,14 +43,22 @@ typedef struct {
     const int32_t *shared_lens;  /* [num_groups]: keys, multiples of 16, at least 16 */
 } lp_cascade;
 
+/* A packed weight's scales and mins (cpu_scales.h says why this form): for tile t, group g, row j of the tile,
+ *   scale = fp16 unit[t][g / unit_groups][j] * mult[t][g][j],  min likewise from min_unit and min_mult
+ * (both NULL where every min is 0), each a product exact in fp32. */
+typedef struct {
+    const uint16_t *unit;     /* fp16 bits [tiles][groups / unit_groups][16] */
+    const int8_t *mult;       /* [tiles][groups][16] */
+    const uint16_t *min_unit; /* as unit, or NULL */
+    const int8_t *min_mult;   /* as mult, or NULL */
+    int64_t unit_groups;      /* groups a unit serves: 256 / G for a K-quant, 1 for a legacy type */
+} lp_scales;
+
 int lp_abi_version(void);
-int lp_qgemm(const float *X, int64_t M, int64_t K, const int8_t *q, const float *scale, const float *min,
-             int64_t N_padded, int bits, int offset, int group, float *Y);
+int lp_qgemm(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded, int bits, int offset, int group, float *Y);
 int lp_pack_q(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out);
-int lp_qgemm_int8(const float *X, int64_t M, int64_t K, const int8_t *q, const float *scale, const float *min,
-                  int64_t N_padded, int bits, int offset, int group, float *Y);
-int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const float *scale, const float *min,
-                   int64_t N_padded, int bits, int offset, int group, float *Y);
+int lp_qgemm_int8(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded, int bits, int offset, int group, float *Y);
+int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded, int bits, int offset, int group, float *Y);
 int lp_pack_quads(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out);
 int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                     const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH,
@@ -79,8 +87,8 @@ enum { LP_ACT_F32 = 0, LP_ACT_INT16 = 1, LP_ACT_INT8 = 2 };
 /* A Llama model's decoder layers as lp_llama_decode (cpu_decode_step.c) runs them, prepared once by
  * localpaged/models/llama_cpu_decode.py, which declares the same structures field for field. */
 typedef struct {
-    const int8_t *q; /* packed tiles, scales and mins as lp_qgemm takes them (min NULL where every min is 0) */
-    const float *scale, *min;
+    const int8_t *q;  /* packed tiles as lp_qgemm takes them */
+    lp_scales scales; /* their scales and mins */
     int64_t rows; /* output features: whole tiles, no padding row */
     int32_t bits, offset, group;
     int32_t activations; /* LP_ACT_*: the kernel its inputs go through, and so how q was packed */

@@ -24,6 +24,7 @@
 
 #include "cpu_activations.h"
 #include "cpu_kernels.h"
+#include "cpu_scales.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -96,8 +97,8 @@ static inline __attribute__((always_inline)) VNNI16 __m512i pair_weights(const i
  * into fp32 accumulators as scaled_group does. */
 static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
     const int BITS, const int GROUP, const int HAS_OFFSET, const int HAS_MIN, const int PANEL, const int R,
-    const lp_rounded_rows *x, long r0, long K, const int8_t *qt, const __m512i *P, int offset, const float *scale,
-    const float *min, float *y, long ldy) {
+    const lp_rounded_rows *x, long r0, long K, const int8_t *qt, const __m512i *P, int offset, lp_tile_factors scale,
+    lp_tile_factors min, float *y, long ldy) {
     const long groups = K / GROUP;
     __m512 f[6];
     for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
@@ -108,13 +109,13 @@ static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
             const __m512i w = PANEL ? _mm512_load_si512(P + p) : pair_weights(BITS, qt, K, p);
             for (int i = 0; i < R; i++) a[i] = add_pair_products(a[i], w, x->xq16 + (r0 + i) * K + 2 * p);
         }
-        const __m512 s = _mm512_loadu_ps(scale + g * TILE);
+        const __m512 s = group_values16(scale, g);
         for (int i = 0; i < R; i++) {
             const long at = (r0 + i) * groups + g;
             if (HAS_OFFSET) a[i] = _mm512_sub_epi32(a[i], _mm512_set1_epi32(offset * x->qsum[at]));
             const __m512 scaled = _mm512_mul_ps(_mm512_set1_ps(x->scale[at]), _mm512_cvtepi32_ps(a[i]));
             f[i] = _mm512_fmadd_ps(s, scaled, f[i]);
-            if (HAS_MIN) f[i] = _mm512_fmadd_ps(_mm512_loadu_ps(min + g * TILE), _mm512_set1_ps(x->sum[at]), f[i]);
+            if (HAS_MIN) f[i] = _mm512_fmadd_ps(group_values16(min, g), _mm512_set1_ps(x->sum[at]), f[i]);
         }
     }
     for (int i = 0; i < R; i++) _mm512_storeu_ps(y + (r0 + i) * ldy, f[i]);
@@ -127,9 +128,9 @@ static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
     tile_rows_vnni16(BITS, GROUP, HAS_OFFSET, HAS_MIN, PANEL, R, x, r, K, qt, panel, offset, st, mt, y, N_padded)
 #define QGEMM_INT16_FN(BITS, GROUP, HAS_OFFSET, HAS_MIN)                                                              \
     static VNNI16 int qgemm_int16_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(                                         \
-        const lp_rounded_rows *x, long M, long K, const int8_t *q, int offset, const float *scale, const float *min,  \
+        const lp_rounded_rows *x, long M, long K, const int8_t *q, int offset, const lp_scales *scales,               \
         long N_padded, float *Y) {                                                                                     \
-        const long groups = K / GROUP, tile_bytes = K * 2 * BITS;                                                      \
+        const long tile_bytes = K * 2 * BITS;                                                                          \
         int status = LP_OK;                                                                                            \
         _Pragma("omp parallel") {                                                                                      \
             __m512i *panel = M > 4 ? aligned_alloc(64, K / 2 * sizeof(__m512i)) : NULL;                               \
@@ -138,7 +139,9 @@ static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
             }                                                                                                          \
             _Pragma("omp for schedule(static)") for (long t = 0; t < N_padded / TILE; t++) {                          \
                 const int8_t *qt = q + t * tile_bytes;                                                                 \
-                const float *st = scale + t * groups * TILE, *mt = HAS_MIN ? min + t * groups * TILE : NULL;          \
+                const lp_tile_factors st = tile_factors(scales->unit, scales->mult, scales->unit_groups, t, K / GROUP); \
+                const lp_tile_factors mt =                                                                             \
+                    tile_factors(scales->min_unit, scales->min_mult, scales->unit_groups, t, K / GROUP);              \
                 float *y = Y + t * TILE;                                                                               \
                 long r = 0;                                                                                            \
                 if (M <= 4) {                                                                                          \
@@ -178,21 +181,21 @@ QGEMM_INT16_FN(8, 16, 0, 0)
 QGEMM_INT16_FN(8, 16, 0, 1)
 
 #define QGEMM_INT16_CALL(BITS, GROUP, HAS_OFFSET, HAS_MIN) \
-    qgemm_int16_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(&x, M, K, q, offset, scale, min, N_padded, Y)
+    qgemm_int16_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(&x, M, K, q, offset, scales, N_padded, Y)
 #define QGEMM_INT16_BY_MIN(BITS, GROUP, HAS_OFFSET) \
-    (min ? QGEMM_INT16_CALL(BITS, GROUP, HAS_OFFSET, 1) : QGEMM_INT16_CALL(BITS, GROUP, HAS_OFFSET, 0))
+    (scales->min_unit ? QGEMM_INT16_CALL(BITS, GROUP, HAS_OFFSET, 1) : QGEMM_INT16_CALL(BITS, GROUP, HAS_OFFSET, 0))
 #define QGEMM_INT16_BY_OFFSET(BITS, GROUP) \
     (offset ? QGEMM_INT16_BY_MIN(BITS, GROUP, 1) : QGEMM_INT16_BY_MIN(BITS, GROUP, 0))
 #define QGEMM_INT16_BY_GROUP(BITS) \
     (group == 16 ? QGEMM_INT16_BY_OFFSET(BITS, 16) : QGEMM_INT16_BY_OFFSET(BITS, 32))
 #endif
 
-/* X: [M, K] fp32; q, scale, min (or NULL), bits (8, 4 or 5), offset and group (32 or 16, dividing K) as lp_qgemm
- * takes them (8-bit values never have an offset); Y: [M, N_padded]. */
-int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const float *scale, const float *min,
-                   int64_t N_padded, int bits, int offset, int group, float *Y) {
+/* X: [M, K] fp32; q, scales, bits (8, 4 or 5), offset and group (32 or 16, dividing K) as lp_qgemm takes them
+ * (8-bit values never have an offset); Y: [M, N_padded]. */
+int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded,
+                   int bits, int offset, int group, float *Y) {
     if ((bits != 4 && bits != 5 && bits != 8) || (bits == 8 && offset) || (group != 16 && group != 32) || K % group ||
-        N_padded % TILE || M < 0 || K <= 0)
+        N_padded % TILE || M < 0 || K <= 0 || !scales_fit(scales, K, group))
         return LP_BAD_ARGUMENT;
     lp_rounded_rows x;
     int status = lp_round_rows(X, M, K, group, 16, &x);
@@ -206,11 +209,17 @@ int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const 
         return status;
     }
 #endif
-    const long groups = K / group, tile_bytes = K * 2 * bits;
+    const long tile_bytes = K * 2 * bits;
 #pragma omp parallel for schedule(static)
-    for (long t = 0; t < N_padded / TILE; t++)
-        tile_rows_plain16(&x, M, K, group, q + t * tile_bytes, bits, offset, scale + t * groups * TILE,
-                          min ? min + t * groups * TILE : NULL, Y + t * TILE, N_padded);
+    for (long t = 0; t < N_padded / TILE; t++) {
+        const float *st, *mt;
+        if (tile_scales(0, scales, t, K / group, &st, &mt) != LP_OK) {
+#pragma omp atomic write
+            status = LP_OUT_OF_MEMORY;
+            continue;
+        }
+        tile_rows_plain16(&x, M, K, group, q + t * tile_bytes, bits, offset, st, mt, Y + t * TILE, N_padded);
+    }
     lp_free_rows(&x);
     return status;
 }

@@ -16,7 +16,7 @@
  *           in its high half;
  *   8 bits: 64 bytes a quad; byte 4j + i holds row j's u at column 4c + i (5-bit values are stored this way too).
  * Each 32-bit lane then holds one row's four columns: one vpdpbusd against four int8 values of X broadcast to
- * every lane adds 4 columns x 8 rows. scale and min are laid out as for lp_qgemm (cpu_qgemm.h).
+ * every lane adds 4 columns x 8 rows. Scales and mins are as lp_qgemm takes them (cpu_scales.h).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,6 +24,7 @@
 
 #include "cpu_activations.h"
 #include "cpu_kernels.h"
+#include "cpu_scales.h"
 
 /* q [N, K] int8 (a GGUF tensor's rows, unpacked) -> the quads layout above, bits 4 or 8, u = q + offset (which
  * must lie in 0 .. 2^bits - 1); rows past N (padding up to a whole tile) hold u = 0. */
@@ -78,7 +79,7 @@ static void tile_rows_plain(const lp_rounded_rows *x, long r0, long R, long K, l
  * in two registers of 8 lanes (rows 0-7 and 8-15 of the tile), then scaled into fp32 accumulators. */
 static inline __attribute__((always_inline)) VNNI void tile_rows_vnni(
     const int BITS, const int GROUP, const int HAS_OFFSET, const int HAS_MIN, const int R, const lp_rounded_rows *x,
-    long r0, long K, const uint8_t *qt, int offset, const float *scale, const float *min, float *y, long ldy) {
+    long r0, long K, const uint8_t *qt, int offset, lp_tile_factors scale, lp_tile_factors min, float *y, long ldy) {
     const long groups = K / GROUP;
     __m256 f_lo[4], f_hi[4];
     for (int i = 0; i < R; i++) f_lo[i] = f_hi[i] = _mm256_setzero_ps();
@@ -104,7 +105,9 @@ static inline __attribute__((always_inline)) VNNI void tile_rows_vnni(
                 a_hi[i] = _mm256_dpbusd_epi32(a_hi[i], hi, xb);
             }
         }
-        const __m256 s_lo = _mm256_loadu_ps(scale + g * TILE), s_hi = _mm256_loadu_ps(scale + g * TILE + 8);
+        const __m512 s = group_values16(scale, g);
+        const __m256 s_lo = half8(s, 0), s_hi = half8(s, 1);
+        const __m512 m = HAS_MIN ? group_values16(min, g) : _mm512_setzero_ps();
         for (int i = 0; i < R; i++) {
             const long at = (r0 + i) * groups + g;
             if (HAS_OFFSET) {
@@ -117,8 +120,8 @@ static inline __attribute__((always_inline)) VNNI void tile_rows_vnni(
             f_hi[i] = _mm256_fmadd_ps(s_hi, _mm256_mul_ps(xs, _mm256_cvtepi32_ps(a_hi[i])), f_hi[i]);
             if (HAS_MIN) {
                 const __m256 sum = _mm256_set1_ps(x->sum[at]);
-                f_lo[i] = _mm256_fmadd_ps(_mm256_loadu_ps(min + g * TILE), sum, f_lo[i]);
-                f_hi[i] = _mm256_fmadd_ps(_mm256_loadu_ps(min + g * TILE + 8), sum, f_hi[i]);
+                f_lo[i] = _mm256_fmadd_ps(half8(m, 0), sum, f_lo[i]);
+                f_hi[i] = _mm256_fmadd_ps(half8(m, 1), sum, f_hi[i]);
             }
         }
     }
@@ -132,12 +135,13 @@ static inline __attribute__((always_inline)) VNNI void tile_rows_vnni(
  * with its OpenMP loop where those are literals (see cpu_qgemm.h's QGEMM_FN for why). */
 #define QGEMM_INT8_FN(BITS, GROUP, HAS_OFFSET, HAS_MIN)                                                              \
     static VNNI void qgemm_int8_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(                                         \
-        const lp_rounded_rows *x, long M, long K, const uint8_t *q, int offset, const float *scale, const float *min, \
+        const lp_rounded_rows *x, long M, long K, const uint8_t *q, int offset, const lp_scales *scales,              \
         long N_padded, float *Y) {                                                                                    \
-        const long groups = K / GROUP, tile_bytes = K * 2 * BITS;                                                     \
+        const long tile_bytes = K * 2 * BITS;                                                                         \
         _Pragma("omp parallel for schedule(static)") for (long t = 0; t < N_padded / TILE; t++) {                    \
             const uint8_t *qt = q + t * tile_bytes;                                                                   \
-            const float *st = scale + t * groups * TILE, *mt = HAS_MIN ? min + t * groups * TILE : NULL;             \
+            const lp_tile_factors st = tile_factors(scales->unit, scales->mult, scales->unit_groups, t, K / GROUP);   \
+            const lp_tile_factors mt = tile_factors(scales->min_unit, scales->min_mult, scales->unit_groups, t, K / GROUP); \
             float *y = Y + t * TILE;                                                                                  \
             long r = 0;                                                                                               \
             for (; r + 4 <= M; r += 4)                                                                                \
@@ -157,24 +161,25 @@ QGEMM_INT8_FNS(8, 32)
 QGEMM_INT8_FNS(8, 16)
 
 #define QGEMM_INT8_CALL(BITS, GROUP, HAS_OFFSET, HAS_MIN) \
-    qgemm_int8_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(&x, M, K, q, offset, scale, min, N_padded, Y)
+    qgemm_int8_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(&x, M, K, q, offset, scales, N_padded, Y)
 #define QGEMM_INT8_BY_MIN(BITS, GROUP, HAS_OFFSET) \
-    (min ? QGEMM_INT8_CALL(BITS, GROUP, HAS_OFFSET, 1) : QGEMM_INT8_CALL(BITS, GROUP, HAS_OFFSET, 0))
+    (scales->min_unit ? QGEMM_INT8_CALL(BITS, GROUP, HAS_OFFSET, 1) : QGEMM_INT8_CALL(BITS, GROUP, HAS_OFFSET, 0))
 #define QGEMM_INT8_BY_OFFSET(BITS, GROUP) \
     (offset ? QGEMM_INT8_BY_MIN(BITS, GROUP, 1) : QGEMM_INT8_BY_MIN(BITS, GROUP, 0))
 #define QGEMM_INT8_BY_GROUP(BITS) (group == 16 ? QGEMM_INT8_BY_OFFSET(BITS, 16) : QGEMM_INT8_BY_OFFSET(BITS, 32))
 
 #endif
 
-/* X: [M, K] fp32; q in the quads layout of `bits` (4 or 8) with `offset`; scale and min (or NULL) as for lp_qgemm,
- * in groups of `group` (32 or 16, dividing K); Y: [M, N_padded]. */
-int lp_qgemm_int8(const float *X, int64_t M, int64_t K, const int8_t *q_signed, const float *scale, const float *min,
+/* X: [M, K] fp32; q in the quads layout of `bits` (4 or 8) with `offset`; scales as lp_qgemm takes them, in groups
+ * of `group` (32 or 16, dividing K); Y: [M, N_padded]. */
+int lp_qgemm_int8(const float *X, int64_t M, int64_t K, const int8_t *q_signed, const lp_scales *scales,
                   int64_t N_padded, int bits, int offset, int group, float *Y) {
-    if ((bits != 4 && bits != 8) || (group != 16 && group != 32) || K % group || N_padded % TILE || M < 0 || K <= 0)
+    if ((bits != 4 && bits != 8) || (group != 16 && group != 32) || K % group || N_padded % TILE || M < 0 || K <= 0 ||
+        !scales_fit(scales, K, group))
         return LP_BAD_ARGUMENT;
     const uint8_t *q = (const uint8_t *)q_signed;
     lp_rounded_rows x;
-    const int status = lp_round_rows(X, M, K, group, 8, &x);
+    int status = lp_round_rows(X, M, K, group, 8, &x);
     if (status != LP_OK) return status;
 #if defined(__x86_64__)
     if (lp_has_vnni()) {
@@ -184,11 +189,17 @@ int lp_qgemm_int8(const float *X, int64_t M, int64_t K, const int8_t *q_signed, 
         return LP_OK;
     }
 #endif
-    const long groups = K / group, tile_bytes = K * 2 * bits;
+    const long tile_bytes = K * 2 * bits;
 #pragma omp parallel for schedule(static)
-    for (long t = 0; t < N_padded / TILE; t++)
-        tile_rows_plain(&x, 0, M, K, group, q + t * tile_bytes, bits, offset, scale + t * groups * TILE,
-                        min ? min + t * groups * TILE : NULL, Y + t * TILE, N_padded);
+    for (long t = 0; t < N_padded / TILE; t++) {
+        const float *st, *mt;
+        if (tile_scales(0, scales, t, K / group, &st, &mt) != LP_OK) {
+#pragma omp atomic write
+            status = LP_OUT_OF_MEMORY;
+            continue;
+        }
+        tile_rows_plain(&x, 0, M, K, group, q + t * tile_bytes, bits, offset, st, mt, Y + t * TILE, N_padded);
+    }
     lp_free_rows(&x);
-    return LP_OK;
+    return status;
 }

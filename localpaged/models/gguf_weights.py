@@ -1,9 +1,9 @@
 """A GGUF file's tensors under their Hugging Face names, quantised blocks kept as they are.
 
 The eight types ``Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K`` (everything a ``Q4_K_M`` or ``Q5_K_M``
-file is made of) stay as ``BlockQuantized``: an int8 per weight and an fp32 scale and min per run
-("group") of 32 weights, 16 for Q6_K, exactly the intermediate values gguf-py's dequantisation
-computes, for the native CPU kernels. Float tensors (F32, F16, BF16) are read as floats, and any
+file is made of) stay as ``BlockQuantized``: an int8 per weight and a scale and min per run ("group")
+of 32 weights, 16 for Q6_K, each kept as the file's fp16 times a small integer, whose fp32 products are
+exactly the intermediate values gguf-py's dequantisation computes, for the native CPU kernels. Float tensors (F32, F16, BF16) are read as floats, and any
 other type is dequantised by gguf-py once, with a one-line warning naming it. ``GGUFWeights`` reads
 one tensor at a time, when the loader asks for it. Q and K projections of a "llama" file are
 un-permuted the same way transformers does it (a row permutation, so it applies to quantised rows
@@ -20,46 +20,78 @@ import torch
 
 from localpaged.models.gguf_file import GGUFFile, TensorInfo
 
-BLOCK_FIELDS = ("q", "scale", "minimum")
+BLOCK_FIELDS = ("q", "unit", "mult", "min_unit", "min_mult")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass
 class BlockQuantized:
-    """``weight[r, c] = scale[r, c // G] * q[r, c] + minimum[r, c // G]``, each step rounded to fp32; G = ``group``."""
+    """``weight[r, c] = scale[r, c // G] * q[r, c] + minimum[r, c // G]``, each step rounded to fp32; G = ``group``.
+
+    A scale is kept as the file has it, an fp16 ``unit`` per run of U weights (a K-quant's block of 256, a legacy
+    type's group) times an int8 ``mult`` per group; a min likewise. Their product is exact in fp32, the value gguf-py
+    computes, and the native kernels read the two parts (kernels/cpu_scales.h: fewer bytes a decode step).
+    """
 
     q: torch.Tensor  # int8 [rows, cols]
-    scale: torch.Tensor  # float32 [rows, cols / G]
-    minimum: torch.Tensor  # float32 [rows, cols / G]
+    unit: torch.Tensor  # float16 [rows, cols / U]
+    mult: torch.Tensor  # int8 [rows, cols / G]
+    min_unit: torch.Tensor  # float16 [rows, cols / U]
+    min_mult: torch.Tensor  # int8 [rows, cols / G]
 
     @property
     def group(self) -> int:
-        return self.q.shape[1] // self.scale.shape[1]
+        return self.q.shape[1] // self.mult.shape[1]
+
+    @property
+    def unit_groups(self) -> int:
+        """Groups a unit serves."""
+        return self.mult.shape[1] // self.unit.shape[1]
+
+    def _product(self, unit: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
+        return unit.float().repeat_interleave(self.unit_groups, dim=1) * mult.float()
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """float32 [rows, cols / G]."""
+        return self._product(self.unit, self.mult)
+
+    @property
+    def minimum(self) -> torch.Tensor:
+        """float32 [rows, cols / G]."""
+        return self._product(self.min_unit, self.min_mult)
 
     def dequantize(self) -> torch.Tensor:
         """The exact fp32 values gguf-py (and so transformers) gives: a product, then a sum, no FMA."""
         scale, minimum = (t.repeat_interleave(self.group, dim=1) for t in (self.scale, self.minimum))
         return scale * self.q.float() + minimum
 
-    def regroup(self, group: int) -> BlockQuantized:
-        """The same values with a scale and min per ``group`` weights (a divisor of this group): repeated."""
-        repeat = self.group // group
-        return BlockQuantized(self.q, *(t.repeat_interleave(repeat, dim=1) for t in (self.scale, self.minimum)))
+    def regroup(self, group: int, unit_groups: int) -> BlockQuantized:
+        """The same values with a scale and min per ``group`` weights (a divisor of this group) and a unit per
+        ``unit_groups`` of those groups (a divisor of this unit's span): repeated."""
+        unit_repeat = self.group * self.unit_groups // (group * unit_groups)
+        mult_repeat = self.group // group
+        units = (t.repeat_interleave(unit_repeat, dim=1) for t in (self.unit, self.min_unit))
+        mults = (t.repeat_interleave(mult_repeat, dim=1) for t in (self.mult, self.min_mult))
+        (unit, min_unit), (mult, min_mult) = units, mults
+        return BlockQuantized(self.q, unit, mult, min_unit, min_mult)
 
     @staticmethod
     def cat(parts: list[BlockQuantized]) -> BlockQuantized:
-        """Rows of ``parts`` stacked; where their groups differ (a Q6_K V under Q4_K Q and K), on the smallest."""
+        """Rows of ``parts`` stacked; where their groups or units differ (a Q6_K V under Q4_K Q and K), on the
+        smallest of each."""
         if len(parts) == 1:
             return parts[0]
         group = min(p.group for p in parts)
-        parts = [p.regroup(group) for p in parts]
+        span = min(p.group * p.unit_groups for p in parts)
+        parts = [p.regroup(group, span // group) for p in parts]
         return BlockQuantized(*(torch.cat([getattr(p, f) for p in parts]) for f in BLOCK_FIELDS))
 
 
 def _half(raw: np.ndarray) -> np.ndarray:
-    """Little-endian fp16 bytes ``[..., 2]`` -> float32 ``[...]``."""
-    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+    """Little-endian fp16 bytes ``[..., 2]`` -> float16 ``[...]``."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0]
 
 
 def _nibbles(packed: np.ndarray, runs: int) -> np.ndarray:
@@ -75,26 +107,26 @@ def _crumbs(packed: np.ndarray) -> np.ndarray:
 
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's twelve bytes of 6-bit sub-block scales and mins -> ``([blocks, 8], [blocks, 8])``."""
+    """Q4_K/Q5_K's twelve bytes of 6-bit sub-block scales and mins -> ``([blocks, 8], [blocks, 8])`` int8."""
     d, m, md = np.split(scales.reshape(-1, 3, 4), 3, axis=1)
     d, m, md = d[:, 0], m[:, 0], md[:, 0]
     sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=1)
     mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=1)
-    return sc.astype(np.float32), mn.astype(np.float32)
+    return sc.astype(np.int8), mn.astype(np.int8)
 
 
 def unpack(data: np.ndarray, kind: str) -> BlockQuantized:
     """Raw GGUF bytes ``[rows, bytes_per_row]`` of a NATIVE_TYPES tensor -> BlockQuantized.
 
-    Scales and mins are computed as gguf-py computes them (an fp16 widened, times a sub-block
-    scale, in fp32); ``x - m`` becomes ``x + (-m)``, the same value in IEEE arithmetic.
+    Scales and mins keep the file's factors: a K-quant's fp16 d and dmin per block and its sub-block integers, a
+    legacy type's fp16 per group times 1. ``x - dmin * m`` becomes ``x + (-dmin) * m``, the same value in IEEE
+    arithmetic.
     """
     rows = data.shape[0]
     if kind in ("Q4_K", "Q5_K"):
         blocks = data.reshape(-1, 144 if kind == "Q4_K" else 176)
-        d, dmin = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
-        sc, mn = _k_scales(blocks[:, 4:16])
-        scale, minimum = d[:, None] * sc, -(dmin[:, None] * mn)
+        unit, min_unit = _half(blocks[:, 0:2])[:, None], -_half(blocks[:, 2:4])[:, None]
+        mult, min_mult = _k_scales(blocks[:, 4:16])
         q = _nibbles(blocks[:, -128:], 4)
         if kind == "Q5_K":
             high = np.unpackbits(blocks[:, 16:48], axis=1, bitorder="little")  # bit b of byte j: run b's weight j
@@ -104,14 +136,15 @@ def unpack(data: np.ndarray, kind: str) -> BlockQuantized:
         low = _nibbles(blocks[:, :128], 2)  # [blocks, 256]: two halves of 64 bytes -> 4 runs of 64 each
         high = _crumbs(blocks[:, 128:192].reshape(-1, 32)).reshape(-1, 256)
         q = (low | (high << 4)).astype(np.int8) - 32
-        scale = _half(blocks[:, 208:210])[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
-        minimum = np.zeros_like(scale)
+        unit, mult = _half(blocks[:, 208:210])[:, None], blocks[:, 192:208].view(np.int8)
+        min_unit, min_mult = np.zeros_like(unit), np.zeros_like(mult)
     else:
         size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[kind]
         blocks = data.reshape(-1, size)
-        scale = _half(blocks[:, 0:2])[:, None]
+        unit = _half(blocks[:, 0:2])[:, None]
         with_min = kind in ("Q4_1", "Q5_1")
-        minimum = _half(blocks[:, 2:4])[:, None] if with_min else np.zeros_like(scale)
+        min_unit = _half(blocks[:, 2:4])[:, None] if with_min else np.zeros_like(unit)
+        mult, min_mult = np.ones(unit.shape, np.int8), np.full(unit.shape, int(with_min), np.int8)
         body = blocks[:, 4:] if with_min else blocks[:, 2:]
         if kind == "Q8_0":
             q = body.view(np.int8)
@@ -120,10 +153,16 @@ def unpack(data: np.ndarray, kind: str) -> BlockQuantized:
         else:  # Q5_0, Q5_1: 32 high bits as a little-endian word, then the nibbles
             q = _nibbles(body[:, 4:], 1) | (np.unpackbits(body[:, :4], axis=1, bitorder="little") << 4)
         q = q.astype(np.int8) - {"Q4_0": 8, "Q5_0": 16}.get(kind, 0)
+
+    def rowwise(a: np.ndarray, dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype).reshape(rows, -1))
+
     return BlockQuantized(
-        torch.from_numpy(np.ascontiguousarray(q, dtype=np.int8).reshape(rows, -1)),
-        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1)),
-        torch.from_numpy(np.ascontiguousarray(minimum, dtype=np.float32).reshape(rows, -1)),
+        rowwise(q, np.int8),
+        rowwise(unit, np.float16),
+        rowwise(mult, np.int8),
+        rowwise(min_unit, np.float16),
+        rowwise(min_mult, np.int8),
     )
 
 

@@ -36,8 +36,7 @@ class LpProjection(ctypes.Structure):
 
     _fields_ = [
         ("q", cpu.POINTER),
-        ("scale", cpu.POINTER),
-        ("min", cpu.POINTER),
+        ("scales", cpu.Scales),
         ("rows", cpu.SIZE),
         ("bits", ctypes.c_int32),
         ("offset", ctypes.c_int32),
@@ -52,9 +51,8 @@ class LpProjection(ctypes.Structure):
             raise KernelArgumentError(
                 f"a packed weight of {w.rows} rows pads its last tile: need a multiple of {cpu.TILE}"
             )
-        minimum = w.minimum.data_ptr() if w.minimum is not None else None
         activations = cpu.ACTIVATIONS.index(w.activations)
-        return cls(w.q.data_ptr(), w.scale.data_ptr(), minimum, w.rows, w.bits, w.offset, w.group, activations)
+        return cls(w.q.data_ptr(), w.scales, w.rows, w.bits, w.offset, w.group, activations)
 
 
 class LpDecoderLayer(ctypes.Structure):

@@ -1,7 +1,7 @@
 """Projections and embeddings whose weights stay in a GGUF's blocks (runs of 32 or 16 weights), for the CPU.
 
 ``swap_in_blocks`` replaces each projection of a loaded model whose weights the file stored as
-blocks with a ``BlockLinear`` (layers/linear.py: native kernel, 0.75-1.5 bytes a weight instead of 4)
+blocks with a ``BlockLinear`` (layers/linear.py: native kernel, 0.6-1.1 bytes a weight instead of 4)
 and the token embedding with a ``BlockEmbedding`` (rows unpacked from the mapped file as tokens need
 them; it stays here, beside the loader, because it decodes the GGUF's own bytes);
 everything else loads as floats. The values used are exactly the fp32 ones a float32 load would
@@ -59,7 +59,9 @@ def swap_in_blocks(model: nn.Module, weights: GGUFWeights, activations: str = "f
             new: nn.Module = BlockEmbedding(weights.rows(hf[0]), weights.info(hf[0]).kind)
         else:
             blocks = BlockQuantized.cat([weights.read(n) for n in hf])
-            new = BlockLinear(blocks.q, blocks.scale, blocks.minimum, module.bias, activations)
+            new = BlockLinear(
+                blocks.q, blocks.unit, blocks.mult, blocks.min_unit, blocks.min_mult, module.bias, activations
+            )
             del blocks  # the unpacked weight goes before the next one is read
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
         consumed.update(hf)

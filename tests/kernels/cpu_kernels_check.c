@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "cpu_scales.h" /* half_to_float */
 
 static unsigned long long lcg_state = 12345;
 static unsigned next_u32(void) {
@@ -74,7 +75,8 @@ static void expect_close(const char *what, int a, int b, const float *out, const
     }
 }
 
-/* qgemm of M rows against N x K weights q in [low, high), scale and (if with_min) min per group; pack_q packs them. */
+/* qgemm of M rows against N x K weights q in [low, high), and per group a scale and (if with_min) a min, each an
+ * fp16 unit times an int8 (lp_scales, one unit a group); pack_q packs them. */
 static void check_qgemm(int low, int high, int with_min, int group, long M) {
     const long N = 40, K = 128, tiles = (N + TILE - 1) / TILE, groups = K / group;
     const int shift = low < 0 ? -low : 0, bits = high + shift <= 16 ? 4 : high + shift <= 32 ? 5 : 8;
@@ -82,18 +84,26 @@ static void check_qgemm(int low, int high, int with_min, int group, long M) {
     int8_t *q = malloc(N * K);
     uint8_t *packed = calloc(tiles * K * 2 * bits, 1);
     float *s = calloc(N * groups, sizeof(float)), *m = calloc(N * groups, sizeof(float));
-    float *tiled_s = calloc(tiles * groups * TILE, sizeof(float)), *tiled_m = calloc(tiles * groups * TILE, sizeof(float));
+    uint16_t *unit = calloc(tiles * groups * TILE, 2), *min_unit = calloc(tiles * groups * TILE, 2);
+    int8_t *mult = calloc(tiles * groups * TILE, 1), *min_mult = calloc(tiles * groups * TILE, 1);
     float *x = malloc(M * K * sizeof(float)), *y = malloc(M * tiles * TILE * sizeof(float));
     double *ref = calloc(M * N, sizeof(double));
     float *got = malloc(M * N * sizeof(float));
     for (long i = 0; i < N * K; i++) q[i] = (int8_t)(low + (int)(next_u32() % (unsigned)(high - low)));
-    for (long i = 0; i < N * groups; i++) s[i] = (uniform() + 1.0f) * 0.01f, m[i] = with_min ? uniform() * 0.1f : 0.0f;
-    for (long i = 0; i < M * K; i++) x[i] = uniform();
     for (long n = 0; n < N; n++)
         for (long g = 0; g < groups; g++) {
-            tiled_s[(n / TILE * groups + g) * TILE + n % TILE] = s[n * groups + g];
-            tiled_m[(n / TILE * groups + g) * TILE + n % TILE] = m[n * groups + g];
+            const long at = (n / TILE * groups + g) * TILE + n % TILE;
+            unit[at] = (uint16_t)(8 << 10 | next_u32() % 1024); /* 2^-7 .. 2^-6 */
+            mult[at] = (int8_t)(1 + next_u32() % 8);
+            if (with_min) {
+                min_unit[at] = (uint16_t)(0x8000 | 6 << 10 | next_u32() % 1024); /* -2^-9 .. -2^-8 */
+                min_mult[at] = (int8_t)(next_u32() % 16);
+            }
+            s[n * groups + g] = half_to_float(unit[at]) * (float)mult[at];
+            m[n * groups + g] = half_to_float(min_unit[at]) * (float)min_mult[at];
         }
+    const lp_scales scales = {unit, mult, with_min ? min_unit : NULL, with_min ? min_mult : NULL, 1};
+    for (long i = 0; i < M * K; i++) x[i] = uniform();
     for (long r = 0; r < M; r++)
         for (long n = 0; n < N; n++)
             for (long k = 0; k < K; k++) {
@@ -101,16 +111,14 @@ static void check_qgemm(int low, int high, int with_min, int group, long M) {
                 ref[r * N + n] += (double)x[r * K + k] * (double)(w + m[n * groups + k / group]);
             }
     int status = lp_pack_q(q, N, K, bits, offset, packed);
-    status |= lp_qgemm(x, M, K, (const int8_t *)packed, tiled_s, with_min ? tiled_m : NULL, tiles * TILE, bits, offset,
-                       group, y);
+    status |= lp_qgemm(x, M, K, (const int8_t *)packed, &scales, tiles * TILE, bits, offset, group, y);
     for (long r = 0; r < M; r++)
         for (long n = 0; n < N; n++) got[r * N + n] = y[r * tiles * TILE + n];
     if (status != LP_OK) printf("FAIL qgemm status %d\n", status), failures++;
     expect_close("qgemm (bits, rows)", bits, (int)M, got, ref, M * N, 1e-5);
     /* The same packed weights with x rounded to int16 a group (cpu_qgemm_int16.c: the VNNI kernel where the CPU has
      * it, else plain C): within 2e-4 of the largest output (measured: under 5e-5). */
-    status = lp_qgemm_int16(x, M, K, (const int8_t *)packed, tiled_s, with_min ? tiled_m : NULL, tiles * TILE, bits,
-                            offset, group, y);
+    status = lp_qgemm_int16(x, M, K, (const int8_t *)packed, &scales, tiles * TILE, bits, offset, group, y);
     for (long r = 0; r < M; r++)
         for (long n = 0; n < N; n++) got[r * N + n] = y[r * tiles * TILE + n];
     if (status != LP_OK) printf("FAIL qgemm_int16 status %d\n", status), failures++;
@@ -120,14 +128,14 @@ static void check_qgemm(int low, int high, int with_min, int group, long M) {
     const int quad_bits = high + shift <= 16 ? 4 : 8;
     uint8_t *quads = calloc(tiles * K * 2 * quad_bits, 1);
     status = lp_pack_quads(q, N, K, quad_bits, shift, quads);
-    status |= lp_qgemm_int8(x, M, K, (const int8_t *)quads, tiled_s, with_min ? tiled_m : NULL, tiles * TILE,
-                            quad_bits, shift, group, y);
+    status |= lp_qgemm_int8(x, M, K, (const int8_t *)quads, &scales, tiles * TILE, quad_bits, shift, group, y);
     for (long r = 0; r < M; r++)
         for (long n = 0; n < N; n++) got[r * N + n] = y[r * tiles * TILE + n];
     if (status != LP_OK) printf("FAIL qgemm_int8 status %d\n", status), failures++;
     expect_close("qgemm_int8 (bits, rows)", quad_bits, (int)M, got, ref, M * N, 2e-2);
     free(quads);
-    free(q), free(packed), free(s), free(m), free(tiled_s), free(tiled_m), free(x), free(y), free(ref), free(got);
+    free(q), free(packed), free(s), free(m), free(unit), free(mult), free(min_unit), free(min_mult);
+    free(x), free(y), free(ref), free(got);
 }
 
 /* n random K and V values; for a 16-bit cache, stored rounded in k16 and v16, and k, v made the values they hold. */

@@ -31,8 +31,15 @@ on_every_path = pytest.mark.usefixtures("kernel_path")
 def packed_weight(rows: int = 32, cols: int = 64) -> cpu.PackedBlocks:
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (rows, cols), generator=gen, dtype=torch.int8)
-    scale = torch.rand(rows, cols // 32, generator=gen)
-    return cpu.pack_blocks(q, scale, torch.zeros_like(scale))
+    unit = torch.rand(rows, cols // 32, generator=gen).half()
+    mult = torch.ones(rows, cols // 32, dtype=torch.int8)
+    return cpu.pack_blocks(q, unit, mult, torch.zeros_like(unit), torch.zeros_like(mult))
+
+
+def factors(rows: int, groups: int) -> tuple[torch.Tensor, ...]:
+    """A scale's and a min's parts for ``rows`` rows of ``groups`` groups: fp16 units of one group, int8 ones."""
+    unit, mult = torch.ones(rows, groups, dtype=torch.float16), torch.ones(rows, groups, dtype=torch.int8)
+    return unit, mult, torch.zeros_like(unit), torch.zeros_like(mult)
 
 
 def caches(blocks: int = 3, kv_heads: int = 2, head_dim: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,22 +105,51 @@ def prefill_args(q_lens: list[int], context_lens: list[int]) -> dict:
             r"residual has shape \(3, 64\), x \(2, 64\)",
         ),
         (
-            lambda: cpu.pack_blocks(torch.zeros(4, 128, dtype=torch.int8), torch.ones(4, 2), torch.zeros(4, 2)),
+            lambda: cpu.pack_blocks(torch.zeros(4, 128, dtype=torch.int8), *factors(4, 2)),
             r"groups of \(32, 16\) weights",
         ),
         (
-            lambda: cpu.pack_blocks(torch.zeros(4, 64), torch.ones(4, 2), torch.zeros(4, 2)),
+            lambda: cpu.pack_blocks(torch.zeros(4, 64), *factors(4, 2)),
             "q is torch.float32, not torch.int8",
         ),
         (
-            lambda: cpu.pack_blocks(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2), torch.zeros(3, 2)),
-            "scale, minimum",
+            lambda: cpu.pack_blocks(torch.zeros(4, 64, dtype=torch.int8), *factors(4, 2)[:2], *factors(3, 2)[2:]),
+            "need q \\[N, K\\] with N > 0",
+        ),
+        (
+            lambda: cpu.pack_blocks(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2), *factors(4, 2)[1:]),
+            "unit is torch.float32, not torch.float16",
         ),
         (
             lambda: cpu.PackedBlocks(
-                torch.zeros(1, 640, dtype=torch.uint8), torch.ones(1, 2, 16), None, 16, 5, 16, 32, activations="int8"
+                torch.zeros(1, 640, dtype=torch.uint8),
+                torch.ones(1, 2, 16, dtype=torch.float16),
+                torch.ones(1, 2, 16, dtype=torch.int8),
+                None,
+                None,
+                16,
+                5,
+                16,
+                32,
+                1,
+                activations="int8",
             ),
             r"packed weights of 5 bits in groups of 32: need \(4, 8\)",
+        ),
+        (
+            lambda: cpu.PackedBlocks(
+                torch.zeros(1, 1024, dtype=torch.uint8),
+                torch.ones(1, 1, 16, dtype=torch.float16),
+                torch.ones(1, 2, 16, dtype=torch.int8),
+                None,
+                None,
+                16,
+                8,
+                0,
+                32,
+                1,
+            ),
+            r"unit has shape \(1, 1, 16\), not \(1, 2, 16\)",
         ),
     ],
 )

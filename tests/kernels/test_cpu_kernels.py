@@ -25,12 +25,24 @@ pytestmark = [
 def random_blocks(
     rows: int, cols: int, q_range: tuple[int, int], gen: torch.Generator, group: int = 32
 ) -> BlockQuantized:
-    """q uniform in ``q_range`` (end excluded); a min per group where q is unsigned, as in Q4_1/Q5_1/Q4_K/Q5_K."""
+    """q uniform in ``q_range`` (end excluded); a min per group where q is unsigned, as in Q4_1/Q5_1/Q4_K/Q5_K.
+
+    Scales and mins as a GGUF factors them: an fp16 unit per 256 weights (a K-quant's block) where the columns hold
+    whole blocks, else per group (a legacy type's), times an int8 per group (negative ones too, as Q6_K has)."""
     q = torch.randint(*q_range, (rows, cols), generator=gen, dtype=torch.int8)
-    minimum = (
-        -torch.rand(rows, cols // group, generator=gen) * 0.1 if q_range[0] == 0 else torch.zeros(rows, cols // group)
-    )
-    return BlockQuantized(q, torch.rand(rows, cols // group, generator=gen) * 0.02, minimum)
+    span = 256 if cols % 256 == 0 else group
+    unit = (torch.rand(rows, cols // span, generator=gen) * 1e-3).half()
+    mult = torch.randint(-64, 64, (rows, cols // group), generator=gen, dtype=torch.int8)
+    if q_range[0] == 0:
+        min_unit = -(torch.rand(rows, cols // span, generator=gen) * 2e-3).half()
+        min_mult = torch.randint(0, 64, (rows, cols // group), generator=gen, dtype=torch.int8)
+    else:
+        min_unit, min_mult = torch.zeros_like(unit), torch.zeros_like(mult)
+    return BlockQuantized(q, unit, mult, min_unit, min_mult)
+
+
+def pack(weight: BlockQuantized, activations: str = "float32") -> cpu.PackedBlocks:
+    return cpu.pack_blocks(weight.q, weight.unit, weight.mult, weight.min_unit, weight.min_mult, activations)
 
 
 Q4_1, Q4_0, Q5_1, Q5_0, Q8_0 = (0, 16), (-8, 8), (0, 32), (-16, 16), (-128, 128)
@@ -56,7 +68,7 @@ def test_qgemm_matches_dequantised_matmul(m, n, k, q_range, group):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     weight = random_blocks(n, k, q_range, gen, group)
     x = torch.randn(m, k, generator=gen)
-    packed = cpu.pack_blocks(weight.q, weight.scale, weight.minimum)
+    packed = pack(weight)
     assert packed.bits == BITS[q_range] and packed.group == group
     out = cpu.qgemm(x, packed)
     ref = x.double() @ weight.dequantize().double().T
@@ -93,7 +105,7 @@ def test_integer_activations_compute_integer_dot_products_and_stay_near_the_exac
     x = torch.randn(m, k, generator=gen)
     if k > group:
         x[0, :group] = 0.0  # a run of zeros: scale 0, nothing divided by it
-    packed = cpu.pack_blocks(weight.q, weight.scale, weight.minimum, activations)
+    packed = pack(weight, activations)
     assert packed.activations == activations and packed.bits == widths[q_range]
     out = cpu.qgemm(x, packed)
     assert out.shape == (m, n) and torch.isfinite(out).all()
@@ -107,7 +119,7 @@ def test_qgemm_reads_a_strided_input():
     gen = torch.Generator().manual_seed(1)
     weight = random_blocks(32, 64, Q4_1, gen)
     x = torch.randn(64, 8, generator=gen).T  # not contiguous
-    out = cpu.qgemm(x, cpu.pack_blocks(weight.q, weight.scale, weight.minimum))
+    out = cpu.qgemm(x, pack(weight))
     torch.testing.assert_close(out, x @ weight.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
@@ -175,7 +187,7 @@ def test_qgemm_uses_exactly_the_dequantised_weights(m, q_range):
     """scale * q and + min rounded one by one (gguf-py's values), never fused: one-hot rows read weights back."""
     gen = torch.Generator().manual_seed(7)
     weight = random_blocks(32, 64, q_range, gen)
-    packed = cpu.pack_blocks(weight.q, weight.scale, weight.minimum)
+    packed = pack(weight)
     columns = torch.randint(64, (m,), generator=gen)
     out = cpu.qgemm(torch.nn.functional.one_hot(columns, 64).float(), packed)
     assert torch.equal(out, weight.dequantize().T[columns])
