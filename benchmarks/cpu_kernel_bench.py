@@ -133,10 +133,13 @@ def cases(context: int) -> dict[str, Callable[[], object]]:
     calls: dict[str, Callable[[], object]] = {}
     for name, (n, k, q_range) in PROJECTIONS.items():
         q = torch.randint(*q_range, (n, k), generator=gen, dtype=torch.int8)
-        scale = torch.rand(n, k // 32, generator=gen) * 0.02
-        minimum = -torch.rand(n, k // 32, generator=gen) * 0.1 if q_range[0] == 0 else torch.zeros(n, k // 32)
+        # The default model's legacy types: an fp16 per run of 32 times 1 (models/gguf_weights.py's factors).
+        unit, mult = (torch.rand(n, k // 32, generator=gen) * 0.02).half(), torch.ones(n, k // 32, dtype=torch.int8)
+        with_min = q_range[0] == 0
+        min_unit = -(torch.rand(n, k // 32, generator=gen) * 0.1).half() if with_min else torch.zeros_like(unit)
+        min_mult = mult if with_min else torch.zeros_like(mult)
         for activations in cpu.ACTIVATIONS:
-            packed = cpu.pack_blocks(q, scale, minimum, activations)
+            packed = cpu.pack_blocks(q, unit, mult, min_unit, min_mult, activations)
             for m in (1, 16):
                 x = torch.randn(m, k, generator=gen)
                 label = f"qgemm {name}, {m} row{'s' * (m > 1)}" + (

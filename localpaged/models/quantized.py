@@ -22,7 +22,7 @@ class BlockEmbedding(nn.Module):
     """Token embeddings read from the GGUF's own bytes: a step unpacks only the rows of its tokens.
 
     A lookup touches a few rows (a decode step one per sequence), so no unpacked copy of the vocabulary
-    is kept: for the default model that copy (int8 and fp32 scales) is about the packed head's size again.
+    is kept: for the default model that copy (an int8 a weight) is about the packed head's size again.
     """
 
     def __init__(self, rows: np.ndarray, kind: str) -> None:
