@@ -5,8 +5,10 @@
  * 6- or 8-bit sub-block scale, a legacy type's d per 32 times 1 (lp_scales in cpu_kernels.h). Kept that way, a
  * Q4_K weight costs 4.6 bits instead of 6 with an fp32 scale and min per group, a Q6_K one 8.6 instead of 10, and a
  * one-chat decode reads every weight each step. The product of an fp16 and an int8 is exact in fp32 (at most 19
- * significant bits), so the rebuilt values are those an fp32 table held: the same weights, bit for bit. A tile's
- * table (K / G * 16 floats of each) is rebuilt in L1 right before its loop, a small fraction of that loop's work.
+ * significant bits), so the rebuilt values are those an fp32 table held: the same weights, bit for bit. The VNNI
+ * kernels rebuild each group's 16 values in registers as they reach it (tile_factors, group_values16); the float32,
+ * panel and plain C loops read a tile's table (K / G * 16 floats of each), rebuilt in L1 right before the loop
+ * (tile_scales): rebuilt that way ahead of the VNNI loops, it cost more than the bytes it saved.
  */
 #ifndef LP_CPU_SCALES_H
 #define LP_CPU_SCALES_H

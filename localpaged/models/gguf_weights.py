@@ -72,10 +72,13 @@ class BlockQuantized:
         ``unit_groups`` of those groups (a divisor of this unit's span): repeated."""
         unit_repeat = self.group * self.unit_groups // (group * unit_groups)
         mult_repeat = self.group // group
-        units = (t.repeat_interleave(unit_repeat, dim=1) for t in (self.unit, self.min_unit))
-        mults = (t.repeat_interleave(mult_repeat, dim=1) for t in (self.mult, self.min_mult))
-        (unit, min_unit), (mult, min_mult) = units, mults
-        return BlockQuantized(self.q, unit, mult, min_unit, min_mult)
+        return BlockQuantized(
+            self.q,
+            self.unit.repeat_interleave(unit_repeat, dim=1),
+            self.mult.repeat_interleave(mult_repeat, dim=1),
+            self.min_unit.repeat_interleave(unit_repeat, dim=1),
+            self.min_mult.repeat_interleave(mult_repeat, dim=1),
+        )
 
     @staticmethod
     def cat(parts: list[BlockQuantized]) -> BlockQuantized:
