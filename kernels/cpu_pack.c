@@ -1,5 +1,6 @@
-/* lp_pack_q, plain C: every path's library (AVX2, AVX-512, portable) is built with it, since the tile layout it
- * writes (described in cpu_qgemm.h) is what all their qgemm kernels read. */
+/* lp_pack_q and lp_unpack_gguf, plain C: every path's library (AVX2, AVX-512, portable) is built with them, since the
+ * tile layout lp_pack_q writes (described in cpu_qgemm.h) is what all their qgemm kernels read, and unpacking a
+ * file's blocks is a load's work, not a step's. */
 #include <stdint.h>
 
 #include "cpu_kernels.h"
@@ -33,6 +34,90 @@ int lp_pack_q(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8
                 for (int j = 0; j < TILE; j++) word |= (unsigned)((value(q, N, K, t, k, j, offset) >> 4) & 1) << j;
                 o[K * TILE / 2 + 2 * k] = (uint8_t)word;
                 o[K * TILE / 2 + 2 * k + 1] = (uint8_t)(word >> 8);
+            }
+        }
+    }
+    return LP_OK;
+}
+
+/* GGUF block types lp_unpack_gguf reads, numbered as the GGUF format numbers them (ggml_type). */
+enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8, GGUF_Q4_K = 12, GGUF_Q5_K = 13,
+       GGUF_Q6_K = 14 };
+
+/* fp16 bits of -x: the sign flipped (what numpy's negation of a float16 gives, -0 included). */
+static inline uint16_t negated(const uint8_t *half) { return (uint16_t)((half[0] | half[1] << 8) ^ 0x8000); }
+static inline uint16_t half_bits(const uint8_t *half) { return (uint16_t)(half[0] | half[1] << 8); }
+
+/* Q4_K/Q5_K's twelve bytes of 6-bit sub-block scales and mins (ggml's get_scale_min_k4). */
+static void k_scales(const uint8_t *s, int8_t *sc, int8_t *mn) {
+    for (int i = 0; i < 4; i++) {
+        sc[i] = (int8_t)(s[i] & 63);
+        mn[i] = (int8_t)(s[4 + i] & 63);
+        sc[4 + i] = (int8_t)((s[8 + i] & 15) | ((s[i] >> 2) & 0x30));
+        mn[4 + i] = (int8_t)((s[8 + i] >> 4) | ((s[4 + i] >> 2) & 0x30));
+    }
+}
+
+/* ``blocks`` consecutive GGUF blocks of ``type`` -> their weights' integers and scale factors, as
+ * models/gguf_weights.py's numpy ``unpack`` gives them (the reference, and the path where this library is absent):
+ * q [blocks * W] (W = 256 for a K type, 32 otherwise), one fp16 unit and min_unit per block, and S multipliers
+ * per block in mult and min_mult (8 for Q4_K/Q5_K, 16 for Q6_K, 1 otherwise). A min is stored negated where the
+ * type subtracts it (K types' dmin), so every weight is unit * mult * q + min_unit * min_mult. One pass over the
+ * file's bytes, in place of numpy's dozen passes over each tensor that made unpacking most of a model's load. */
+int lp_unpack_gguf(int type, const uint8_t *raw, int64_t blocks, int8_t *q, uint16_t *unit, int8_t *mult,
+                   uint16_t *min_unit, int8_t *min_mult) {
+    int size, weights, subs;
+    switch (type) {
+    case GGUF_Q4_0: size = 18, weights = 32, subs = 1; break;
+    case GGUF_Q4_1: size = 20, weights = 32, subs = 1; break;
+    case GGUF_Q5_0: size = 22, weights = 32, subs = 1; break;
+    case GGUF_Q5_1: size = 24, weights = 32, subs = 1; break;
+    case GGUF_Q8_0: size = 34, weights = 32, subs = 1; break;
+    case GGUF_Q4_K: size = 144, weights = 256, subs = 8; break;
+    case GGUF_Q5_K: size = 176, weights = 256, subs = 8; break;
+    case GGUF_Q6_K: size = 210, weights = 256, subs = 16; break;
+    default: return LP_BAD_ARGUMENT;
+    }
+    if (blocks < 0) return LP_BAD_ARGUMENT;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *x = raw + b * size;
+        int8_t *w = q + b * weights, *m = mult + b * subs, *mm = min_mult + b * subs;
+        if (type == GGUF_Q4_K || type == GGUF_Q5_K) {
+            unit[b] = half_bits(x), min_unit[b] = negated(x + 2);
+            k_scales(x + 4, m, mm);
+            const uint8_t *nib = x + size - 128, *high = x + 16; /* Q5_K: bit r of high[j] is run r's weight j */
+            for (int run = 0; run < 8; run++)
+                for (int j = 0; j < 32; j++) {
+                    int v = (nib[run / 2 * 32 + j] >> (run % 2 * 4)) & 15;
+                    if (type == GGUF_Q5_K) v |= ((high[j] >> run) & 1) << 4;
+                    w[run * 32 + j] = (int8_t)v;
+                }
+        } else if (type == GGUF_Q6_K) {
+            const uint8_t *low = x, *high = x + 128;
+            unit[b] = half_bits(x + 208), min_unit[b] = 0;
+            for (int s = 0; s < 16; s++) m[s] = (int8_t)x[192 + s], mm[s] = 0;
+            for (int half = 0; half < 2; half++)
+                for (int r = 0; r < 128; r++) { /* 128 weights a half: 4 runs of 32, ggml's dequantize_row_q6_K */
+                    int nibble = (low[half * 64 + r % 64] >> (r / 64 * 4)) & 15;
+                    int crumb = (high[half * 32 + r % 32] >> (r / 32 * 2)) & 3;
+                    w[half * 128 + r] = (int8_t)((nibble | crumb << 4) - 32);
+                }
+        } else {
+            const int with_min = type == GGUF_Q4_1 || type == GGUF_Q5_1;
+            unit[b] = half_bits(x), min_unit[b] = with_min ? half_bits(x + 2) : 0;
+            m[0] = 1, mm[0] = (int8_t)with_min;
+            const uint8_t *body = x + (with_min ? 4 : 2);
+            if (type == GGUF_Q8_0) {
+                for (int j = 0; j < 32; j++) w[j] = (int8_t)body[j];
+            } else if (type == GGUF_Q4_0 || type == GGUF_Q4_1) {
+                const int centre = type == GGUF_Q4_0 ? 8 : 0;
+                for (int j = 0; j < 32; j++) w[j] = (int8_t)(((body[j % 16] >> (j / 16 * 4)) & 15) - centre);
+            } else { /* Q5_0, Q5_1: 32 high bits as a little-endian word, then the nibbles */
+                const uint32_t bits = body[0] | body[1] << 8 | body[2] << 16 | (uint32_t)body[3] << 24;
+                const int centre = type == GGUF_Q5_0 ? 16 : 0;
+                for (int j = 0; j < 32; j++)
+                    w[j] = (int8_t)((((body[4 + j % 16] >> (j / 16 * 4)) & 15) | ((bits >> j) & 1) << 4) - centre);
             }
         }
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import signal
 import sys
@@ -535,9 +536,11 @@ def open_engine(model: str | None, **engine_config: object) -> EngineClient:
 
 def cmd_serve(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     from localpaged.config import EngineConfig
-    from localpaged.server.app import build_app
     from localpaged.server.runner import listen, serve
 
+    # The app's imports (FastAPI, pydantic: half a second) run while the core process loads the model.
+    app_imports = threading.Thread(target=importlib.import_module, args=("localpaged.server.app",), daemon=True)
+    app_imports.start()
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: use a port from 1 to 65535 (0 picks a free one)")
     api_key = args.api_key or os.environ.get("LOCALPAGED_API_KEY") or None
@@ -549,6 +552,9 @@ def cmd_serve(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     with closing(listen(args.host, args.port)) as sock:  # a port in use fails before the model loads
         engine = open_engine(model, **settings)
         engines.append(engine)
+        app_imports.join()
+        from localpaged.server.app import build_app
+
         app = build_app(engine, api_key=api_key, allowed_hosts=args.allowed_hosts)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from localpaged.kernels import cpu
 from localpaged.models.gguf_file import GGUFFile, TensorInfo
 
 BLOCK_FIELDS = ("q", "unit", "mult", "min_unit", "min_mult")
@@ -118,13 +119,28 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.int8), mn.astype(np.int8)
 
 
+CHUNK_WEIGHTS = 1 << 20  # unpacked per numpy pass: its temporaries stay a few MB however large the tensor
+
+
 def unpack(data: np.ndarray, kind: str) -> BlockQuantized:
     """Raw GGUF bytes ``[rows, bytes_per_row]`` of a NATIVE_TYPES tensor -> BlockQuantized.
 
     Scales and mins keep the file's factors: a K-quant's fp16 d and dmin per block and its sub-block integers, a
     legacy type's fp16 per group times 1. ``x - dmin * m`` becomes ``x + (-dmin) * m``, the same value in IEEE
-    arithmetic.
+    arithmetic. The native kernels' ``lp_unpack_gguf`` reads it in one pass where they are built; numpy, the
+    reference it is tested against, a chunk of rows at a time elsewhere.
     """
+    if cpu.library() is not None:
+        return BlockQuantized(*cpu.unpack_gguf(np.ascontiguousarray(data), kind))
+    step = max(1, CHUNK_WEIGHTS // (data.shape[1] * 2))  # at least 2 weights a byte
+    if data.shape[0] <= step:
+        return unpack_numpy(data, kind)
+    parts = [unpack_numpy(data[start : start + step], kind) for start in range(0, data.shape[0], step)]
+    return BlockQuantized(*(torch.cat([getattr(p, f) for p in parts]) for f in BLOCK_FIELDS))
+
+
+def unpack_numpy(data: np.ndarray, kind: str) -> BlockQuantized:
+    """``unpack`` in numpy, whole."""
     rows = data.shape[0]
     if kind in ("Q4_K", "Q5_K"):
         blocks = data.reshape(-1, 144 if kind == "Q4_K" else 176)
@@ -182,8 +198,6 @@ class GGUFWeights:
     tensor in flight, not every tensor unpacked at once on top of the whole mapped file.
     """
 
-    CHUNK_WEIGHTS = 1 << 20  # unpacked per pass: numpy's temporaries stay a few MB however large the tensor
-
     def __init__(self, file: GGUFFile, hf_names: list[str], hf_config) -> None:
         import gguf
 
@@ -232,28 +246,10 @@ class GGUFWeights:
 
         info, raw = self.info(hf_name), self.rows(hf_name)
         if self.is_blocks(hf_name):
-            value: torch.Tensor | BlockQuantized = self._unpack_in_chunks(raw, info.kind)
+            value: torch.Tensor | BlockQuantized = unpack(raw, info.kind)
         else:
             values = gguf.dequantize(raw, gguf.GGMLQuantizationType[info.kind])
             value = torch.from_numpy(np.array(values, dtype=np.float32).reshape(info.shape))
         del raw
         self.file.drop_pages(self.gguf_names[hf_name])
         return value
-
-    def _unpack_in_chunks(self, raw: np.ndarray, kind: str) -> BlockQuantized:
-        """``unpack`` a pass of rows at a time into the full-size result."""
-        step = max(1, self.CHUNK_WEIGHTS // (raw.shape[1] * 2))  # at least 2 weights a byte
-        first = unpack(raw[:step], kind)
-        if raw.shape[0] <= step:
-            return first
-        out = BlockQuantized(
-            *(
-                torch.empty(raw.shape[0], getattr(first, f).shape[1], dtype=getattr(first, f).dtype)
-                for f in BLOCK_FIELDS
-            )
-        )
-        for start in range(0, raw.shape[0], step):
-            part = first if start == 0 else unpack(raw[start : start + step], kind)
-            for f in BLOCK_FIELDS:
-                getattr(out, f)[start : start + step] = getattr(part, f)
-        return out

@@ -11,23 +11,57 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
-from localpaged.errors import InvalidModelError, UnsupportedModelError
+from localpaged.errors import InvalidModelError, KernelArgumentError, UnsupportedModelError
+from localpaged.kernels import cpu
+from localpaged.models import gguf_weights
 from localpaged.models.gguf_file import GGUFFile
-from localpaged.models.gguf_weights import NATIVE_TYPES, BlockQuantized, GGUFWeights, unpack
+from localpaged.models.gguf_weights import NATIVE_TYPES, BlockQuantized, GGUFWeights, unpack, unpack_numpy
 from tests.gguf_models import MIXED_TYPES, quantize_any, tiny_hf_model, write_gguf
 from tests.oracle import assert_same_greedy, exact_llm, hf_greedy, load_hf
 
 
+@pytest.mark.parametrize("route", ["native", "numpy"])
 @pytest.mark.parametrize("kind", NATIVE_TYPES)
-def test_unpacked_blocks_dequantise_to_gguf_py_values_bit_for_bit(kind):
+def test_unpacked_blocks_dequantise_to_gguf_py_values_bit_for_bit(kind, route):
     data = np.random.default_rng(0).standard_normal((24, 512)).astype(np.float32)
     data[3] = 0.0  # an all-zero row: zero scales
     raw = quantize_any(data, kind)
-    blocks = unpack(raw, kind)
+    if route == "native" and cpu.library() is None:
+        pytest.skip("the native CPU kernels are not built here")
+    blocks = unpack(raw, kind) if route == "native" else unpack_numpy(raw, kind)
     assert blocks.group == (16 if kind == "Q6_K" else 32)
     want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32))
     assert torch.equal(blocks.dequantize(), want)
     assert (blocks.dequantize() - torch.from_numpy(data)).abs().max() < 0.5  # the test quantiser is a real one
+
+
+@pytest.mark.parametrize("kind", NATIVE_TYPES)
+def test_native_unpacking_gives_numpys_bits_for_any_bytes(kind, monkeypatch):
+    """Random bytes are valid blocks of other weights (fp16 fields may be NaN or infinite): both routes read every bit
+    alike, numpy here in chunks of a few rows, as it reads a large tensor."""
+    if cpu.library() is None:
+        pytest.skip("the native CPU kernels are not built here")
+    size = cpu.GGUF_BLOCKS[kind][2]
+    raw = np.random.default_rng(2).integers(0, 256, size=(37, 4 * size), dtype=np.uint8)
+    monkeypatch.setattr(gguf_weights, "CHUNK_WEIGHTS", 4 * size * 2 * 5)  # 5 rows a pass
+    native = BlockQuantized(*cpu.unpack_gguf(raw, kind))
+    monkeypatch.setattr(cpu, "library", lambda: None)
+    chunked = unpack(raw, kind)
+    for field in gguf_weights.BLOCK_FIELDS:
+        want, got = getattr(chunked, field), getattr(native, field)
+        assert got.dtype == want.dtype and got.shape == want.shape, field
+        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), field
+
+
+def test_native_unpacking_refuses_what_it_cannot_read():
+    if cpu.library() is None:
+        pytest.skip("the native CPU kernels are not built here")
+    with pytest.raises(KernelArgumentError, match="lp_unpack_gguf reads"):
+        cpu.unpack_gguf(np.zeros((1, 18), np.uint8), "IQ4_NL")
+    with pytest.raises(KernelArgumentError, match="whole Q4_K blocks"):
+        cpu.unpack_gguf(np.zeros((1, 100), np.uint8), "Q4_K")
+    with pytest.raises(KernelArgumentError, match="C-ordered uint8"):
+        cpu.unpack_gguf(np.zeros((4, 144), np.uint8)[:, ::2], "Q4_K")
 
 
 def test_projections_of_different_group_sizes_fuse_without_changing_a_value():
