@@ -145,13 +145,11 @@ async def http_round(client, server_pid: int, model: str, convs: list[list[dict]
 # ----- the server -----------------------------------------------------------------------------------
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    """`localpaged serve` on a free port; returns the process and its base URL once it serves."""
-    command = [sys.executable, "-m", "localpaged.cli", "serve", "--port", "0"]
-    command += ["--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(max(64, args.clients))]
-    if args.model:
-        command += ["--model", args.model]
-    server = subprocess.Popen(command, cwd=HERE.parent, stderr=subprocess.PIPE, text=True)
+def start_server(*flags: str) -> tuple[subprocess.Popen, str, str]:
+    """`localpaged serve` with ``flags`` on a free port; returns the process, its base URL and the served model's
+    name once it serves."""
+    command = [sys.executable, "-P", "-m", "localpaged.cli", "serve", "--port", "0", *flags]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     lines = []
     for line in server.stderr:  # "serving NAME at http://127.0.0.1:PORT/v1 (...)"
         lines.append(line)
@@ -160,7 +158,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     else:
         raise RuntimeError("localpaged serve did not start:\n" + "".join(lines))
     threading.Thread(target=server.stderr.read, daemon=True).start()  # keep its pipe from filling up
-    return server, line.split(" at ", 1)[1].split("/v1", 1)[0]
+    name, url = line.removeprefix("serving ").split(" (", 1)[0].rsplit(" at ", 1)
+    return server, url.removesuffix("/v1"), name
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -168,7 +167,8 @@ async def run(args: argparse.Namespace) -> dict:
 
     from localpaged.engine.async_llm import AsyncLLM
 
-    server, url = start_server(args)
+    flags = ["--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(max(64, args.clients))]
+    server, url, _ = start_server(*flags, *(["--model", args.model] if args.model else []))
     engine = AsyncLLM(args.model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(64, args.clients))
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     try:
