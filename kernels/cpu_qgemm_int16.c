@@ -100,20 +100,30 @@ static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
     const lp_rounded_rows *x, long r0, long K, const int8_t *qt, const __m512i *P, int offset, lp_tile_factors scale,
     lp_tile_factors min, float *y, long ldy) {
     const long groups = K / GROUP;
+    /* One accumulator a row makes its vpdpwssd a chain, each waiting out the last one's latency (5 cycles): with one
+     * or two rows that, not the memory, bounded a decode step. C independent sums a row, added at the group's end,
+     * overlap; 3 rows and more overlap on their own. */
+    const int C = R == 1 ? 4 : R == 2 ? 2 : 1;
     __m512 f[6];
     for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
     for (long g = 0; g < groups; g++) {
-        __m512i a[6];
-        for (int i = 0; i < R; i++) a[i] = _mm512_setzero_si512();
-        for (long p = g * GROUP / 2; p < (g + 1) * GROUP / 2; p++) {
-            const __m512i w = PANEL ? _mm512_load_si512(P + p) : pair_weights(BITS, qt, K, p);
-            for (int i = 0; i < R; i++) a[i] = add_pair_products(a[i], w, x->xq16 + (r0 + i) * K + 2 * p);
-        }
+        __m512i a[6][4];
+        for (int i = 0; i < R; i++)
+            for (int c = 0; c < C; c++) a[i][c] = _mm512_setzero_si512();
+        if (!PANEL) prefetch_group(qt, g, GROUP, BITS);
+        for (long p = g * GROUP / 2; p < (g + 1) * GROUP / 2; p += C)
+            for (int c = 0; c < C; c++) {
+                const __m512i w = PANEL ? _mm512_load_si512(P + p + c) : pair_weights(BITS, qt, K, p + c);
+                for (int i = 0; i < R; i++)
+                    a[i][c] = add_pair_products(a[i][c], w, x->xq16 + (r0 + i) * K + 2 * (p + c));
+            }
+        for (int i = 0; i < R; i++)
+            for (int c = 1; c < C; c++) a[i][0] = _mm512_add_epi32(a[i][0], a[i][c]);
         const __m512 s = group_values16(scale, g);
         for (int i = 0; i < R; i++) {
             const long at = (r0 + i) * groups + g;
-            if (HAS_OFFSET) a[i] = _mm512_sub_epi32(a[i], _mm512_set1_epi32(offset * x->qsum[at]));
-            const __m512 scaled = _mm512_mul_ps(_mm512_set1_ps(x->scale[at]), _mm512_cvtepi32_ps(a[i]));
+            if (HAS_OFFSET) a[i][0] = _mm512_sub_epi32(a[i][0], _mm512_set1_epi32(offset * x->qsum[at]));
+            const __m512 scaled = _mm512_mul_ps(_mm512_set1_ps(x->scale[at]), _mm512_cvtepi32_ps(a[i][0]));
             f[i] = _mm512_fmadd_ps(s, scaled, f[i]);
             if (HAS_MIN) f[i] = _mm512_fmadd_ps(group_values16(min, g), _mm512_set1_ps(x->sum[at]), f[i]);
         }
