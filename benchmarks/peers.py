@@ -78,6 +78,9 @@ PREFILL_ROUNDS = 5  # medians; 5 for the 4,000/300 ratio, which 3 left at the me
 # slot); its best at each point is the highest of these and its defaults. With -kvu, 64 slots ran
 # at 21.5, 28.8 and 33.5 tok/s here (with --no-cache-idle-slots, --cache-ram 0) against 185 without
 # it, and each such point takes five minutes, so -kvu runs up to 16 sessions.
+# Another file is often one of benchmarks/random_gguf.py's random-weight models, whose greedy text repeats itself:
+# speculation would guess it far better than a real model's, so such runs measure decoding without it.
+RANDOM_WEIGHTS = {"speculative": "off"}
 LLAMA_TUNED = {"llama_fa": ("-fa", "on"), "llama_kvu_fa": ("-kvu", "-fa", "on")}
 KVU_MAX_SESSIONS = 16
 LABELS = {
@@ -211,14 +214,21 @@ def llama_kv_bytes_per_token(bin_dir: Path, gguf: Path, threads: int) -> tuple[f
     return float(m.group(1)) * 2**20 / int(m.group(2)), m.group(0).strip()
 
 
-def batched_bench(bin_dir: Path, gguf: Path, threads: int, prompt_len: int, tokens: int, sessions: list[int]) -> dict:
-    """``llama-batched-bench -pps -kvu -fa on``: decode-only tok/s (S_TG) per batch size."""
+def batched_bench(
+    bin_dir: Path,
+    gguf: Path,
+    threads: int,
+    prompt_len: int,
+    tokens: int,
+    sessions: list[int],
+    flags: tuple[str, ...] = ("-pps", "-kvu", "-fa", "on"),
+) -> dict:
+    """``llama-batched-bench`` with ``flags``: decode-only tok/s (S_TG) per batch size."""
     ctx = prompt_len + max(sessions) * tokens + 256
     cmd = [
         str(bin_dir / "llama-batched-bench"),
         *("-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512", "-t", str(threads), "-tb", str(threads)),
-        *("-npp", str(prompt_len), "-ntg", str(tokens), "-npl", ",".join(map(str, sessions)), "-pps", "-kvu"),
-        *("-fa", "on"),
+        *("-npp", str(prompt_len), "-ntg", str(tokens), "-npl", ",".join(map(str, sessions)), *flags),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = {}
@@ -231,6 +241,44 @@ def batched_bench(bin_dir: Path, gguf: Path, threads: int, prompt_len: int, toke
 
 
 # ----- localpaged ------------------------------------------------------------------------------
+
+
+def read_bandwidth(seconds: float = 3.0) -> float:
+    """This machine's streaming read bandwidth in bytes a second: a vectorised sum over 1 GiB on every thread (no
+    dependent loads), the best pass of those that fit in ``seconds``."""
+    import torch
+
+    data = torch.ones(2**28, dtype=torch.float32)
+    data.sum()
+    best, end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
+def weight_bytes(llm) -> int:
+    """The bytes of the loaded model's weights (its packed blocks and float tensors): what a decode step reads."""
+    model = llm.runner.model
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def one_chat_bound(llm, bin_dir: Path | None, gguf: Path, threads: int, bandwidth: float) -> dict:
+    """One chat's decode (128 tokens) as a fraction of this machine's bound, bandwidth / bytes read a token (the
+    weights, and the KV of the context at mid-reply), ours against llama-batched-bench's decode-only figure, the
+    better of its defaults and ``-fa on`` (on some CPUs one, on others the other)."""
+    prompt = llm.encode_chat(conversations(1)[0])
+    llm.generate([prompt], greedy(2))
+    decode = llm.generate([prompt], greedy(128))[0].metrics.decode_tokens_per_s
+    kv = llm.block_bytes / llm.resolved.block_size * (len(prompt) + 64)
+    ours_bytes = weight_bytes(llm) + kv
+    row = {"localpaged": decode, "localpaged_bytes": ours_bytes, "localpaged_bound": decode * ours_bytes / bandwidth}
+    if bin_dir is not None:
+        peer = max(batched_bench(bin_dir, gguf, threads, len(prompt), 128, [1], f)[1] for f in ((), ("-fa", "on")))
+        peer_bytes = gguf.stat().st_size + kv  # llama.cpp reads the file's blocks as they are
+        row |= {"llama_decode_only": peer, "llama_bytes": peer_bytes, "llama_bound": peer * peer_bytes / bandwidth}
+    return row
 
 
 def greedy(tokens: int):
@@ -602,7 +650,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sessions", default="1,4,16,64", help="comma-separated session counts")
     ap.add_argument("--skip-llama", action="store_true", help="our figures only (no ratios)")
-    ap.add_argument("--model", help="another GGUF (e.g. a Q4_K_M requantisation): the sessions table only")
+    ap.add_argument(
+        "--model", help="another GGUF (e.g. a Q4_K_M requantisation): the sessions table only, speculation off"
+    )
     ap.add_argument(
         "--only", choices=["prefill"], help="one part alone: prefill, cold prefill tok/s by length (a few minutes)"
     )
@@ -642,9 +692,11 @@ def run(args: argparse.Namespace, bin_dir: Path | None) -> None:
         return
 
     print("sessions (aggregate output tok/s):", flush=True)
-    llm = LLM(str(gguf), max_model_len=CTX_PER_SESSION)
+    llm = LLM(str(gguf), max_model_len=CTX_PER_SESSION, **(RANDOM_WEIGHTS if args.model else {}))
     block_size, ours_bpt = llm.resolved.block_size, llm.block_bytes / llm.resolved.block_size
     prompt_len = len(llm.encode_chat(conversations(1)[0]))
+    results["read_bytes_per_s"] = read_bandwidth()
+    results["one_chat_bound"] = one_chat_bound(llm, bin_dir, gguf, threads, results["read_bytes_per_s"])
     results["sessions"] = [sessions_point(llm, bin_dir, gguf, threads, n) for n in points]
     llm.close()  # the disk tier's last writes, before own_kv_folder removes its folder
     del llm
@@ -680,6 +732,17 @@ def run(args: argparse.Namespace, bin_dir: Path | None) -> None:
 
 
 def report(results: dict, sessions_only: bool = False) -> None:
+    bound, gbs = results["one_chat_bound"], results["read_bytes_per_s"] / 1e9
+    print(f"\n## One chat against this machine's bound ({gbs:.1f} GB/s read, all threads)")
+    print("| | decode tok/s | GB read a token | bound tok/s | fraction of the bound |")
+    print("|---|---|---|---|---|")
+    for name, label in (("localpaged", "localpaged"), ("llama", "llama-batched-bench, decode only")):
+        if f"{name}_bytes" in bound:
+            tok_s = bound["localpaged" if name == "localpaged" else "llama_decode_only"]
+            read = bound[f"{name}_bytes"]
+            print(
+                f"| {label} | {tok_s:.1f} | {read / 1e9:.2f} | {gbs * 1e9 / read:.1f} | **{bound[f'{name}_bound']:.0%}** |"
+            )
     rows = results["sessions"]
     bb = results.get("batched_bench", {})
     have_llama = "llama_best" in rows[0]

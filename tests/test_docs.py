@@ -36,7 +36,7 @@ def test_readme_results_table_is_what_the_results_give() -> None:
     readme = (ROOT / "README.md").read_text()
     assert gen.BEGIN in readme and gen.END in readme
     assert readme == gen.readme_with_block(readme, gen.render_readme_block()), (
-        "README.md's results table differs from benchmarks/results/peers.json: run `make docs`"
+        "README.md's results tables differ from benchmarks/results/peers.json and shapes.json: run `make docs`"
     )
 
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
-BEGIN = "<!-- results: written by tools/benchmarks_doc.py from benchmarks/results/peers.json; `make docs` -->"
+BEGIN = "<!-- results: written by tools/benchmarks_doc.py from benchmarks/results/peers.json and shapes.json; `make docs` -->"
 END = "<!-- /results -->"
 HELPERS = {"kv_folder", "random_model"}  # modules under benchmarks/ that are not benchmarks
 GENERIC_ROWS = 60
@@ -197,8 +197,42 @@ def peers_latency(data: dict) -> str:
     )
 
 
+def bound_rows(rows: list[dict]) -> list[list[str]]:
+    """Each one-chat row of peers.py's ``one_chat_bound`` or shapes.py's ``rows``: tok/s and fraction of the bound,
+    ours then llama.cpp's, and the ratio."""
+    out = []
+    for r in rows:
+        cells = [num(r.get("localpaged")), f"{r['localpaged_bound']:.0%}" if "localpaged_bound" in r else "-"]
+        cells += [num(r.get("llama_decode_only")), f"{r['llama_bound']:.0%}" if "llama_bound" in r else "-"]
+        out.append([*cells, ratio(r.get("localpaged"), r.get("llama_decode_only"))])
+    return out
+
+
+BOUND_HEADER = ["localpaged tok/s", "of its bound", "llama.cpp tok/s (decode only)", "of its bound", "ratio"]
+
+
+def peers_bound(data: dict) -> str:
+    bound = data.get("one_chat_bound")
+    if not bound:
+        return ""
+    head = (
+        f"**One chat against this machine's bound** ({num(data['read_bytes_per_s'] / 1e9)} GB/s read; the bound is "
+        "that over the bytes a token reads, each engine's weights and the KV at mid-reply):"
+    )
+    return head + "\n\n" + table(BOUND_HEADER, bound_rows([bound]))
+
+
+def render_shapes(data: dict) -> str:
+    rows = [
+        [r["shape"], r["type"], num(r["file_bytes"] / 2**20, 0), *cells]
+        for r, cells in zip(data["rows"], bound_rows(data["rows"]), strict=True)
+    ]
+    head = f"**One chat, decode tok/s** ({num(data['read_bytes_per_s'] / 1e9)} GB/s read on this machine):"
+    return head + "\n\n" + table(["shape", "type", "file MiB", *BOUND_HEADER], rows)
+
+
 def render_peers(data: dict) -> str:
-    parts = [peers_sessions(data), peers_one_chat(data), peers_prefill(data), peers_kv_memory(data)]
+    parts = [peers_bound(data), peers_sessions(data), peers_one_chat(data), peers_prefill(data), peers_kv_memory(data)]
     parts.append(peers_latency(data))
     return "\n\n".join(p for p in parts if p)
 
@@ -512,6 +546,16 @@ KNOWN: dict[str, Spec] = {
         "`python benchmarks/peers.py` (part of `make bench`).",
         render_peers,
     ),
+    "shapes": Spec(
+        "Real sizes: one chat on popular models' shapes",
+        "Random-weight GGUFs of real models' shapes (speed does not depend on the weights' values), each file read "
+        "by both engines in one run: our one-chat decode against `llama-batched-bench`'s decode-only figure, each "
+        "as a fraction of this machine's bound (its read bandwidth, measured in the same run, over the bytes a "
+        "token reads: the weights as each engine holds them and the KV at mid-reply).",
+        "`make bench-peers` once, then `python benchmarks/shapes.py [--shapes ...] [--types Q4_K_M,...]` (the files "
+        "are written into the cache on first use).",
+        render_shapes,
+    ),
     "app_speed": Spec(
         "Does the app stream at the engine's speed?",
         "One chat, and eight at once, through each front end against `LLM.chat` on a plain script, every "
@@ -589,7 +633,9 @@ def spec_for(stem: str) -> Spec:
     if stem.startswith("peers-"):  # peers.py --model FILE (sessions table only) or --only prefill
         return Spec(
             f"localpaged against llama.cpp: {stem.removeprefix('peers-')}",
-            "The sessions of the section above, measured the same way on another file, in a separate run.",
+            "The sessions of the section above, measured the same way on another file, in a separate run, with "
+            "speculation off (such a file is often a random-weight one, whose repeating text speculation would "
+            "flatter), and one chat against the machine's bound.",
             f"`python benchmarks/peers.py --model {stem.removeprefix('peers-')}.gguf`"
             if stem != "peers-prefill"
             else "`python benchmarks/peers.py --only prefill`",
@@ -701,7 +747,8 @@ def render_doc(results: Path = RESULTS) -> str:
 
 
 def render_readme_block(results: Path = RESULTS) -> str:
-    """The README's headline table: peers.json's sessions and one-chat figures, with the machine it records."""
+    """The README's headline tables: peers.json's sessions and one-chat figures, and shapes.json's one chat at real
+    sizes where it is there, each with the machine it records."""
     data = json.loads((results / "peers.json").read_text())
     rows = []
     for r in data.get("sessions", []):
@@ -727,16 +774,30 @@ def render_readme_block(results: Path = RESULTS) -> str:
         label = f"KV memory of {mem['sessions']} chats sharing a 2,000-token system prompt: MiB"
         rows.append([label, num(mem["held_bytes"] / mib, 0), num(mem["llama_kvu_bytes"] / mib, 0)])
         rows[-1].append(f"**{mem['llama_kvu_bytes'] / mem['held_bytes']:.1f}x less**")
-    machine = data.get("machine") or {}
-    where = f"{machine.get('cpu')}, {machine.get('cpus')} CPUs, {machine.get('threads')} threads for each engine"
     lines = [
         BEGIN,
         table(["the default model's GGUF, greedy", "localpaged", "llama.cpp's best", ""], rows),
         "",
-        f"*{where}; llama.cpp {data.get('llama_cpp')}, built with `-march=native`.*",
-        END,
+        f"*{where(data)}; llama.cpp {data.get('llama_cpp')}, built with `-march=native`.*",
     ]
-    return "\n".join(lines)
+    if (results / "shapes.json").is_file():
+        shapes = json.loads((results / "shapes.json").read_text())
+        rows = [
+            [f"{r['shape']} `{r['type']}`", *cells]
+            for r, cells in zip(shapes["rows"], bound_rows(shapes["rows"]), strict=True)
+        ]
+        about = (
+            "At real sizes, one chat (random-weight files of these models' shapes; the bound is this machine's read "
+            "bandwidth over the bytes a token reads):"
+        )
+        lines += ["", about, "", table(["model shape, type", *BOUND_HEADER], rows)]
+        lines += ["", f"*{where(shapes)}; {num(shapes['read_bytes_per_s'] / 1e9)} GB/s read.*"]
+    return "\n".join([*lines, END])
+
+
+def where(data: dict) -> str:
+    machine = data.get("machine") or {}
+    return f"{machine.get('cpu')}, {machine.get('cpus')} CPUs, {machine.get('threads')} threads for each engine"
 
 
 def readme_with_block(readme: str, block: str) -> str:

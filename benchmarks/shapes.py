@@ -1,0 +1,90 @@
+"""One chat on real-size models: random-weight GGUFs of popular shapes, ours against llama.cpp, against the bound.
+
+For each shape of ``random_gguf.SHAPES`` and each llama.cpp type mix asked for, the file is written once into
+the cache (``<cache>/shapes/``; random weights, since speed does not depend on their values) and one chat's
+decode (128 greedy tokens after a short chat prompt) is measured, ours (``LLM.generate``, default settings but
+speculation, which a random model's repeating text would flatter)
+against ``llama-batched-bench``'s decode-only figure, each also as a fraction of this machine's bound: its read
+bandwidth (measured in the same run) over the bytes a token reads (the weights as each engine holds them, and
+the KV of the context at mid-reply). Writes benchmarks/results/shapes.json, which the README's table of real
+sizes is made from (``make docs``). Needs ``make bench-peers``'s binaries for the ratios.
+
+    python benchmarks/shapes.py [--shapes smollm2-360m,smollm2-1.7b,llama-3b] [--types Q4_K_M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "shapes.json"
+sys.path.insert(0, str(HERE))
+from peers import RANDOM_WEIGHTS, cpu_name, llama_bin_dir, one_chat_bound, read_bandwidth
+from random_gguf import MIXES, SHAPES, write_shaped_gguf
+
+
+def shape_file(shape: str, mix: str) -> Path:
+    """The cached random-weight GGUF of ``shape`` in ``mix``, written first where it is missing."""
+    from localpaged.locations import cache_dir
+    from localpaged.models.loader import default_model_path
+
+    folder = cache_dir() / "shapes"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{shape}-{mix.lower()}.gguf"
+    if not path.exists():
+        start = time.perf_counter()
+        partial = path.with_suffix(".partial")
+        write_shaped_gguf(default_model_path(), partial, SHAPES[shape], mix)
+        partial.rename(path)
+        print(f"  wrote {path.name} ({path.stat().st_size / 2**20:,.0f} MiB) in {time.perf_counter() - start:.0f} s")
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--types", default="Q4_K_M", help=f"comma-separated, of {', '.join(MIXES)}")
+    args = ap.parse_args()
+    shapes, mixes = args.shapes.split(","), args.types.split(",")
+    for name, known in (("shape", SHAPES), ("type", MIXES)):
+        unknown = [v for v in (shapes if name == "shape" else mixes) if v not in known]
+        if unknown:
+            ap.error(f"unknown {name} {', '.join(unknown)}: choose from {', '.join(known)}")
+    from localpaged import LLM
+
+    bin_dir = llama_bin_dir()
+    if bin_dir is None:
+        print("no llama.cpp binaries (run `make bench-peers`): ours alone")
+    threads = os.cpu_count() or 1
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {threads} threads on {cpu_name()}")
+    rows = []
+    for shape in shapes:
+        for mix in mixes:
+            path = shape_file(shape, mix)
+            llm = LLM(str(path), max_model_len=1024, kv_cache_memory="512MiB", **RANDOM_WEIGHTS)
+            row = {"shape": shape, "type": mix, "file_bytes": path.stat().st_size}
+            row |= one_chat_bound(llm, bin_dir, path, threads, bandwidth)
+            llm.close()
+            del llm
+            peer = f", llama.cpp {row['llama_decode_only']:.1f} ({row['llama_bound']:.0%})" if bin_dir else ""
+            print(f"  {shape} {mix}: ours {row['localpaged']:.1f} tok/s ({row['localpaged_bound']:.0%}){peer}")
+            rows.append(row)
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": threads},
+        "read_bytes_per_s": bandwidth,
+        "rows": rows,
+    }
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results: {RESULTS.relative_to(HERE.parent)}")
+
+
+if __name__ == "__main__":
+    main()
