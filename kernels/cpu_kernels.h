@@ -15,6 +15,8 @@
 
 #define TILE 16 /* weight rows per packed tile */
 
+#define LP_ABI_VERSION 9
+
 /* A decode step reads every weight once, from memory, a tile's bytes in order: a qgemm kernel asks for the bytes
  * PREFETCH_BYTES past the group of a tile it is about to read (the groups that follow, then the next tile's), since
  * the hardware prefetcher alone kept too few lines in flight for a one-row product to reach the memory's bandwidth.
@@ -22,9 +24,9 @@
 #define PREFETCH_BYTES 4096
 static inline __attribute__((always_inline)) void prefetch_group(const void *qt, long g, int group, int bits) {
     const long bytes = (long)group * TILE * (bits == 8 ? 8 : 4) / 8;
-    for (long line = 0; line < bytes; line += 64) __builtin_prefetch((const char *)qt + g * bytes + PREFETCH_BYTES + line);
+    for (long line = 0; line < bytes; line += 64)
+        __builtin_prefetch((const char *)qt + g * bytes + PREFETCH_BYTES + line);
 }
-#define LP_ABI_VERSION 9
 
 enum {
     LP_OK = 0,
