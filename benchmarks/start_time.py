@@ -81,10 +81,10 @@ def main() -> None:
         for name, run in runners.items():
             times[name].append(run())
     result = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": threads},
         "model": args.model.name,
         "model_mib": args.model.stat().st_size / 2**20,
-        "cpu": cpu_name(),
-        "threads": threads,
         "seconds": times,
         "median_s": {name: statistics.median(t) for name, t in times.items()},
     }

@@ -231,6 +231,20 @@ def render_shapes(data: dict) -> str:
     return head + "\n\n" + table(["shape", "type", "file MiB", *BOUND_HEADER], rows)
 
 
+def render_start_time(data: dict) -> str:
+    medians = data["median_s"]
+    rows = [
+        [name, num(medians[key], 2), ", ".join(num(t, 2) for t in data["seconds"][key])]
+        for key, name in (("localpaged", "`localpaged serve`"), ("llama_server", "`llama-server`"))
+        if key in medians
+    ]
+    head = f"**Start to first token** on {data['model']} ({num(data['model_mib'], 0)} MiB), page cache warm:"
+    out = head + "\n\n" + table(["server", "median s", "each start, s"], rows)
+    if "ratio" in data:
+        out += f"\n\nOurs takes **{data['ratio']:.2f}x** llama-server's time (the goal: at most 1.5x)."
+    return out
+
+
 def render_peers(data: dict) -> str:
     parts = [peers_bound(data), peers_sessions(data), peers_one_chat(data), peers_prefill(data), peers_kv_memory(data)]
     parts.append(peers_latency(data))
@@ -555,6 +569,14 @@ KNOWN: dict[str, Spec] = {
         "`make bench-peers` once, then `python benchmarks/shapes.py [--shapes ...] [--types Q4_K_M,...]` (the files "
         "are written into the cache on first use).",
         render_shapes,
+    ),
+    "start_time": Spec(
+        "Start to first token",
+        "A server started from nothing until its first one-token reply: `localpaged serve` (its engine core in "
+        "a process of its own, the kernels already compiled) against `llama-server` with the same threads, "
+        "alternating in one run after one unmeasured start of each.",
+        "`make bench-peers` once, then `python benchmarks/start_time.py [--model F.gguf] [--rounds 3]`.",
+        render_start_time,
     ),
     "app_speed": Spec(
         "Does the app stream at the engine's speed?",
