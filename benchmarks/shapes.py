@@ -51,9 +51,8 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K_M", help=f"comma-separated, of {', '.join(MIXES)}")
     args = ap.parse_args()
     shapes, mixes = args.shapes.split(","), args.types.split(",")
-    for name, known in (("shape", SHAPES), ("type", MIXES)):
-        unknown = [v for v in (shapes if name == "shape" else mixes) if v not in known]
-        if unknown:
+    for name, asked, known in (("shape", shapes, SHAPES), ("type", mixes, MIXES)):
+        if unknown := [v for v in asked if v not in known]:
             ap.error(f"unknown {name} {', '.join(unknown)}: choose from {', '.join(known)}")
     from localpaged import LLM
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localpaged.cache_folders import cached_folder, set_aside
 from localpaged.errors import ConfigError, KernelArgumentError, KernelError
@@ -399,31 +400,23 @@ _lp_pack_q = Kernel("lp_pack_q", [POINTER, SIZE, SIZE, INT, INT, POINTER])
 _lp_pack_quads = Kernel("lp_pack_quads", [POINTER, SIZE, SIZE, INT, INT, POINTER])
 
 
-# The GGUF block types lp_unpack_gguf reads: (the format's type number, weights a block, bytes a block, scale
-# multipliers a block).
-GGUF_BLOCKS = {
-    "Q4_0": (2, 32, 18, 1),
-    "Q4_1": (3, 32, 20, 1),
-    "Q5_0": (6, 32, 22, 1),
-    "Q5_1": (7, 32, 24, 1),
-    "Q8_0": (8, 32, 34, 1),
-    "Q4_K": (12, 256, 144, 8),
-    "Q5_K": (13, 256, 176, 8),
-    "Q6_K": (14, 256, 210, 16),
-}
+# Scale multipliers a block of each GGUF type lp_unpack_gguf reads (a K-quant's sub-block scales; a legacy type's one
+# per block). The types' numbers and block sizes are gguf-py's, which the file reader uses too.
+GGUF_MULTIPLIERS = {"Q4_0": 1, "Q4_1": 1, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1, "Q4_K": 8, "Q5_K": 8, "Q6_K": 16}
 
 _lp_unpack_gguf = Kernel("lp_unpack_gguf", [INT, POINTER, SIZE, POINTER, POINTER, POINTER, POINTER, POINTER])
 
 
 def unpack_gguf(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, ...]:
-    """A GGUF tensor's bytes ``raw`` (uint8 [rows, bytes a row], C order) of type ``kind`` (a GGUF_BLOCKS key) ->
+    """A GGUF tensor's bytes ``raw`` (uint8 [rows, bytes a row], C order) of type ``kind`` (a GGUF_MULTIPLIERS key) ->
     ``(q, unit, mult, min_unit, min_mult)``, each [rows, ...]: the factors of models/gguf_weights.py's BlockQuantized,
     read in one native pass (``raw`` may be a view of the mapped file; it is only read)."""
     if not (isinstance(raw, np.ndarray) and raw.dtype == np.uint8 and raw.ndim == 2 and raw.flags.c_contiguous):
         raise KernelArgumentError(f"raw must be a C-ordered uint8 numpy array [rows, bytes a row], not {raw!r:.80}")
-    if kind not in GGUF_BLOCKS:
-        raise KernelArgumentError(f"kind {kind!r}: lp_unpack_gguf reads {', '.join(GGUF_BLOCKS)}")
-    number, weights, size, multipliers = GGUF_BLOCKS[kind]
+    if kind not in GGUF_MULTIPLIERS:
+        raise KernelArgumentError(f"kind {kind!r}: lp_unpack_gguf reads {', '.join(GGUF_MULTIPLIERS)}")
+    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    multipliers = GGUF_MULTIPLIERS[kind]
     rows, row_bytes = raw.shape
     if row_bytes % size:
         raise KernelArgumentError(f"raw rows of {row_bytes} bytes are not whole {kind} blocks of {size} bytes")
@@ -432,7 +425,7 @@ def unpack_gguf(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, ...]:
     unit, min_unit = (torch.empty(rows, blocks, dtype=torch.float16) for _ in range(2))
     mult, min_mult = (torch.empty(rows, blocks * multipliers, dtype=torch.int8) for _ in range(2))
     pointers = (t.data_ptr() for t in (q, unit, mult, min_unit, min_mult))
-    _lp_unpack_gguf(number, raw.ctypes.data, rows * blocks, *pointers)
+    _lp_unpack_gguf(GGMLQuantizationType[kind].value, raw.ctypes.data, rows * blocks, *pointers)
     return q, unit, mult, min_unit, min_mult
 
 

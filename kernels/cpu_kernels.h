@@ -14,7 +14,6 @@
 #include <stdint.h>
 
 #define TILE 16 /* weight rows per packed tile */
-
 #define LP_ABI_VERSION 9
 
 /* A decode step reads every weight once, from memory, a tile's bytes in order: a qgemm kernel asks for the bytes

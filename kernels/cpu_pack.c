@@ -44,8 +44,6 @@ int lp_pack_q(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8
 enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8, GGUF_Q4_K = 12, GGUF_Q5_K = 13,
        GGUF_Q6_K = 14 };
 
-/* fp16 bits of -x: the sign flipped (what numpy's negation of a float16 gives, -0 included). */
-static inline uint16_t negated(const uint8_t *half) { return (uint16_t)((half[0] | half[1] << 8) ^ 0x8000); }
 static inline uint16_t half_bits(const uint8_t *half) { return (uint16_t)(half[0] | half[1] << 8); }
 
 /* Q4_K/Q5_K's twelve bytes of 6-bit sub-block scales and mins (ggml's get_scale_min_k4). */
@@ -84,7 +82,8 @@ int lp_unpack_gguf(int type, const uint8_t *raw, int64_t blocks, int8_t *q, uint
         const uint8_t *x = raw + b * size;
         int8_t *w = q + b * weights, *m = mult + b * subs, *mm = min_mult + b * subs;
         if (type == GGUF_Q4_K || type == GGUF_Q5_K) {
-            unit[b] = half_bits(x), min_unit[b] = negated(x + 2);
+            /* dmin negated: its sign bit flipped, as numpy's negation of a float16 gives it (-0 included) */
+            unit[b] = half_bits(x), min_unit[b] = half_bits(x + 2) ^ 0x8000;
             k_scales(x + 4, m, mm);
             const uint8_t *nib = x + size - 128, *high = x + 16; /* Q5_K: bit r of high[j] is run r's weight j */
             for (int run = 0; run < 8; run++)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localpaged.kernels import cpu
 from localpaged.models.gguf_file import GGUFFile, TensorInfo
@@ -133,17 +134,25 @@ def unpack(data: np.ndarray, kind: str) -> BlockQuantized:
     if cpu.library() is not None:
         return BlockQuantized(*cpu.unpack_gguf(np.ascontiguousarray(data), kind))
     step = max(1, CHUNK_WEIGHTS // (data.shape[1] * 2))  # at least 2 weights a byte
+    first = unpack_numpy(data[:step], kind)
     if data.shape[0] <= step:
-        return unpack_numpy(data, kind)
-    parts = [unpack_numpy(data[start : start + step], kind) for start in range(0, data.shape[0], step)]
-    return BlockQuantized(*(torch.cat([getattr(p, f) for p in parts]) for f in BLOCK_FIELDS))
+        return first
+    # Each pass written into the full-size result: a load holds one unpacked weight, not its parts and their join.
+    out = BlockQuantized(
+        *(getattr(first, f).new_empty(data.shape[0], getattr(first, f).shape[1]) for f in BLOCK_FIELDS)
+    )
+    for start in range(0, data.shape[0], step):
+        part = first if start == 0 else unpack_numpy(data[start : start + step], kind)
+        for f in BLOCK_FIELDS:
+            getattr(out, f)[start : start + step] = getattr(part, f)
+    return out
 
 
 def unpack_numpy(data: np.ndarray, kind: str) -> BlockQuantized:
     """``unpack`` in numpy, whole."""
     rows = data.shape[0]
+    blocks = data.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1])
     if kind in ("Q4_K", "Q5_K"):
-        blocks = data.reshape(-1, 144 if kind == "Q4_K" else 176)
         unit, min_unit = _half(blocks[:, 0:2])[:, None], -_half(blocks[:, 2:4])[:, None]
         mult, min_mult = _k_scales(blocks[:, 4:16])
         q = _nibbles(blocks[:, -128:], 4)
@@ -151,15 +160,12 @@ def unpack_numpy(data: np.ndarray, kind: str) -> BlockQuantized:
             high = np.unpackbits(blocks[:, 16:48], axis=1, bitorder="little")  # bit b of byte j: run b's weight j
             q = q | (high.reshape(-1, 32, 8).transpose(0, 2, 1).reshape(q.shape) << 4)
     elif kind == "Q6_K":
-        blocks = data.reshape(-1, 210)
         low = _nibbles(blocks[:, :128], 2)  # [blocks, 256]: two halves of 64 bytes -> 4 runs of 64 each
         high = _crumbs(blocks[:, 128:192].reshape(-1, 32)).reshape(-1, 256)
         q = (low | (high << 4)).astype(np.int8) - 32
         unit, mult = _half(blocks[:, 208:210])[:, None], blocks[:, 192:208].view(np.int8)
         min_unit, min_mult = np.zeros_like(unit), np.zeros_like(mult)
     else:
-        size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[kind]
-        blocks = data.reshape(-1, size)
         unit = _half(blocks[:, 0:2])[:, None]
         with_min = kind in ("Q4_1", "Q5_1")
         min_unit = _half(blocks[:, 2:4])[:, None] if with_min else np.zeros_like(unit)

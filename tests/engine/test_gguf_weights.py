@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
 from localpaged.errors import InvalidModelError, KernelArgumentError, UnsupportedModelError
 from localpaged.kernels import cpu
@@ -41,7 +41,7 @@ def test_native_unpacking_gives_numpys_bits_for_any_bytes(kind, monkeypatch):
     alike, numpy here in chunks of a few rows, as it reads a large tensor."""
     if cpu.library() is None:
         pytest.skip("the native CPU kernels are not built here")
-    size = cpu.GGUF_BLOCKS[kind][2]
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
     raw = np.random.default_rng(2).integers(0, 256, size=(37, 4 * size), dtype=np.uint8)
     monkeypatch.setattr(gguf_weights, "CHUNK_WEIGHTS", 4 * size * 2 * 5)  # 5 rows a pass
     native = BlockQuantized(*cpu.unpack_gguf(raw, kind))
