@@ -538,7 +538,7 @@ def cmd_serve(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     from localpaged.config import EngineConfig
     from localpaged.server.runner import listen, serve
 
-    # The app's imports (FastAPI, pydantic: half a second) run while the core process loads the model.
+    # The app's imports (FastAPI, pydantic) run while the core process loads the model, not before it starts.
     app_imports = threading.Thread(target=importlib.import_module, args=("localpaged.server.app",), daemon=True)
     app_imports.start()
     if not 0 <= args.port <= 65535:
