@@ -46,7 +46,7 @@ from localpaged.kernels.cpu_isa import KernelPath, choose_path
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
-ABI_VERSION = 9  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
+ABI_VERSION = 10  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
@@ -438,6 +438,18 @@ def int16_prefill_runs(head_dim: int) -> bool:
     """Whether ``paged_prefill``'s int16 products run here for heads of ``head_dim`` (else it is the float32 kernel):
     a CPU with AVX-512 VNNI and BF16, and heads of whole 16-float vectors."""
     return library() is not None and cpu_isa.PREFILL_INT16_FLAGS <= cpu_isa.cpu_flags() and head_dim % 16 == 0
+
+
+def amx(want: bool | None = None) -> bool:
+    """Whether cascade attention's shared pass runs on AMX tiles here, for a 16-bit KV cache and heads of a multiple
+    of 32 values (else the float32 tile): a CPU with AMX-BF16 that Linux lets this process use. ``want`` False
+    switches it off for this process (tests and benchmarks compare the two), True back on where it can run. The int16
+    prefill keeps its own products: it reads no plan (see layers/attention.py)."""
+    lib = library()
+    if lib is None:
+        return False
+    lib.lp_amx.argtypes, lib.lp_amx.restype = [ctypes.c_int], ctypes.c_int
+    return bool(lib.lp_amx(-1 if want is None else int(want)))
 
 
 def pack_blocks(

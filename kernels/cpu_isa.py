@@ -38,6 +38,8 @@ DECODE_STEP = HERE / "cpu_decode_step.c"  # lp_llama_decode: a decode step's lay
 QGEMM_INT8 = HERE / "cpu_qgemm_int8.c"  # lp_qgemm_int8: int8 activations, plain C and AVX-512 VNNI chosen at run time
 QGEMM_INT16 = HERE / "cpu_qgemm_int16.c"  # lp_qgemm_int16: int16 activations, the same way
 PREFILL_INT16 = HERE / "cpu_prefill_int16.c"  # lp_paged_prefill_int16: VNNI and BF16 products, where the CPU has them
+CASCADE_AMX = HERE / "cpu_cascade_amx.c"  # cascade attention's shared pass on AMX tiles, where the CPU has them
+AMX_HEADER = HERE / "cpu_amx.h"
 # What the CPU must report for lp_qgemm_int8 and lp_qgemm_int16 to run their VNNI kernels (lp_has_vnni's test).
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx512vl", "avx512bw"})
 # And for lp_paged_prefill_int16's (cpu_prefill_int16.c), which adds bfloat16 dot products.
@@ -64,7 +66,7 @@ class KernelPath:
     @property
     def sources(self) -> tuple[Path, ...]:
         """The C files compiled together."""
-        return (self.source, PACK, INT_ACTIVATIONS, DECODE_STEP, QGEMM_INT8, QGEMM_INT16, PREFILL_INT16)
+        return (self.source, PACK, INT_ACTIVATIONS, DECODE_STEP, QGEMM_INT8, QGEMM_INT16, PREFILL_INT16, CASCADE_AMX)
 
     @property
     def inputs(self) -> tuple[Path, ...]:
@@ -79,6 +81,7 @@ class KernelPath:
             ROWS,
             CASCADE,
             INT_ACTIVATIONS_HEADER,
+            AMX_HEADER,
         )
 
 

@@ -13,6 +13,7 @@
 
 #include <omp.h>
 
+#include "cpu_amx.h"
 #include "cpu_cascade.h"
 
 /* How many parts sequence b's context is split into, a task each, combined after: enough tasks for four a thread
@@ -273,14 +274,18 @@ static inline __attribute__((always_inline)) int prefill_task(
 }
 
 /* Shared-pass task t (of w->tasks x KVH): a tile of a group's tokens, all G heads of KV head t % KVH, over a chunk of
- * the group's shared keys, unmasked, unnormalised into spart/sstats (see cpu_cascade.h). */
-static inline __attribute__((always_inline)) int shared_task(const int KV, long t, const Cascade *w,
+ * the group's shared keys, unmasked, unnormalised into spart/sstats (see cpu_cascade.h); on AMX tiles where `amx`
+ * (lp_amx_shared_runs, asked once a call: its first answer tries the tiles in a child process). */
+static inline __attribute__((always_inline)) int shared_task(const int KV, int amx, long t, const Cascade *w,
                                                              const lp_cascade *c, const float *q, const void *k_cache,
                                                              const void *v_cache, long H, long KVH, long D,
                                                              float scale, float *spart, float *sstats) {
     SharedTile st;
     shared_tile(w, c, t, KVH, &st);
     const int32_t *table = w->table[st.g];
+    if (amx)
+        return lp_amx_shared_rows(KV, q, st.tok, st.n, st.kvh, k_cache, v_cache, table, st.k0, st.k1, H, KVH, D, scale,
+                                  spart, st.first, sstats);
     if (KV == LP_KV_BF16)
         return rows_task(LP_KV_BF16, q, st.tok, st.tpos, st.n, CASCADE_TOKENS, st.kvh, k_cache, v_cache, table, st.k0,
                          st.k1, H, KVH, D, scale, spart, st.first, sstats);
@@ -325,12 +330,13 @@ int lp_paged_prefill(const float *q, const void *k_cache, const void *v_cache, i
     }
     float *own_stats = own ? own + num_q * H * D : NULL, *sstats = spart ? spart + w.parts * H * D : NULL;
     const long shared_tasks = cas ? w.tasks * KVH : 0;
+    const int amx = cas && lp_amx_shared_runs(kv_dtype, D);
     int status = LP_OK;
 #pragma omp parallel for schedule(dynamic)
     for (long task = 0; task < shared_tasks + tiles * B * KVH; task++) {
         int s;
         if (task < shared_tasks) {
-            s = shared_task(kv_dtype, task, &w, cascade, q, k_cache, v_cache, H, KVH, D, scale, spart, sstats);
+            s = shared_task(kv_dtype, amx, task, &w, cascade, q, k_cache, v_cache, H, KVH, D, scale, spart, sstats);
         } else {
             const long t = task - shared_tasks;
             const long tile = tiles - 1 - t / (B * KVH), b = t / KVH % B, kvh = t % KVH;
@@ -399,6 +405,7 @@ int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, in
         first_part[b + 1] = first_part[b] + decode_parts(own, span[b]);
     }
     const long parts = first_part[B], shared_tasks = cas ? w.tasks * KVH : 0;
+    const int amx = cas && lp_amx_shared_runs(kv_dtype, D);
     long *part_seq = malloc(parts * sizeof(long)); /* each part's sequence */
     /* split sequences' and members' rows, stats; then the shared pass's */
     const long partial_rows = (parts > B || cas ? parts : 0) + (cas ? w.parts : 0);
@@ -418,7 +425,8 @@ int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, in
 #pragma omp parallel for schedule(dynamic)
     for (long task = 0; task < shared_tasks + parts * KVH; task++) {
         if (task < shared_tasks) {
-            const int s = shared_task(kv_dtype, task, &w, cascade, q, k_cache, v_cache, H, KVH, D, scale, spart, sstats);
+            const int s =
+                shared_task(kv_dtype, amx, task, &w, cascade, q, k_cache, v_cache, H, KVH, D, scale, spart, sstats);
             if (s != LP_OK) {
 #pragma omp atomic write
                 shared_failed = 1;

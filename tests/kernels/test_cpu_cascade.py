@@ -93,8 +93,9 @@ def run(groups, loners, num_kv_heads, gqa, head_dim, kv_dtype, seed, activations
 
 
 def check(out, plain, ref, head_dim, activations, assert_close):
-    """Float32 products: the reference's 1e-5 and within 1e-5 of the kernel without the plan (only the order of the
-    sums differs). int16 products: within their tolerance of the reference (each partial rounds its own weights)."""
+    """Float32 products (and the AMX shared pass, whose split operands keep float32's precision): the reference's 1e-5
+    and within 1e-5 of the kernel without the plan (only the order of the sums differs). int16 products: within their
+    tolerance of the reference (each partial rounds its own weights)."""
     if activations == "int16" and cpu.int16_prefill_runs(head_dim):
         assert_close(out, ref, INT16_TOLERANCE)
     else:
@@ -143,6 +144,36 @@ def test_cascade_matches_on_random_batches(
     loners = [(context, min(q, context)) for context, q in loners]
     out, plain, ref = run(groups, loners, num_kv_heads, gqa, head_dim, kv_dtype, seed, activations)
     check(out, plain, ref, head_dim, activations, assert_close)
+
+
+@pytest.fixture
+def amx_off():
+    """The float32 tile for the shared pass where this CPU would run AMX tiles (as every CPU without them does)."""
+    was = cpu.amx()
+    cpu.amx(False)
+    yield
+    cpu.amx(was)
+
+
+@pytest.mark.parametrize("activations", [None, "float32"])
+@pytest.mark.parametrize("groups,loners,num_kv_heads,gqa,head_dim", CASES[1:4])
+def test_the_float32_shared_pass_where_amx_is_off(
+    groups, loners, num_kv_heads, gqa, head_dim, activations, assert_close, amx_off
+):
+    assert not cpu.amx()
+    out, plain, ref = run(groups, loners, num_kv_heads, gqa, head_dim, torch.float16, 5, activations)
+    check(out, plain, ref, head_dim, activations, assert_close)
+
+
+@pytest.mark.skipif(not cpu.amx(), reason="this CPU has no AMX tiles (or Linux does not grant them)")
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+def test_the_amx_shared_pass_matches_the_reference(head_dim, kv_dtype, assert_close):
+    """Every size the AMX pass takes: 70 members (two tiles of tokens, the second partly empty rows), 37 shared blocks
+    (steps of 256 keys and a last of 80), heads of 32 to 128 (one to two passes of four accumulator tiles)."""
+    groups = [(37, [(3, 1)] * 70), (5, [(2, 1)] * 9)]
+    out, plain, ref = run(groups, [(40, 1)], 2, 3, head_dim, kv_dtype, head_dim, None)
+    check(out, plain, ref, head_dim, None, assert_close)
 
 
 def test_a_plan_the_tables_contradict_is_refused():
