@@ -443,13 +443,18 @@ def int16_prefill_runs(head_dim: int) -> bool:
 def amx(want: bool | None = None) -> bool:
     """Whether cascade attention's shared pass runs on AMX tiles here, for a 16-bit KV cache and heads of a multiple
     of 32 values (else the float32 tile): a CPU with AMX-BF16 that Linux lets this process use. ``want`` False
-    switches it off for this process (tests and benchmarks compare the two), True back on where it can run. The int16
-    prefill keeps its own products: it reads no plan (see layers/attention.py)."""
+    switches it off for this process (tests and benchmarks compare the two), True back on where it can run. Where it
+    runs, the int16 prefill (``paged_prefill(..., "int16")``) runs on AMX tiles too."""
     lib = library()
     if lib is None:
         return False
     lib.lp_amx.argtypes, lib.lp_amx.restype = [ctypes.c_int], ctypes.c_int
     return bool(lib.lp_amx(-1 if want is None else int(want)))
+
+
+def amx_runs(kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the AMX tiles run here for a cache of ``kv_dtype`` and heads of ``head_dim`` values (see ``amx``)."""
+    return kv_dtype in (torch.float16, torch.bfloat16) and head_dim % 32 == 0 and amx()
 
 
 def pack_blocks(

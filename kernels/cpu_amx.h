@@ -9,11 +9,13 @@
  * granted this process its tile state, lp_amx has not switched it off, the cache is 16-bit and D a multiple of 32. */
 int lp_amx_shared_runs(int kv_dtype, long D);
 
-/* A shared-pass tile as cpu_kv_dispatch.h's rows_task computes it with stats (unnormalised rows into dst's rows
- * dst_first + i, their max in natural units and sum of weights into stats), every key k_begin .. k_end - 1 visible
- * (k_begin and k_end multiples of 16). LP_OK or LP_OUT_OF_MEMORY; only where lp_amx_shared_runs says so. */
-int lp_amx_shared_rows(int kv_dtype, const float *q, const int32_t *tok, long n_tok, long kvh, const void *k_cache,
-                       const void *v_cache, const int32_t *table, long k_begin, long k_end, long H, long KVH, long D,
-                       float scale, float *dst, long dst_first, float *stats);
+/* rows_task of cpu_kv_dispatch.h on AMX tiles: n_tok tokens tok[i] (q's rows), all G query heads of KV head kvh,
+ * over keys k_begin (a multiple of 16) .. k_end - 1 of the block table row `table`, token i seeing those up to
+ * tpos[i] (NULL: all, as a shared pass's); normalised into dst's rows tok[i] where stats is NULL, else unnormalised
+ * into rows dst_first + i with their max (natural units) and sum of weights in stats, as store_tile has them. LP_OK
+ * or LP_OUT_OF_MEMORY; only where lp_amx_shared_runs says so. */
+int lp_amx_rows(int kv_dtype, const float *q, const int32_t *tok, const int32_t *tpos, long n_tok, long kvh,
+                const void *k_cache, const void *v_cache, const int32_t *table, long k_begin, long k_end, long H,
+                long KVH, long D, float scale, float *dst, long dst_first, float *stats);
 
 #endif

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "cpu_amx.h"
+#include "cpu_cascade.h"
 #include "cpu_kernels.h"
 
 #if defined(__x86_64__)
@@ -186,12 +187,12 @@ INLINE_AMX __m512 exp2_16(__m512 x) {
 static __thread void *scratch = NULL;
 static __thread long scratch_bytes = 0;
 
-/* A step's K rows k0 .. k0 + n - 1 (n a multiple of 16) as B operands: tile (c, kb) holds, row p, key kb 16 + j's
- * values 32 c + 2 p and + 1 (a pair) in column j. */
+/* A step's K rows k0 .. k0 + n - 1 as B operands, whole blocks (the rest of the last is masked out of the scores):
+ * tile (c, kb) holds, row p, key kb 16 + j's values 32 c + 2 p and + 1 (a pair) in column j. */
 INLINE_AMX void lay_out_keys(const int KV, const void *k_cache, const int32_t *table, long k0, long n, long kvh,
                              long stride, long D, uint32_t *kt) {
     const long tile = 256, per_hl = D / 32 * (SUB_KEYS / 16) * tile;
-    for (long kb = 0; kb < n / 16; kb++) {
+    for (long kb = 0; kb < (n + 15) / 16; kb++) {
         const long row0 = (long)table[(k0 + kb * 16) / 16] * 16 * stride + kvh * D; /* k0 is a multiple of 16 */
         for (long c = 0; c < D / 32; c++) {
             __m512i hi[16], lo[16];
@@ -211,16 +212,17 @@ INLINE_AMX void lay_out_keys(const int KV, const void *k_cache, const int32_t *t
 }
 
 /* A step's V rows as B operands: tile (kp, j) holds, row i, keys 32 kp + 2 i and + 1 as a pair in each of the 16
- * columns 16 j .. 16 j + 15; keys n .. (n rounded up to 32) - 1 are zeros. */
+ * columns 16 j .. 16 j + 15; keys n .. (n rounded up to 32) - 1 are zeros (a masked weight is 0, and 0 times a slot
+ * past the context, which may hold anything, must stay 0). */
 INLINE_AMX void lay_out_values(const int KV, const void *v_cache, const int32_t *table, long k0, long n, long kvh,
                                long stride, long D, uint16_t *vv) {
     const long tile = 512, per_hl = SUB_KEYS / 32 * (D / 16) * tile;
     for (long key = 0; key < (n + 31) / 32 * 32; key += 2) {
         const long kp = key / 32, i = key % 32 / 2;
         const long r0 = key < n ? (long)table[(k0 + key) / 16] * 16 * stride + (k0 + key) % 16 * stride + kvh * D : -1;
-        for (long j = 0; j < D / 16; j++) {
-            const __m512 a = r0 >= 0 ? load_kv16(KV, v_cache, r0 + j * 16) : _mm512_setzero_ps();
-            const __m512 b = r0 >= 0 ? load_kv16(KV, v_cache, r0 + stride + j * 16) : _mm512_setzero_ps();
+        for (long j = 0; j < D / 16; j++) { /* key is even and k0 a multiple of 16: key + 1 is in key's block */
+            const __m512 a = key < n ? load_kv16(KV, v_cache, r0 + j * 16) : _mm512_setzero_ps();
+            const __m512 b = key + 1 < n ? load_kv16(KV, v_cache, r0 + stride + j * 16) : _mm512_setzero_ps();
             uint16_t *dst = vv + (kp * (D / 16) + j) * tile + i * 32;
             __m512i hi, lo;
             split_exact(a, b, paired_halves(), &hi, &lo);
@@ -249,12 +251,13 @@ INLINE_AMX void lay_out_values(const int KV, const void *v_cache, const int32_t 
 /* Score tile J of a group of three (keys kb + J's 16), over chunk c of the head. */
 #define SCORE_TILE(J) TERM_PRODUCTS(J, kt + (c * (SUB_KEYS / 16) + kb + (J)) * 256)
 
-/* A row tile's scores over the step's n keys into s [16][SUB_KEYS], three tiles of 16 keys at a time (q's tiles
+/* A row tile's scores over the step's n keys (whole blocks) into s [16][SUB_KEYS], three tiles of 16 keys at a time (q's tiles
  * loaded once for them, and three sums in flight rather than one chain). q is [3][16][D]: hi, mid, lo. */
 INLINE_AMX void tile_scores(const int KV, const uint16_t *q, const uint32_t *kt, long n, long D, float *s) {
     const long per_hl = D / 32 * (SUB_KEYS / 16) * 256;
-    for (long kb = 0; kb < n / 16; kb += 3) {
-        const long tiles = n / 16 - kb < 3 ? n / 16 - kb : 3;
+    const long blocks = (n + 15) / 16;
+    for (long kb = 0; kb < blocks; kb += 3) {
+        const long tiles = blocks - kb < 3 ? blocks - kb : 3;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -272,20 +275,36 @@ INLINE_AMX void tile_scores(const int KV, const uint16_t *q, const uint32_t *kt,
     }
 }
 
-/* The 16 rows' softmax step over s's n scores (log2 units): the running max m and sum l updated, acc's rows
- * rescaled, the weights split in three into p [3][16][SUB_KEYS] (zeros for keys n .. n rounded up to 32). */
-INLINE_AMX void tile_softmax(const float *s, long n, long D, float *m, float *l, float *acc, uint16_t *p) {
+/* The 16 rows' softmax step over s's scores (log2 units), row i's first seen[i] of them (at most n; the keys after
+ * are masked: past the row's position, or past the step): the running max m and sum l updated, acc's rows rescaled,
+ * the weights split in three into p [3][16][SUB_KEYS] (zeros for masked keys, up to n rounded up to 32). A row that
+ * sees no key of the step is left as it was. */
+INLINE_AMX void tile_softmax(const float *s, long n, const long *seen, long D, float *m, float *l, float *acc,
+                             uint16_t *p) {
     const long padded = (n + 31) / 32 * 32;
     for (int i = 0; i < 16; i++) {
         const float *si = s + i * SUB_KEYS;
+        const long visible = seen[i];
+        if (visible <= 0) {
+            for (long j = 0; j < padded; j += 32)
+                for (int t = 0; t < 3; t++) _mm512_storeu_si512(p + (16 * t + i) * SUB_KEYS + j, _mm512_setzero_si512());
+            continue;
+        }
         __m512 top = _mm512_set1_ps(m[i]);
-        for (long j = 0; j < n; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(si + j));
+        for (long j = 0; j < visible; j += 16) {
+            const __mmask16 in = visible - j >= 16 ? 0xFFFF : (__mmask16)((1u << (visible - j)) - 1);
+            top = _mm512_mask_max_ps(top, in, top, _mm512_loadu_ps(si + j));
+        }
         const float mx = _mm512_reduce_max_ps(top);
         const __m512 mv = _mm512_set1_ps(mx);
         __m512 total = _mm512_setzero_ps();
         for (long j = 0; j < padded; j += 32) {
-            const __m512 e0 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j), mv));
-            const __m512 e1 = j + 16 < n ? exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j + 16), mv)) : _mm512_setzero_ps();
+            const long left0 = visible - j, left1 = visible - j - 16;
+            const __mmask16 in0 = left0 >= 16 ? 0xFFFF : left0 > 0 ? (__mmask16)((1u << left0) - 1) : 0;
+            const __mmask16 in1 = left1 >= 16 ? 0xFFFF : left1 > 0 ? (__mmask16)((1u << left1) - 1) : 0;
+            const __m512 e0 = _mm512_maskz_mov_ps(in0, exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in0, si + j), mv)));
+            const __m512 e1 =
+                _mm512_maskz_mov_ps(in1, exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in1, si + j + 16), mv)));
             total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
             __m512i hi, mid, lo;
             split3(e0, e1, &hi, &mid, &lo);
@@ -326,11 +345,12 @@ INLINE_AMX void tile_values(const int KV, const uint16_t *p, const uint16_t *vv,
     }
 }
 
-static inline __attribute__((always_inline)) AMX int shared_rows(const int KV, const float *q, const int32_t *tok,
-                                                                long n_tok, long kvh, const void *k_cache,
-                                                                const void *v_cache, const int32_t *table,
-                                                                long k_begin, long k_end, long H, long KVH, long D,
-                                                                float scale, float *dst, long dst_first, float *stats) {
+static inline __attribute__((always_inline)) AMX int amx_rows(const int KV, const float *q, const int32_t *tok,
+                                                             const int32_t *tpos, long n_tok, long kvh,
+                                                             const void *k_cache, const void *v_cache,
+                                                             const int32_t *table, long k_begin, long k_end, long H,
+                                                             long KVH, long D, float scale, float *dst, long dst_first,
+                                                             float *stats) {
     const long G = H / KVH, R = G * n_tok, tiles = (R + 15) / 16, stride = KVH * D;
     const long s_bytes = 16 * SUB_KEYS * 4, p_bytes = 3 * 16 * SUB_KEYS * 2, q_bytes = tiles * 3 * 16 * D * 2;
     const long acc_bytes = tiles * 16 * D * 4, ml_bytes = tiles * 16 * 4;
@@ -371,28 +391,29 @@ static inline __attribute__((always_inline)) AMX int shared_rows(const int KV, c
         lay_out_keys(KV, k_cache, table, k0, n, kvh, stride, D, kt);
         lay_out_values(KV, v_cache, table, k0, n, kvh, stride, D, vv);
         for (long t = 0; t < tiles; t++) {
+            long seen[16]; /* each row's keys of the step: all, or up to its position */
+            for (int i = 0; i < 16; i++) {
+                const long r = t * 16 + i < R ? t * 16 + i : R - 1, last = tpos ? tpos[r / G] - k0 + 1 : n;
+                seen[i] = last < n ? last : n;
+            }
             tile_scores(KV, qs + t * 48 * D, kt, n, D, s);
-            tile_softmax(s, n, D, m + t * 16, l + t * 16, acc + t * 16 * D, p);
+            tile_softmax(s, n, seen, D, m + t * 16, l + t * 16, acc + t * 16 * D, p);
             tile_values(KV, p, vv, n, D, acc + t * 16 * D);
         }
     }
     _tile_release();
-    for (long r = 0; r < R; r++) { /* unnormalised, with the max in natural units and the sum, as store_tile */
-        const long row = (dst_first + r / G) * H + kvh * G + r % G;
-        memcpy(dst + row * D, acc + r * D, D * sizeof(float));
-        stats[row * 2] = m[r] * 0.69314718055994531f, stats[row * 2 + 1] = l[r];
-    }
+    store_tile(R, G, kvh, H, D, acc, D, m, l, tok, dst, dst_first, stats);
     return LP_OK;
 }
 
-AMX int lp_amx_shared_rows(int kv_dtype, const float *q, const int32_t *tok, long n_tok, long kvh,
-                           const void *k_cache, const void *v_cache, const int32_t *table, long k_begin, long k_end,
-                           long H, long KVH, long D, float scale, float *dst, long dst_first, float *stats) {
+AMX int lp_amx_rows(int kv_dtype, const float *q, const int32_t *tok, const int32_t *tpos, long n_tok, long kvh,
+                    const void *k_cache, const void *v_cache, const int32_t *table, long k_begin, long k_end, long H,
+                    long KVH, long D, float scale, float *dst, long dst_first, float *stats) {
     if (kv_dtype == LP_KV_F16)
-        return shared_rows(LP_KV_F16, q, tok, n_tok, kvh, k_cache, v_cache, table, k_begin, k_end, H, KVH, D, scale,
-                           dst, dst_first, stats);
-    return shared_rows(LP_KV_BF16, q, tok, n_tok, kvh, k_cache, v_cache, table, k_begin, k_end, H, KVH, D, scale, dst,
-                       dst_first, stats);
+        return amx_rows(LP_KV_F16, q, tok, tpos, n_tok, kvh, k_cache, v_cache, table, k_begin, k_end, H, KVH, D, scale,
+                        dst, dst_first, stats);
+    return amx_rows(LP_KV_BF16, q, tok, tpos, n_tok, kvh, k_cache, v_cache, table, k_begin, k_end, H, KVH, D, scale,
+                    dst, dst_first, stats);
 }
 
 #else /* no AMX off x86-64: the float32 tile runs */
@@ -407,10 +428,10 @@ int lp_amx_shared_runs(int kv_dtype, long D) {
     return 0;
 }
 
-int lp_amx_shared_rows(int kv_dtype, const float *q, const int32_t *tok, long n_tok, long kvh, const void *k_cache,
-                       const void *v_cache, const int32_t *table, long k_begin, long k_end, long H, long KVH, long D,
-                       float scale, float *dst, long dst_first, float *stats) {
-    (void)kv_dtype, (void)q, (void)tok, (void)n_tok, (void)kvh, (void)k_cache, (void)v_cache, (void)table;
+int lp_amx_rows(int kv_dtype, const float *q, const int32_t *tok, const int32_t *tpos, long n_tok, long kvh,
+                const void *k_cache, const void *v_cache, const int32_t *table, long k_begin, long k_end, long H,
+                long KVH, long D, float scale, float *dst, long dst_first, float *stats) {
+    (void)kv_dtype, (void)q, (void)tok, (void)tpos, (void)n_tok, (void)kvh, (void)k_cache, (void)v_cache, (void)table;
     (void)k_begin, (void)k_end, (void)H, (void)KVH, (void)D, (void)scale, (void)dst, (void)dst_first, (void)stats;
     return LP_BAD_ARGUMENT;
 }

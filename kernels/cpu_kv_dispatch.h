@@ -284,8 +284,8 @@ static inline __attribute__((always_inline)) int shared_task(const int KV, int a
     shared_tile(w, c, t, KVH, &st);
     const int32_t *table = w->table[st.g];
     if (amx)
-        return lp_amx_shared_rows(KV, q, st.tok, st.n, st.kvh, k_cache, v_cache, table, st.k0, st.k1, H, KVH, D, scale,
-                                  spart, st.first, sstats);
+        return lp_amx_rows(KV, q, st.tok, NULL, st.n, st.kvh, k_cache, v_cache, table, st.k0, st.k1, H, KVH, D, scale,
+                           spart, st.first, sstats);
     if (KV == LP_KV_BF16)
         return rows_task(LP_KV_BF16, q, st.tok, st.tpos, st.n, CASCADE_TOKENS, st.kvh, k_cache, v_cache, table, st.k0,
                          st.k1, H, KVH, D, scale, spart, st.first, sstats);

@@ -1,6 +1,7 @@
 /* lp_paged_prefill_int16: lp_paged_prefill's chunk attention with its two products on 16-bit integers and bfloat16,
  * where the CPU has AVX-512 VNNI and BF16; elsewhere it is lp_paged_prefill itself. Built into every path's library,
- * compiled for those instruction sets alone and chosen at run time, as lp_qgemm_int16 is.
+ * compiled for those instruction sets alone and chosen at run time, as lp_qgemm_int16 is. Where the CPU has AMX-BF16
+ * too, the same tiles run on AMX instead (cpu_cascade_amx.c's lp_amx_rows, float32's precision), faster still.
  *
  * Why: a long prompt's prefill is bound by attention's two products (they grow with the context, the rest of the
  * model's work a token does not), which the float32 kernel runs at about the CPU's FMA peak, 16 products an
@@ -26,6 +27,7 @@
 #include <string.h>
 
 #include "cpu_activations.h"
+#include "cpu_amx.h"
 #include "cpu_cascade.h"
 #include "cpu_kernels.h"
 
@@ -332,11 +334,12 @@ static inline __attribute__((always_inline)) VNNI_BF16 int rows_task16(const flo
     return LP_OK;
 }
 
-/* Tile `tile` of sequence b's chunk (its own keys where it is in a cascade group, into own/own_stats). */
+/* Tile `tile` of sequence b's chunk (its own keys where it is in a cascade group, into own/own_stats): on its rounded
+ * keys, or where `amx` on AMX tiles straight from the caches (cpu_amx.h), which need no rounding. */
 static inline __attribute__((always_inline)) VNNI_BF16 int prefill_task16(
-    long b, long kvh, long tile, const float *q, const RoundedContext *rc, const int32_t *cu_seqlens_q,
-    const int32_t *context_lens, long H, long KVH, long D, float scale, float *out, const Cascade *w, float *own,
-    float *own_stats) {
+    int amx, int kv_dtype, const void *k_cache, const void *v_cache, long b, long kvh, long tile, const float *q,
+    const RoundedContext *rc, const int32_t *cu_seqlens_q, const int32_t *context_lens, long H, long KVH, long D,
+    float scale, float *out, const Cascade *w, float *own, float *own_stats) {
     const long q_start = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q_start, ctx = context_lens[b];
     const long i0 = tile * TILE_POSITIONS;
     if (i0 >= q_len) return LP_OK;
@@ -345,6 +348,10 @@ static inline __attribute__((always_inline)) VNNI_BF16 int prefill_task16(
     int32_t tok[TILE_POSITIONS], tpos[TILE_POSITIONS];
     for (long i = 0; i < positions; i++) tok[i] = (int32_t)(q_start + i0 + i), tpos[i] = (int32_t)(first_pos + i);
     const int member = w && w->shared[b];
+    if (amx)
+        return lp_amx_rows(kv_dtype, q, tok, tpos, positions, kvh, k_cache, v_cache, rc->table[b], rc->begin[b],
+                           first_pos + positions, H, KVH, D, scale, member ? own : out, q_start + i0,
+                           member ? own_stats : NULL);
     return rows_task16(q, tok, tpos, positions, TILE_POSITIONS, kvh, rc, b, rc->begin[b], first_pos + positions, H,
                        KVH, D, scale, member ? own : out, q_start + i0, member ? own_stats : NULL);
 }
@@ -374,10 +381,14 @@ static VNNI_BF16 int prefill_int16(const float *q, const void *k_cache, const vo
                                     num_blocks, omp_get_max_threads(), &w);
         if (st != LP_OK) return st;
     }
+    /* Where AMX tiles run, every tile runs on them (about float32, and the rest needs no rounding): a row's result
+     * then hangs neither on how its prompt was chunked nor on its cascade group, as it would with the int16 tile
+     * on some keys and the AMX one on others. */
+    const int amx = lp_amx_shared_runs(kv_dtype, D);
     RoundedContext rc;
     int status = context_ranges(block_tables, cu_seqlens_q, context_lens, num_q, B, KVH, max_blocks, num_blocks,
                                 cas ? &w : NULL, cascade, &rc);
-    if (status == LP_OK) {
+    if (status == LP_OK && !amx) {
         if (kv_dtype == LP_KV_BF16) status = round_context(LP_KV_BF16, k_cache, v_cache, KVH, D, &rc);
         else if (kv_dtype == LP_KV_F16) status = round_context(LP_KV_F16, k_cache, v_cache, KVH, D, &rc);
         else status = round_context(LP_KV_F32, k_cache, v_cache, KVH, D, &rc);
@@ -399,12 +410,17 @@ static VNNI_BF16 int prefill_int16(const float *q, const void *k_cache, const vo
 #pragma omp parallel for schedule(dynamic)
     for (long task = 0; task < shared_tasks + tiles * B * KVH; task++) {
         int st;
-        if (task < shared_tasks) {
+        if (task < shared_tasks && amx) {
+            SharedTile tile;
+            shared_tile(&w, cascade, task, KVH, &tile);
+            st = lp_amx_rows(kv_dtype, q, tile.tok, NULL, tile.n, tile.kvh, k_cache, v_cache, w.table[tile.g], tile.k0,
+                             tile.k1, H, KVH, D, scale, spart, tile.first, sstats);
+        } else if (task < shared_tasks) {
             st = shared_task16(task, B, &w, cascade, q, &rc, H, KVH, D, scale, spart, sstats);
         } else {
             const long t = task - shared_tasks, tile = tiles - 1 - t / (B * KVH), b = t / KVH % B, kvh = t % KVH;
-            st = prefill_task16(b, kvh, tile, q, &rc, cu_seqlens_q, context_lens, H, KVH, D, scale, out,
-                                cas ? &w : NULL, own, own_stats);
+            st = prefill_task16(amx, kv_dtype, k_cache, v_cache, b, kvh, tile, q, &rc, cu_seqlens_q, context_lens, H,
+                                KVH, D, scale, out, cas ? &w : NULL, own, own_stats);
         }
         if (st != LP_OK) {
 #pragma omp atomic write
@@ -420,7 +436,8 @@ static VNNI_BF16 int prefill_int16(const float *q, const void *k_cache, const vo
 #endif
 
 /* lp_paged_prefill's arguments and contract; its own kernel where the CPU lacks VNNI or BF16, or D is not a multiple
- * of 16. */
+ * of 16; on AMX tiles, in about float32, where lp_amx_shared_runs (a CPU with AMX-BF16, a 16-bit cache, D a
+ * multiple of 32): faster still, and its rows' results do not hang on their chunks or groups. */
 int lp_paged_prefill_int16(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                            const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens,
                            int64_t num_q, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,

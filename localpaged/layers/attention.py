@@ -77,8 +77,10 @@ class TorchAttention:
             products = self.prefill_products
             # int16 products round the softmax weights to bfloat16 against each pass's running max, so splitting a
             # member's keys into a shared and an own pass moves them enough to change greedy tokens on long shared
-            # prompts: a faster path never changes a greedy token, so those prefills read the shared blocks per member.
-            cascade = meta.cascade if products == "float32" else None
+            # prompts: a faster path never changes a greedy token, so those prefills read the shared blocks per member,
+            # unless the int16 prefill runs on AMX tiles, which keep float32's precision.
+            takes = products == "float32" or cpu.amx_runs(k_cache.dtype, q.shape[-1])
+            cascade = meta.cascade if takes else None
             return cpu.paged_prefill(q, k_cache, v_cache, tables, cu_seqlens_q, lens, scale, products, cascade)
         assert meta.plan is not None, "prepare() was not called for this step"
         return torch_attention.paged_attention(q, k_cache, v_cache, meta.plan, scale)
