@@ -8,8 +8,8 @@
  * of a decode step there. One AMX dot-product instruction does 16 x 16 x 32 bfloat16 multiply-adds.
  *
  * Exactness: bfloat16 keeps 8 bits, so operands are split into bfloat16 terms and multiplied term by term. A float16
- * cache value is exactly hi + lo (its 11 bits fit in 16; a bfloat16 one is its own hi), a float32 q row or weight is
- * hi + mid + lo to within 2^-24 or so, as float32 itself; a product takes every pair of terms but those two last terms'
+ * cache value is exactly hi + lo (its 11 bits fit in 16; a bfloat16 one is its own hi), a float32 q row or weight
+ * exactly hi + mid + lo (8 bits each, cut by masks); a product takes every pair of terms but the two last terms'
  * (under 2^-24 of it): five products for a float16 cache, three for a bfloat16 one. Sums are float32, as the tile
  * instructions keep them, so the pass agrees with the float32 tile to the order of its sums (tests/kernels/
  * test_cpu_cascade.py holds both to 1e-5 of a float64 reference). Two terms each (a first version) ran 1.25x faster
@@ -110,19 +110,24 @@ INLINE_AMX __m512 load_kv16(const int KV, const void *cache, long i) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* x rounded to bfloat16, as float32. */
-INLINE_AMX __m512 bf16_value(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+/* Word e of the result: the upper half of value e of a, b in order (a's 16, then b's) */
+INLINE_AMX __m512i upper_halves(void) {
+    return _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19,
+                            17, 15, 13, 11, 9, 7, 5, 3, 1);
 }
 
-/* 32 float32 values (a, then b) as three bfloat16 terms, in order: hi the values rounded, mid the rest rounded, lo
- * what is left of that rounded; hi + mid + lo is within 2^-24 or so of each value, as float32 itself. */
+/* 32 float32 values (a, then b) as three bfloat16 terms, in order, exactly: hi the upper half of each float32 (its
+ * top 8 significant bits), mid the upper half of what is left (the next 8), lo the rest (at most 8 bits, so its
+ * upper half is all of it). Masks and subtractions, no rounding: hi + mid + lo is the value itself. */
 INLINE_AMX void split3(__m512 a, __m512 b, __m512i *hi, __m512i *mid, __m512i *lo) {
-    *hi = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-    a = _mm512_sub_ps(a, bf16_value(a)), b = _mm512_sub_ps(b, bf16_value(b));
-    *mid = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-    a = _mm512_sub_ps(a, bf16_value(a)), b = _mm512_sub_ps(b, bf16_value(b));
-    *lo = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+    const __m512i mask = _mm512_set1_epi32((int)0xFFFF0000), order = upper_halves();
+    *hi = _mm512_permutex2var_epi16(_mm512_castps_si512(a), order, _mm512_castps_si512(b));
+    a = _mm512_sub_ps(a, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), mask)));
+    b = _mm512_sub_ps(b, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), mask)));
+    *mid = _mm512_permutex2var_epi16(_mm512_castps_si512(a), order, _mm512_castps_si512(b));
+    a = _mm512_sub_ps(a, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), mask)));
+    b = _mm512_sub_ps(b, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), mask)));
+    *lo = _mm512_permutex2var_epi16(_mm512_castps_si512(a), order, _mm512_castps_si512(b));
 }
 
 /* 32 values of a 16-bit cache (a, then b, widened to float32) as bfloat16, exactly: hi the upper half of each
@@ -134,12 +139,6 @@ INLINE_AMX void split_exact(__m512 a, __m512 b, __m512i order, __m512i *hi, __m5
     const __m512 a_rest = _mm512_sub_ps(a, _mm512_castsi512_ps(_mm512_and_si512(ai, mask)));
     const __m512 b_rest = _mm512_sub_ps(b, _mm512_castsi512_ps(_mm512_and_si512(bi, mask)));
     *lo = _mm512_permutex2var_epi16(_mm512_castps_si512(a_rest), order, _mm512_castps_si512(b_rest));
-}
-
-/* Word e of the result: the upper half of value e of a, b in order (a's 16, then b's) */
-INLINE_AMX __m512i upper_halves(void) {
-    return _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19,
-                            17, 15, 13, 11, 9, 7, 5, 3, 1);
 }
 
 /* ... and interleaved: a's value i at word 2 i, b's at 2 i + 1 */
