@@ -94,6 +94,16 @@ def nan_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned)
 
 
+@pytest.fixture
+def amx_off():
+    """The kernels without AMX tiles where this CPU would run them (cascade attention's float32 shared pass, the int16
+    prefill's VNNI tile), as every CPU without them runs."""
+    was = cpu.amx()
+    cpu.amx(False)
+    yield
+    cpu.amx(was)
+
+
 @pytest.fixture(params=[path.name for path in cpu_isa.PATHS if path.cpu_flags <= cpu_isa.cpu_flags()])
 def kernel_path(request, monkeypatch) -> str:
     """Each instruction-set build of the native kernels this CPU runs, forced as LOCALPAGED_CPU_KERNELS does."""

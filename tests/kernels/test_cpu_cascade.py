@@ -146,15 +146,6 @@ def test_cascade_matches_on_random_batches(
     check(out, plain, ref, head_dim, activations, assert_close)
 
 
-@pytest.fixture
-def amx_off():
-    """The float32 tile for the shared pass where this CPU would run AMX tiles (as every CPU without them does)."""
-    was = cpu.amx()
-    cpu.amx(False)
-    yield
-    cpu.amx(was)
-
-
 @pytest.mark.parametrize("activations", [None, "float32"])
 @pytest.mark.parametrize("groups,loners,num_kv_heads,gqa,head_dim", CASES[1:4])
 def test_the_float32_shared_pass_where_amx_is_off(

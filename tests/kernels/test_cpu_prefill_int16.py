@@ -7,6 +7,8 @@ same code in every path's library, chosen at run time."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -60,6 +62,36 @@ def test_int16_prefill_stays_near_the_reference_on_random_shapes(
     q_lens, prefix_lens = [n for n, _ in chunks], [p for _, p in chunks]
     case = (q_lens, prefix_lens, num_kv_heads, gqa, head_dim, kv_dtype)
     check(*prefill_and_reference(*case, make_paged_kv, seed, "int16"), head_dim, assert_close)
+
+
+@pytest.mark.skipif(not cpu.amx(), reason="no AMX tiles here: the tests above ran the VNNI tile")
+@pytest.mark.parametrize("q_lens,prefix_lens,num_kv_heads,gqa,head_dim", CASES)
+def test_int16_prefill_on_the_vnni_tile_where_amx_is_off(
+    q_lens, prefix_lens, num_kv_heads, gqa, head_dim, make_paged_kv, assert_close, amx_off
+):
+    case = (q_lens, prefix_lens, num_kv_heads, gqa, head_dim, torch.float16)
+    check(*prefill_and_reference(*case, make_paged_kv, sum(q_lens) + head_dim, "int16"), head_dim, assert_close)
+
+
+@pytest.mark.skipif(not cpu.amx(), reason="this CPU has no AMX tiles (or Linux does not grant them)")
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_amx_prefill_rows_do_not_hang_on_their_chunks(kv_dtype, make_paged_kv, assert_close):
+    """On AMX tiles a row's output is the same bits whether its prompt's rows came in one chunk or three (the engine's
+    chunking and its cascade groups then cannot move a greedy token), and within float32's 1e-5 of the reference."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, tables, k_ref, v_ref = (t.cpu() for t in make_paged_kv([700], 2, 64, kv_dtype, gen))
+    q = torch.randn(700, 6, 64, generator=gen)
+    whole = None
+    for cuts in ([0, 700], [0, 300, 517, 700]):
+        parts = []
+        for a, b in pairwise(cuts):
+            cu, lens = torch.tensor([0, b - a], dtype=torch.int32), torch.tensor([b], dtype=torch.int32)
+            parts.append(cpu.paged_prefill(q[a:b].contiguous(), k_cache, v_cache, tables, cu, lens, 0.125, "int16"))
+        out = torch.cat(parts)
+        whole = out if whole is None else whole
+        assert torch.equal(out, whole)
+    cu, lens = torch.tensor([0, 700], dtype=torch.int32), torch.tensor([700], dtype=torch.int32)
+    assert_close(whole, torch_attention.paged_prefill(q.double(), k_ref, v_ref, tables, cu, lens, 0.125))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
