@@ -157,7 +157,8 @@ INLINE_AMX void transpose16(__m512i r[16]) {
         r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
     }
     for (int k = 0; k < 4; k++) {
-        const __m512i a01 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), a23 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+        const __m512i a01 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44);
+        const __m512i a23 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
         const __m512i b01 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
         const __m512i b23 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
         t[k] = _mm512_shuffle_i32x4(a01, b01, 0x88), t[4 + k] = _mm512_shuffle_i32x4(a01, b01, 0xDD);
@@ -167,8 +168,7 @@ INLINE_AMX void transpose16(__m512i r[16]) {
 }
 
 /* 2^x for x <= 0 (a score less the running max): a degree-5 polynomial on x less its nearest integer n (fitted for
- * relative error, at most 2.4e-7: the weights are then split to 16 bits), times 2^n, which scalef takes to 0 however
- * small. */
+ * relative error, at most 2.4e-7; the float32 tile's exp2 1.7e-7), times 2^n, which scalef takes to 0 however small. */
 INLINE_AMX __m512 exp2_16(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(x, n);
     __m512 y = _mm512_set1_ps(1.327647129073739e-3f);
@@ -180,9 +180,9 @@ INLINE_AMX __m512 exp2_16(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
-/* Per thread: the task's q rows split (qh, ql [tiles][16][D]), its accumulators (acc [tiles][16][D], m, l [tiles][16]),
- * a step's K (kt [2][D / 32][SUB_KEYS / 16][16][16] pairs: hi, lo) and V (vv [2][SUB_KEYS / 32][D / 16][16][32]),
- * scores (s [16][SUB_KEYS]) and weights (ph, pl [16][SUB_KEYS]). */
+/* Per thread: a step's scores (s [16][SUB_KEYS]) and weights' three terms (p [3][16][SUB_KEYS]), the task's q rows'
+ * (qs [tiles][3][16][D]), its accumulators (acc [tiles][16][D], m, l [tiles][16]), a step's K (kt [2][D / 32]
+ * [SUB_KEYS / 16][16][16] pairs: hi, lo) and V (vv [2][SUB_KEYS / 32][D / 16][16][32]). */
 static __thread void *scratch = NULL;
 static __thread long scratch_bytes = 0;
 
@@ -197,7 +197,8 @@ INLINE_AMX void lay_out_keys(const int KV, const void *k_cache, const int32_t *t
             __m512i hi[16], lo[16];
             for (int j = 0; j < 16; j++) {
                 const long at = row0 + j * stride + c * 32;
-                split_exact(load_kv16(KV, k_cache, at), load_kv16(KV, k_cache, at + 16), upper_halves(), &hi[j], &lo[j]);
+                const __m512 a = load_kv16(KV, k_cache, at), b = load_kv16(KV, k_cache, at + 16);
+                split_exact(a, b, upper_halves(), &hi[j], &lo[j]);
             }
             transpose16(hi);
             uint32_t *dst = kt + (c * (SUB_KEYS / 16) + kb) * tile;
@@ -250,8 +251,9 @@ INLINE_AMX void lay_out_values(const int KV, const void *v_cache, const int32_t 
 /* Score tile J of a group of three (keys kb + J's 16), over chunk c of the head. */
 #define SCORE_TILE(J) TERM_PRODUCTS(J, kt + (c * (SUB_KEYS / 16) + kb + (J)) * 256)
 
-/* A row tile's scores over the step's n keys (whole blocks) into s [16][SUB_KEYS], three tiles of 16 keys at a time (q's tiles
- * loaded once for them, and three sums in flight rather than one chain). q is [3][16][D]: hi, mid, lo. */
+/* A row tile's scores over the step's n keys (whole blocks) into s [16][SUB_KEYS], three tiles of 16 keys at a
+ * time (q's tiles loaded once for them, and three sums in flight rather than one chain). q is [3][16][D]: hi, mid,
+ * lo. */
 INLINE_AMX void tile_scores(const int KV, const uint16_t *q, const uint32_t *kt, long n, long D, float *s) {
     const long per_hl = D / 32 * (SUB_KEYS / 16) * 256;
     const long blocks = (n + 15) / 16;
@@ -286,7 +288,8 @@ INLINE_AMX void tile_softmax(const float *s, long n, const long *seen, long D, f
         const long visible = seen[i];
         if (visible <= 0) {
             for (long j = 0; j < padded; j += 32)
-                for (int t = 0; t < 3; t++) _mm512_storeu_si512(p + (16 * t + i) * SUB_KEYS + j, _mm512_setzero_si512());
+                for (int t = 0; t < 3; t++)
+                    _mm512_storeu_si512(p + (16 * t + i) * SUB_KEYS + j, _mm512_setzero_si512());
             continue;
         }
         __m512 top = _mm512_set1_ps(m[i]);
