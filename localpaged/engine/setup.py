@@ -367,8 +367,10 @@ def build_engine_parts(
         kv_disk=config.kv_disk and config.enable_prefix_caching,
         cascade_attention=config.cascade_attention,
         speculative="draft" if draft is not None else "suffix" if config.speculative == "auto" else config.speculative,
+        # "auto" and a draft model keep a step within the rows drafts pay for: a draft model also runs its own
+        # passes for every chat that drafts, which many chats at once do not win back
         speculative_max_rows=AUTO_MAX_ROWS["cpu" if device.type == "cpu" else "gpu"]
-        if config.speculative == "auto"
+        if config.speculative == "auto" or draft is not None
         else None,
         speculative_draft=draft.name if draft is not None else None,
         speculative_k=config.speculative.get("k", DRAFT_K_DEFAULT) if draft is not None else None,

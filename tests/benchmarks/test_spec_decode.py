@@ -25,9 +25,11 @@ def test_spec_decode_quick_writes_every_row(tiny_gguf, tmp_path, monkeypatch) ->
         assert row["goal"] == spec_decode.GOALS[name.split("_")[0] if name.startswith("sessions") else name]
         if "suffix" in row:
             assert row["suffix"]["identical"], name  # greedy: the same tokens with drafts
-        assert row["draft"]["identical"] and row["draft"]["accepted"] > 0, name  # the model drafting for itself
+        assert row["draft"]["identical"], name
+        if not name.startswith("sessions"):  # 4 chats fill the step's row budget: no drafts there
+            assert row["draft"]["accepted"] > 0, name  # the model drafting for itself
     assert results["rows"]["regenerate"]["suffix"]["accepted"] > 0  # the first reply drafts the second
-    assert results["rows"]["sessions_4"]["prompts"] == 4
+    assert results["rows"]["sessions_4"]["prompts"] == 4 and results["rows"]["sessions_4"]["draft"]["proposed"] == 0
     assert results["rows"]["regenerate"]["off"]["same_as_first_reply"]  # greedy: a regenerate is the same reply
     assert results["llama_server"]["available"] is False
     assert "make bench-peers" in results["llama_server"]["note"]

@@ -14,7 +14,7 @@ from localpaged import LLM, SamplingParams
 from localpaged.config import EngineConfig
 from localpaged.engine.runner import ModelRunner
 from localpaged.engine.sequence import Sequence
-from localpaged.engine.speculative import PENDING, Speculator
+from localpaged.engine.speculative import AUTO_MAX_ROWS, PENDING, Speculator
 from localpaged.errors import ConfigError
 from localpaged.models.loader import load_config
 from tests.conftest import DEVICE
@@ -38,12 +38,16 @@ def drafted(llm: LLM, prompts, params=GREEDY) -> tuple[list[list[int]], int, int
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_path, tiny_qwen2_path):
-    """The tiny Llama without speculation, drafted by itself, and drafted by the tiny Qwen2 (same vocabulary)."""
-    return {
+    """The tiny Llama without speculation, drafted by itself, and drafted by the tiny Qwen2 (same vocabulary). The
+    drafted ones have no row budget: these tests check drafts batched over five chats, which the engine's own budget
+    (a step's rows within AUTO_MAX_ROWS) would leave undrafted."""
+    engines = {
         "off": LLM(str(tiny_model_path), speculative="off", **ENGINE),
         "self": LLM(str(tiny_model_path), speculative={"draft": str(tiny_model_path), "k": 3}, **ENGINE),
         "other": LLM(str(tiny_model_path), speculative={"draft": str(tiny_qwen2_path), "k": 4}, **ENGINE),
     }
+    engines["self"].speculator.max_rows = engines["other"].speculator.max_rows = None
+    return engines
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +124,7 @@ def test_the_pool_counts_the_drafts_kv_in_each_block(engines, tiny_model_path, t
     assert other.runner.drafter.runner.kv_cache.shape[2] == other.pool.num_blocks  # the same block ids
     got = other.resolved
     assert (got.speculative, got.speculative_draft, got.speculative_k) == ("draft", tiny_qwen2_path.name, 4)
-    assert got.speculative_max_rows is None
+    assert got.speculative_max_rows == AUTO_MAX_ROWS["cpu"]  # as "auto": drafts stop where they cost more
 
 
 def test_the_draft_setting_is_checked(tmp_path, tiny_model_path):
