@@ -132,6 +132,7 @@ def _load(compiler: str, path: KernelPath) -> ctypes.CDLL:
             )
     for kernel in KERNELS:
         kernel.declare(lib)
+    lib.lp_amx.argtypes, lib.lp_amx.restype = [ctypes.c_int], ctypes.c_int  # a number, not a status (see amx)
     return lib
 
 
@@ -446,10 +447,7 @@ def amx(want: bool | None = None) -> bool:
     switches it off for this process (tests and benchmarks compare the two), True back on where it can run. Where it
     runs, the int16 prefill (``paged_prefill(..., "int16")``) runs on AMX tiles too."""
     lib = library()
-    if lib is None:
-        return False
-    lib.lp_amx.argtypes, lib.lp_amx.restype = [ctypes.c_int], ctypes.c_int
-    return bool(lib.lp_amx(-1 if want is None else int(want)))
+    return lib is not None and bool(lib.lp_amx(-1 if want is None else int(want)))
 
 
 def amx_runs(kv_dtype: torch.dtype, head_dim: int) -> bool:

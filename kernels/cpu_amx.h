@@ -1,19 +1,19 @@
-/* The shared pass of cascade attention on AMX tiles (cpu_cascade_amx.c says how and why), internal to the library
- * but for lp_amx, which cpu_kernels.h exports. */
+/* Attention tiles on AMX (cpu_cascade_amx.c says how and why): cascade attention's shared pass and the int16
+ * prefill. Internal to the library but for lp_amx, which cpu_kernels.h exports. */
 #ifndef LP_CPU_AMX_H
 #define LP_CPU_AMX_H
 
 #include <stdint.h>
 
-/* Whether lp_amx_shared_rows runs here for a cache of kv_dtype and heads of D values: the CPU has AMX-BF16, Linux
- * granted this process its tile state, lp_amx has not switched it off, the cache is 16-bit and D a multiple of 32. */
-int lp_amx_shared_runs(int kv_dtype, long D);
+/* Whether lp_amx_rows runs here for a cache of kv_dtype and heads of D values: the CPU has AMX-BF16, Linux granted
+ * this process its tile state, lp_amx has not switched it off, the cache is 16-bit and D a multiple of 32. */
+int lp_amx_runs(int kv_dtype, long D);
 
 /* rows_task of cpu_kv_dispatch.h on AMX tiles: n_tok tokens tok[i] (q's rows), all G query heads of KV head kvh,
  * over keys k_begin (a multiple of 16) .. k_end - 1 of the block table row `table`, token i seeing those up to
  * tpos[i] (NULL: all, as a shared pass's); normalised into dst's rows tok[i] where stats is NULL, else unnormalised
  * into rows dst_first + i with their max (natural units) and sum of weights in stats, as store_tile has them. LP_OK
- * or LP_OUT_OF_MEMORY; only where lp_amx_shared_runs says so. */
+ * or LP_OUT_OF_MEMORY; only where lp_amx_runs says so. */
 int lp_amx_rows(int kv_dtype, const float *q, const int32_t *tok, const int32_t *tpos, long n_tok, long kvh,
                 const void *k_cache, const void *v_cache, const int32_t *table, long k_begin, long k_end, long H,
                 long KVH, long D, float scale, float *dst, long dst_first, float *stats);

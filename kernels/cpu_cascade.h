@@ -14,6 +14,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "cpu_amx.h"
 #include "cpu_kernels.h"
 
 #define CASCADE_TOKENS 64 /* query tokens a shared-pass task takes: the 64 sequences of a decode step, G heads each */
@@ -174,6 +175,17 @@ static inline void shared_tile(const Cascade *w, const lp_cascade *c, long t, lo
     st->n = tokens - i0 < CASCADE_TOKENS ? tokens - i0 : CASCADE_TOKENS;
     for (long i = 0; i < st->n; i++) st->tpos[i] = (int32_t)(st->k1 - 1);
     st->tok = w->token + w->token_start[g] + i0, st->first = w->part_start[g] + chunk * tokens + i0;
+}
+
+/* Shared-pass task t (of w->tasks x KVH) on AMX tiles (cpu_amx.h), straight from the 16-bit caches: where
+ * lp_amx_runs, both the dispatch's shared pass and the int16 prefill's run this. */
+static inline int shared_task_amx(int kv_dtype, long t, const Cascade *w, const lp_cascade *c, const float *q,
+                                  const void *k_cache, const void *v_cache, long H, long KVH, long D, float scale,
+                                  float *spart, float *sstats) {
+    SharedTile st;
+    shared_tile(w, c, t, KVH, &st);
+    return lp_amx_rows(kv_dtype, q, st.tok, NULL, st.n, st.kvh, k_cache, v_cache, w->table[st.g], st.k0, st.k1, H,
+                       KVH, D, scale, spart, st.first, sstats);
 }
 
 /* o[0 .. D - 1] = the merge of n partial results: part i's unnormalised rows parts[i], its max score (natural units)

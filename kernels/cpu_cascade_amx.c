@@ -1,7 +1,8 @@
 /* The shared pass of shared-prefix ("cascade") attention on AMX tiles, where the CPU has AMX-BF16 and Linux lets this
  * process use it; elsewhere (and for a float32 cache or heads not a multiple of 32) the path's own float32 tile runs.
  * Built into every path's library, compiled for those instruction sets alone and chosen at run time, as
- * lp_qgemm_int16 is. cpu_amx.h declares it; cpu_kv_dispatch.h's shared_task calls it.
+ * lp_qgemm_int16 is. cpu_amx.h declares it; cpu_cascade.h's shared_task_amx (the dispatch's shared pass and the
+ * int16 prefill's) and the int16 prefill's own tiles call it.
  *
  * Why: the shared pass multiplies all of a group's query rows (up to 64 tokens x G heads) by the same keys, a matrix
  * product whose multiply-adds, not its bytes, bound it: on float32 FMAs 64 users on an 8,000-token prompt spent most
@@ -86,7 +87,7 @@ int lp_amx(int want) {
     return available && __atomic_load_n(&wanted, __ATOMIC_RELAXED);
 }
 
-int lp_amx_shared_runs(int kv_dtype, long D) { return kv_dtype != LP_KV_F32 && D % 32 == 0 && lp_amx(-1); }
+int lp_amx_runs(int kv_dtype, long D) { return kv_dtype != LP_KV_F32 && D % 32 == 0 && lp_amx(-1); }
 
 /* Every tile 16 rows of 64 bytes: 16 x 32 bfloat16 or 16 x 16 float32. */
 typedef struct {
@@ -425,7 +426,7 @@ int lp_amx(int want) {
     return 0;
 }
 
-int lp_amx_shared_runs(int kv_dtype, long D) {
+int lp_amx_runs(int kv_dtype, long D) {
     (void)kv_dtype, (void)D;
     return 0;
 }

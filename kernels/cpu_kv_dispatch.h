@@ -13,7 +13,6 @@
 
 #include <omp.h>
 
-#include "cpu_amx.h"
 #include "cpu_cascade.h"
 
 /* How many parts sequence b's context is split into, a task each, combined after: enough tasks for four a thread
@@ -275,17 +274,15 @@ static inline __attribute__((always_inline)) int prefill_task(
 
 /* Shared-pass task t (of w->tasks x KVH): a tile of a group's tokens, all G heads of KV head t % KVH, over a chunk of
  * the group's shared keys, unmasked, unnormalised into spart/sstats (see cpu_cascade.h); on AMX tiles where `amx`
- * (lp_amx_shared_runs, asked once a call: its first answer tries the tiles in a child process). */
+ * (lp_amx_runs, asked once a call: its first answer tries the tiles in a child process). */
 static inline __attribute__((always_inline)) int shared_task(const int KV, int amx, long t, const Cascade *w,
                                                              const lp_cascade *c, const float *q, const void *k_cache,
                                                              const void *v_cache, long H, long KVH, long D,
                                                              float scale, float *spart, float *sstats) {
+    if (amx) return shared_task_amx(KV, t, w, c, q, k_cache, v_cache, H, KVH, D, scale, spart, sstats);
     SharedTile st;
     shared_tile(w, c, t, KVH, &st);
     const int32_t *table = w->table[st.g];
-    if (amx)
-        return lp_amx_rows(KV, q, st.tok, NULL, st.n, st.kvh, k_cache, v_cache, table, st.k0, st.k1, H, KVH, D, scale,
-                           spart, st.first, sstats);
     if (KV == LP_KV_BF16)
         return rows_task(LP_KV_BF16, q, st.tok, st.tpos, st.n, CASCADE_TOKENS, st.kvh, k_cache, v_cache, table, st.k0,
                          st.k1, H, KVH, D, scale, spart, st.first, sstats);
@@ -330,7 +327,7 @@ int lp_paged_prefill(const float *q, const void *k_cache, const void *v_cache, i
     }
     float *own_stats = own ? own + num_q * H * D : NULL, *sstats = spart ? spart + w.parts * H * D : NULL;
     const long shared_tasks = cas ? w.tasks * KVH : 0;
-    const int amx = cas && lp_amx_shared_runs(kv_dtype, D);
+    const int amx = cas && lp_amx_runs(kv_dtype, D);
     int status = LP_OK;
 #pragma omp parallel for schedule(dynamic)
     for (long task = 0; task < shared_tasks + tiles * B * KVH; task++) {
@@ -405,7 +402,7 @@ int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, in
         first_part[b + 1] = first_part[b] + decode_parts(own, span[b]);
     }
     const long parts = first_part[B], shared_tasks = cas ? w.tasks * KVH : 0;
-    const int amx = cas && lp_amx_shared_runs(kv_dtype, D);
+    const int amx = cas && lp_amx_runs(kv_dtype, D);
     long *part_seq = malloc(parts * sizeof(long)); /* each part's sequence */
     /* split sequences' and members' rows, stats; then the shared pass's */
     const long partial_rows = (parts > B || cas ? parts : 0) + (cas ? w.parts : 0);

@@ -27,7 +27,6 @@
 #include <string.h>
 
 #include "cpu_activations.h"
-#include "cpu_amx.h"
 #include "cpu_cascade.h"
 #include "cpu_kernels.h"
 
@@ -384,7 +383,7 @@ static VNNI_BF16 int prefill_int16(const float *q, const void *k_cache, const vo
     /* Where AMX tiles run, every tile runs on them (about float32, and the rest needs no rounding): a row's result
      * then hangs neither on how its prompt was chunked nor on its cascade group, as it would with the int16 tile
      * on some keys and the AMX one on others. */
-    const int amx = lp_amx_shared_runs(kv_dtype, D);
+    const int amx = lp_amx_runs(kv_dtype, D);
     RoundedContext rc;
     int status = context_ranges(block_tables, cu_seqlens_q, context_lens, num_q, B, KVH, max_blocks, num_blocks,
                                 cas ? &w : NULL, cascade, &rc);
@@ -411,10 +410,7 @@ static VNNI_BF16 int prefill_int16(const float *q, const void *k_cache, const vo
     for (long task = 0; task < shared_tasks + tiles * B * KVH; task++) {
         int st;
         if (task < shared_tasks && amx) {
-            SharedTile tile;
-            shared_tile(&w, cascade, task, KVH, &tile);
-            st = lp_amx_rows(kv_dtype, q, tile.tok, NULL, tile.n, tile.kvh, k_cache, v_cache, w.table[tile.g], tile.k0,
-                             tile.k1, H, KVH, D, scale, spart, tile.first, sstats);
+            st = shared_task_amx(kv_dtype, task, &w, cascade, q, k_cache, v_cache, H, KVH, D, scale, spart, sstats);
         } else if (task < shared_tasks) {
             st = shared_task16(task, B, &w, cascade, q, &rc, H, KVH, D, scale, spart, sstats);
         } else {
@@ -436,7 +432,7 @@ static VNNI_BF16 int prefill_int16(const float *q, const void *k_cache, const vo
 #endif
 
 /* lp_paged_prefill's arguments and contract; its own kernel where the CPU lacks VNNI or BF16, or D is not a multiple
- * of 16; on AMX tiles, in about float32, where lp_amx_shared_runs (a CPU with AMX-BF16, a 16-bit cache, D a
+ * of 16; on AMX tiles, in about float32, where lp_amx_runs (a CPU with AMX-BF16, a 16-bit cache, D a
  * multiple of 32): faster still, and its rows' results do not hang on their chunks or groups. */
 int lp_paged_prefill_int16(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                            const int32_t *block_tables, const int32_t *cu_seqlens_q, const int32_t *context_lens,
