@@ -13,8 +13,8 @@
  * exactly hi + mid + lo (8 bits each, cut by masks); a product takes every pair of terms but the two last terms'
  * (under 2^-24 of it): five products for a float16 cache, three for a bfloat16 one. Sums are float32, as the tile
  * instructions keep them, so the pass agrees with the float32 tile to the order of its sums (tests/kernels/
- * test_cpu_cascade.py holds both to 1e-5 of a float64 reference). Two terms each (a first version) ran 1.25x faster
- * but 2^-17 off, outside that bound: a faster path must not move greedy tokens more than the float32 one does.
+ * test_cpu_cascade.py holds both to 1e-5 of a float64 reference). Two terms each (a first version) was faster but
+ * 2^-17 off, outside that bound: a faster path must not move greedy tokens more than the float32 one does.
  *
  * A task's keys go SUB_KEYS at a time: each step's K rows are laid out once as AMX's B operand (pairs of values
  * along the head, transposed to key columns) and its V rows as pairs of keys, then every 16-row tile of the task's
