@@ -42,6 +42,9 @@ class DraftModel:
         self.runner = runner
         self.vocab_size = vocab_size
         self.max_tokens = max_tokens
+        # Whether the last ``propose`` prefilled a sequence the draft had not seen (a new chat, a preempted one, one
+        # back from a rest): a cost paid once, which the speculator leaves out when it weighs a step's drafts.
+        self.prefilled = False
 
     @torch.inference_mode()
     def propose(self, batch: ScheduledBatch) -> None:
@@ -69,6 +72,7 @@ class DraftModel:
             if state.draft_preemptions != seq.num_preemptions:  # new blocks: none holds this draft's K/V
                 state.draft_preemptions, state.draft_computed = seq.num_preemptions, 0
             starts.append(min(state.draft_computed, seq.num_computed_tokens))
+        self.prefilled = any(seq.num_tokens - start > DECODE_ROWS for start, seq in zip(starts, seqs))
         firsts = [PENDING] * len(seqs)
         while any(start < seq.num_tokens for start, seq in zip(starts, seqs)):
             budget = self.max_tokens

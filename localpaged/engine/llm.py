@@ -35,7 +35,7 @@ from localpaged.engine.output import IncrementalDetokenizer, KVMap, RequestMetri
 from localpaged.engine.protocol import EngineInfo, EngineStats
 from localpaged.engine.runner import ModelRunner
 from localpaged.engine.sampler import SampledToken, TokenHistory, make_generator
-from localpaged.engine.scheduler import Scheduler
+from localpaged.engine.scheduler import ScheduledBatch, Scheduler
 from localpaged.engine.sequence import Sequence, SequenceStatus
 from localpaged.engine.setup import EngineParts, build_engine_parts
 from localpaged.engine.speculative import Speculator
@@ -246,6 +246,7 @@ class LLM:
         ``finish_reason="error"`` (see the module docstring). Exceptions that are not ``Exception``
         (KeyboardInterrupt) propagate; ``generate`` aborts its requests on the way out.
         """
+        start = time.perf_counter()
         outputs = self._start_grammars() if self._compiling else []
         batch = self.scheduler.schedule()
         if not batch.seqs:
@@ -253,6 +254,7 @@ class LLM:
                 self._structured.wait([s.extra.grammar for s in self._compiling.values()], GRAMMAR_WAIT_S)
             return outputs
         try:
+            timed = self._timed_kind(batch)
             sampled = self.runner.run(batch)
             self.scheduler.on_step_done(batch, [len(t) - 1 if isinstance(t, list) else 0 for t in sampled])
         except Exception as exc:  # not attributable to one request: the batch fails, the engine goes on
@@ -272,8 +274,21 @@ class LLM:
                     log.exception("request %s failed while processing its new token", seq.request_id)
                     cause = f"processing its new token failed ({type(exc).__name__}: {exc})"
                     outputs.extend(self._fail(seq, cause))
-        self._recent.append((time.perf_counter(), tokens))
+        now = time.perf_counter()
+        if timed is not None and not self.runner.drafter.prefilled:
+            self.speculator.step_timed(len(batch.seqs), timed, tokens, now - start)
+        self._recent.append((now, tokens))
         return outputs
+
+    def _timed_kind(self, batch: ScheduledBatch) -> bool | None:
+        """Whether ``batch`` is a decode step with drafts (True) or without (False) that the speculator weighs
+        (``Speculator.step_timed``: a draft model's); None for one it does not (prefill rows take other time, as
+        does a draft's prefill of a chat it has not seen: ``DraftModel.prefilled``)."""
+        if self.runner.drafter is None or not self.speculator.weighs_cost:
+            return None
+        if any(n != 1 + len(seq.spec_token_ids) for seq, n in zip(batch.seqs, batch.num_new_tokens)):
+            return None
+        return any(seq.spec_token_ids for seq in batch.seqs)
 
     def _start_grammars(self) -> list[RequestOutput]:
         """Let the requests whose grammar has compiled be admitted (every sample's matcher built); those whose

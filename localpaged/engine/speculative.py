@@ -24,7 +24,13 @@ as much as the step did (``benchmarks/spec_decode.py`` measures the engine with 
 A draft model's drafts are computed only once the step's blocks are allocated, since it writes its own K/V
 at the drafts' positions: ``drafts`` returns ``PENDING`` slots, counted by the scheduler like any drafts, and
 the model runner has the draft model fill them before the step runs (as vLLM v1's model runner runs its
-drafter). The draft model proposes up to the user's k a step and adapts it as the n-gram drafts do.
+drafter). The draft model proposes up to the user's k a step and adapts it as the n-gram drafts do. Its drafts also
+cost time, which n-gram lookups do not: each step pays the draft's forwards on top of the target's. So a draft
+model's steps are timed whole (``step_timed``), and the tokens a second of steps with drafts yield are weighed
+against those of steps without, of as many sequences: where ``COST_STEPS`` drafted steps yielded fewer, the
+draft model rests ``PAUSE_STEPS`` steps, longer each time it still does not pay, then tries again (a few steps
+without drafts are taken first where none of that size were timed yet). A draft as slow as its target so
+drafts about 4 steps in 70 at first, and fewer while it keeps losing.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ MAX_IDLE = 16  # steps a sequence whose drafts keep missing waits, at most, befo
 OWN_NGRAMS = (2, 4)  # n-gram sizes looked up in a sequence's own tokens
 HISTORY_NGRAMS = (3, 8)  # and in the engine's history: longer, since it holds many requests' text
 PENDING = -1  # a draft slot the draft model fills once the step's blocks are allocated (engine.draft)
+PAUSE_STEPS = (64, 1024)  # a draft model that does not pay rests this many steps at first, doubling up to the last
+COST_STEPS = 4  # drafted steps whose times decide whether a draft model pays
+PLAIN_STEPS = 4  # steps without drafts timed before the first verdict, and the recent ones it weighs (x4, halved)
 
 
 @dataclass
@@ -55,6 +64,23 @@ class SpecState:
     idle: int = 0  # steps left before it proposes again
     draft_computed: int = 0  # tokens whose K/V the draft model holds in the sequence's blocks (engine.draft)
     draft_preemptions: int = 0  # the sequence's preemptions when it last caught up (a preempted one starts over)
+
+
+@dataclass
+class StepTimes:
+    """Timed decode steps, summed: their count, the tokens they yielded and their seconds."""
+
+    steps: float = 0
+    tokens: float = 0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def rate(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
 
 
 class Speculator:
@@ -73,6 +99,13 @@ class Speculator:
         self.history = History(*HISTORY_NGRAMS) if mode == "suffix" else None
         self.num_proposed = 0
         self.num_accepted = 0
+        # Whether a draft model's steps are weighed (``step_timed``): its drafts take time, n-gram lookups next to
+        # none. The tests of batched drafts from the target itself (a draft that never pays) switch it off.
+        self.weighs_cost = self.model_drafts
+        self.paused = 0  # steps left without drafts
+        self.pause = PAUSE_STEPS[0]  # the next rest's length
+        self._drafted: dict[int, StepTimes] = {}  # by the step's sequences: drafted steps since the last verdict
+        self._plain: dict[int, StepTimes] = {}  # and recent steps without drafts
 
     @staticmethod
     def takes(seq: Sequence) -> bool:
@@ -81,7 +114,10 @@ class Speculator:
         return p.structured is None and not p.penalized and (p.greedy or p.seed is None)
 
     def spare_rows(self, num_decodes: int) -> int:
-        """How many draft tokens a step with ``num_decodes`` decoding sequences may take in all."""
+        """How many draft tokens a step with ``num_decodes`` decoding sequences may take in all (called once a step)."""
+        if self.paused:
+            self.paused -= 1
+            return 0
         return self.k_max * num_decodes if self.max_rows is None else max(self.max_rows - num_decodes, 0)
 
     def drafts(self, seq: Sequence, room: int) -> list[int]:
@@ -118,6 +154,31 @@ class Speculator:
         else:
             state.misses += 1
             state.idle = min(2 ** (state.misses - 1) - 1, MAX_IDLE)
+
+    def step_timed(self, num_seqs: int, drafted: bool, num_tokens: int, seconds: float) -> None:
+        """Weigh a decode step of ``num_seqs`` sequences, with drafts or without, that yielded ``num_tokens`` in
+        ``seconds``; after ``COST_STEPS`` drafted steps of that many sequences, a draft model that did not pay
+        rests (see the module docstring)."""
+        if not self.weighs_cost:
+            return
+        plain = self._plain.setdefault(num_seqs, StepTimes())
+        if not drafted:
+            if plain.steps >= 4 * PLAIN_STEPS:  # the recent steps count most
+                plain.steps, plain.tokens, plain.seconds = plain.steps / 2, plain.tokens / 2, plain.seconds / 2
+            plain.add(num_tokens, seconds)
+            return
+        times = self._drafted.setdefault(num_seqs, StepTimes())
+        times.add(num_tokens, seconds)
+        if times.steps < COST_STEPS:
+            return
+        if plain.steps < PLAIN_STEPS:  # nothing to weigh them against yet: a few steps without drafts
+            self.paused = PLAIN_STEPS
+            return
+        del self._drafted[num_seqs]
+        if times.rate() > plain.rate():
+            self.pause = PAUSE_STEPS[0]
+        else:
+            self.paused, self.pause = self.pause, min(self.pause * 2, PAUSE_STEPS[1])
 
     def finished(self, seq: Sequence) -> None:
         """Remember a finished sequence's reply, after the prompt tokens that led to it, for later requests."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -14,7 +15,14 @@ from localpaged import LLM, SamplingParams
 from localpaged.config import EngineConfig
 from localpaged.engine.runner import ModelRunner
 from localpaged.engine.sequence import Sequence
-from localpaged.engine.speculative import AUTO_MAX_ROWS, PENDING, Speculator
+from localpaged.engine.speculative import (
+    AUTO_MAX_ROWS,
+    COST_STEPS,
+    PAUSE_STEPS,
+    PENDING,
+    PLAIN_STEPS,
+    Speculator,
+)
 from localpaged.errors import ConfigError
 from localpaged.models.loader import load_config
 from tests.conftest import DEVICE
@@ -46,7 +54,9 @@ def engines(tiny_model_path, tiny_qwen2_path):
         "self": LLM(str(tiny_model_path), speculative={"draft": str(tiny_model_path), "k": 3}, **ENGINE),
         "other": LLM(str(tiny_model_path), speculative={"draft": str(tiny_qwen2_path), "k": 4}, **ENGINE),
     }
-    engines["self"].speculator.max_rows = engines["other"].speculator.max_rows = None
+    for name in ("self", "other"):  # nor do they weigh the drafts' time: the target as its own draft never pays
+        engines[name].speculator.max_rows = None
+        engines[name].speculator.weighs_cost = False
     return engines
 
 
@@ -165,3 +175,58 @@ def test_a_draft_model_owes_up_to_its_k_and_adapts_it():
     spec.verified(s, 2, 2)
     spec.verified(s, 4, 4)
     assert s.spec.k == 5 and spec.spare_rows(3) == 15
+
+
+def test_a_draft_model_that_costs_more_than_it_saves_rests_then_tries_again():
+    spec = Speculator("draft", k=3)
+
+    def drafted_steps(tokens: int, seconds: float) -> None:
+        for _ in range(COST_STEPS):
+            assert spec.spare_rows(1) == 3
+            spec.step_timed(1, True, tokens, seconds)
+
+    def rest() -> int:
+        rested = 0
+        while spec.spare_rows(1) == 0:
+            spec.step_timed(1, False, 1, 0.01)  # a step without drafts: 100 tokens a second
+            rested += 1
+        return rested
+
+    drafted_steps(4, 0.05)  # 80 tokens a second; no step without drafts timed yet: a few are taken first
+    assert rest() == PLAIN_STEPS
+    spec.step_timed(1, True, 4, 0.05)  # the verdict: drafting lost
+    assert rest() == PAUSE_STEPS[0]
+    drafted_steps(4, 0.05)  # still losing: it rests twice as long
+    assert rest() == 2 * PAUSE_STEPS[0]
+    drafted_steps(4, 0.02)  # 200 tokens a second: it keeps drafting, and a later rest starts short again
+    assert spec.spare_rows(1) == 3 and spec.pause == PAUSE_STEPS[0]
+    drafted_steps(4, 0.02)
+    spec.step_timed(2, True, 2, 1.0)  # another batch size is weighed on its own (no verdict after one step)
+    assert spec.spare_rows(1) == 3
+    spec.weighs_cost = False  # switched off: nothing rests
+    for _ in range(2 * COST_STEPS):
+        spec.step_timed(1, True, 1, 1.0)
+    assert spec.spare_rows(1) == 3
+
+
+def test_a_slow_draft_model_stops_drafting_and_the_reply_is_unchanged(tiny_model_path, engines, expected):
+    """A draft model that takes longer than it saves (here made slow) drafts COST_STEPS steps, takes PLAIN_STEPS
+    without drafts to weigh them against, rests, tries again and rests twice as long."""
+    llm = LLM(str(tiny_model_path), speculative={"draft": str(tiny_model_path), "k": 3}, **ENGINE)
+    drafter = llm.runner.drafter
+    propose = drafter.propose
+
+    def slow(batch):
+        propose(batch)
+        if any(seq.spec_token_ids for seq in batch.seqs):
+            time.sleep(0.05)
+
+    drafter.propose = slow
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    got, proposed, _ = drafted(llm, [PROMPTS[0]], params)
+    assert got == ids(engines["off"].generate([PROMPTS[0]], params))
+    # 120 tokens: 4 drafted steps weighed (a step that prefilled the draft is not: the first, and the first after a
+    # rest), 4 without drafts, a 5th drafted (the verdict), 64 resting, 4 or 5 drafted, resting again; 30 steps of 3
+    # drafts had it never rested
+    assert 0 < proposed <= 2 * (COST_STEPS + 2) * 3
+    llm.close()
