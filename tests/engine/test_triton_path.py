@@ -47,3 +47,24 @@ def test_cascade_through_triton_gives_the_tokens_of_the_plain_kernels(tiny_llm):
     llm.runner.cascade = False
     assert [o.token_ids for o in llm.generate(prompts, params)] == with_cascade
     assert llm.stats().blocks_used == 0
+
+
+def test_drafts_through_triton_give_the_tokens_without_them(tiny_llm, tiny_model_path):
+    """Speculative decoding's verify rows (a sequence's token and its drafts, each a decode row over its own prefix)
+    through the Triton kernels, n-gram drafts and a draft model's, alone and batched: the greedy tokens of no drafts,
+    every block back."""
+    from tests.engine.test_speculative import PROMPTS
+
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    off = tiny_llm(attention="triton", speculative="off", kv_disk=False)
+    want = [o.token_ids for o in off.generate(PROMPTS[:2], params)]
+    off.close()
+    for speculative in ("suffix", {"draft": str(tiny_model_path), "k": 3}):  # suffix: batched, each repeats a reply
+        llm = tiny_llm(attention="triton", speculative=speculative, kv_disk=False)
+        llm.speculator.max_rows = None  # drafts for both chats at once, past the GPU's row budget
+        llm.speculator.weighs_cost = False  # the target as its own draft never pays: it would rest
+        assert [llm.generate([p], params)[0].token_ids for p in PROMPTS[:2]] == want
+        assert [o.token_ids for o in llm.generate(PROMPTS[:2], params)] == want
+        stats = llm.stats()
+        assert stats.spec_accepted_tokens > 0 and stats.blocks_used == 0, speculative
+        llm.close()
