@@ -15,9 +15,11 @@ engine's modes (``LLM(speculative=...)``): "ngram" drafts from the request's own
 - **sessions**: 16 and 64 chats at once, each its own question, 128 tokens each: aggregate decode tok/s,
   off against "auto" (the goal: 1.0x).
 
-Every measurement of "suffix" and "auto" runs on a fresh engine, so that no earlier run's replies are
-there to draw on except where the workload puts them (the regenerate's first reply); off and "ngram",
-which keep nothing across requests, run on one engine each, loaded once. Each round runs every mode
+Every measurement of every mode runs on a fresh engine: no earlier run's replies are there to draw on
+except where the workload puts them (the regenerate's first reply), and every mode starts from the same
+empty prefix cache (an engine kept from round to round had every session's prompt cached, so its
+sessions' decode ran without the others' prefills between its steps: off looked 1.2x faster than the
+same code in a fresh engine). Each round runs every mode
 once, off first in even rounds and last in odd ones (these machines drift by 20% from minute to
 minute); a mode's figure is its best round, and the ratio is best on over best off. Per row: the
 acceptance rate (accepted / proposed draft tokens, from ``llm.stats()``'s ``spec_proposed_tokens`` and
@@ -35,7 +37,7 @@ workload and round (``ngram-mod``'s pool outlives requests). Without the binarie
 as not run; llama.cpp's ``llama-lookup`` is not needed (the server has these).
 
 With ``--draft MODEL`` every workload also runs mode "draft": drafts from that draft model
-(``speculative={"draft": MODEL, "k": --draft-k}``), on its own engine, which keeps nothing across requests.
+(``speculative={"draft": MODEL, "k": --draft-k}``), on fresh engines as every mode.
 
 Writes benchmarks/results/spec_decode.json and prints a table.
 
@@ -81,7 +83,6 @@ QUICK |= {"rounds": 1, "sessions": "4"}  # a smoke run: well under a minute on t
 # The pool's size fixed (64 sessions' contexts fit in float32 KV), so that engines alive together size alike.
 ENGINE = {"kv_disk": False, "kv_cache_memory": "2GiB"}
 # Modes with no state across requests: their engine serves every round (a fresh one would change nothing).
-STATELESS = ("off", "ngram", DRAFT)
 STAT_FIELDS = ("spec_proposed_tokens", "spec_accepted_tokens")
 NOT_IN_ENGINE = "speculative not in this engine"
 # llama-server's draftless speculation: the closest it has to our "ngram", and its default (shared across requests).
@@ -275,30 +276,25 @@ def run_ours(args: argparse.Namespace, modes: list[str]) -> tuple[dict, bool]:
     units += [(f"{n} sessions", WORKLOAD_MODES["sessions"], unit_sessions(n)) for n in args.session_counts]
     runs: dict[str, dict[str, list[dict]]] = {}  # row -> mode -> one measurement a round
     missing: set[str] = set()  # modes the engine refused
-    kept: dict[str, Any] = {}  # engines of the modes without state across requests, loaded once
     extra: dict[str, Any] = {}
     for r in range(args.rounds):
         for name, wanted, unit in units:
             on = [m for m in (*wanted, DRAFT) if m in modes and m not in missing]
             order = ["off", *on] if r % 2 == 0 else [*reversed(on), "off"]
             for mode in order:
-                llm = kept.get(mode) or open_engine(mode, args.model, args.draft_setting)
+                llm = open_engine(mode, args.model, args.draft_setting)
                 if llm is None:
                     print(f"  {mode}: {NOT_IN_ENGINE}", flush=True)
                     missing.add(mode)
                     continue
-                if mode not in kept:
-                    warm_up(llm)
-                    if mode in STATELESS:
-                        kept[mode] = llm
+                warm_up(llm)
                 extra.setdefault("model", llm.model_name)
                 extra.setdefault("resolved", {})[mode] = {
                     name: getattr(llm.resolved, name, None)
                     for name in ("speculative", "speculative_max_rows", "speculative_draft", "speculative_k")
                 }
                 got = unit(llm, args)
-                if mode not in STATELESS:
-                    llm.close()
+                llm.close()
                 del llm
                 gc.collect()  # a fresh engine's pool goes before the next one is made
                 if "first_reply_tokens" in got:
@@ -306,10 +302,6 @@ def run_ours(args: argparse.Namespace, modes: list[str]) -> tuple[dict, bool]:
                 for row, m in got.items():
                     runs.setdefault(row, {}).setdefault(mode, []).append(m)
                     print(f"  round {r + 1}, {row}, {mode}: {m['tok_s']:.1f} tok/s", flush=True)
-    for llm in kept.values():
-        llm.close()
-    kept.clear()
-    gc.collect()
     has_spec = bool(set(modes) - missing)  # some mode ran
     rows = {row: summarize(row, by_mode, missing) for row, by_mode in runs.items()}
     first = extra.get("first_reply_tokens")

@@ -26,10 +26,12 @@ def test_spec_decode_quick_writes_every_row(tiny_gguf, tmp_path, monkeypatch) ->
         if "suffix" in row:
             assert row["suffix"]["identical"], name  # greedy: the same tokens with drafts
         assert row["draft"]["identical"], name
-        if not name.startswith("sessions"):  # 4 chats fill the step's row budget: no drafts there
-            assert row["draft"]["accepted"] > 0, name  # the model drafting for itself
+        assert row["draft"]["accepted"] == row["draft"]["proposed"], name  # the model drafting for itself
+    # A fresh engine's draft model drafts before its cost is weighed (itself as its draft never pays, and then
+    # rests: the regenerate and continue on the same engine may draft nothing)
+    assert results["rows"]["code_edit"]["draft"]["accepted"] > 0
     assert results["rows"]["regenerate"]["suffix"]["accepted"] > 0  # the first reply drafts the second
-    assert results["rows"]["sessions_4"]["prompts"] == 4 and results["rows"]["sessions_4"]["draft"]["proposed"] == 0
+    assert results["rows"]["sessions_4"]["prompts"] == 4
     assert results["rows"]["regenerate"]["off"]["same_as_first_reply"]  # greedy: a regenerate is the same reply
     assert results["llama_server"]["available"] is False
     assert "make bench-peers" in results["llama_server"]["note"]
