@@ -22,6 +22,14 @@ ones. The context length is the shape's own unless ``--context`` says otherwise.
 
     python benchmarks/random_gguf.py default OUT.gguf --shape smollm2-1.7b [--type Q4_K_M] [--context N]
 
+With ``--deepen N`` it writes the source's own weights with N layers appended whose attention output and MLP
+down projections are zeros (their other tensors copy the source's layers in turn): each adds nothing to the
+residual stream, so the model answers exactly as the source does, at the cost of a deeper one. It is a target
+for measuring a draft model's speed-up (``spec_decode.py --draft``) where no larger model of the draft's
+vocabulary can be had offline: the source at another quantisation drafts for it.
+
+    python benchmarks/random_gguf.py SOURCE.gguf OUT.gguf --deepen 270
+
 The shapes (SHAPES): ``smollm2-1.7b`` and ``smollm2-360m`` are those models' bodies, and their
 tokenizer is the 135M's (exact); ``llama-3b`` is Llama-3.2-3B's body (its layers, heads and widths)
 with the source's 49,152-token vocabulary, so its embedding and head are smaller than the real
@@ -68,21 +76,25 @@ def random_matrix(tensor, rng: np.random.Generator) -> tuple[np.ndarray, GGMLQua
         return rng.permutation(blocks).reshape(raw.shape), kind
 
 
+def copy_fields(reader: GGUFReader, writer: GGUFWriter, changed: dict[str, int], note: str) -> None:
+    """The source's metadata into ``writer`` (but what GGUFWriter writes itself), ``changed``'s values where it
+    names a field, and ``note`` in brackets after the model's name."""
+    for name, field in reader.fields.items():
+        if name.startswith(NOT_COPIED):
+            continue
+        value = changed.get(name, field.contents())
+        if name == "general.name":
+            value = f"{value} ({note})"
+        main = field.types[0]
+        writer.add_key_value(name, value, main, field.types[-1] if main == GGUFValueType.ARRAY else None)
+
+
 def write_random_gguf(source: Path, out: Path, context: int, seed: int = 0) -> Path:
     """``source``'s architecture, metadata and tokenizer with ``context`` as its context length, random weights."""
     reader = GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = GGUFWriter(out, arch)
-    for name, field in reader.fields.items():
-        if name.startswith(NOT_COPIED):
-            continue
-        value = field.contents()
-        if name == f"{arch}.context_length":
-            value = context
-        elif name == "general.name":
-            value = f"{value} (random weights, context {context})"
-        main = field.types[0]
-        writer.add_key_value(name, value, main, field.types[-1] if main == GGUFValueType.ARRAY else None)
+    copy_fields(reader, writer, {f"{arch}.context_length": context}, f"random weights, context {context}")
     rng = np.random.default_rng(seed)
     for tensor in reader.tensors:
         kind = tensor.tensor_type
@@ -91,6 +103,41 @@ def write_random_gguf(source: Path, out: Path, context: int, seed: int = 0) -> P
         else:
             data, raw_dtype = random_matrix(tensor, rng)
             writer.add_tensor(tensor.name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+ZERO_OUTPUT = ("attn_output.weight", "ffn_down.weight")  # a block's writes to the residual stream
+
+
+def write_deepened_gguf(source: Path, out: Path, extra_layers: int) -> Path:
+    """``source`` with ``extra_layers`` blocks after its own that leave the residual stream as it is (zero output
+    and down projections; their other tensors copy the source's blocks in turn)."""
+    reader = GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    layers = reader.fields[f"{arch}.block_count"].contents()
+    writer = GGUFWriter(out, arch)
+    copy_fields(
+        reader, writer, {f"{arch}.block_count": layers + extra_layers}, f"+{extra_layers} layers adding nothing"
+    )
+
+    def add(name: str, tensor, zero: bool = False) -> None:
+        kind = tensor.tensor_type
+        data = np.zeros_like(tensor.data) if zero else np.array(tensor.data)  # zero bytes: 0.0 in every type
+        writer.add_tensor(name, data, raw_dtype=None if kind in PLAIN else kind)
+
+    blocks: dict[int, list] = {}
+    for tensor in reader.tensors:
+        match = re.match(r"blk\.(\d+)\.(.+)", tensor.name)
+        if match:
+            blocks.setdefault(int(match[1]), []).append((match[2], tensor))
+        add(tensor.name, tensor)
+    for i in range(extra_layers):
+        for role, tensor in blocks[i % layers]:
+            add(f"blk.{layers + i}.{role}", tensor, zero=role in ZERO_OUTPUT)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -323,6 +370,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, help="the new context length (default 32768; with --shape, the shape's)")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="write this shape instead of the source's")
     ap.add_argument("--type", choices=list(MIXES), default="Q4_K_M", help="with --shape: llama.cpp's type mix")
+    ap.add_argument("--deepen", type=int, metavar="N", help="the source's weights and N layers that add nothing")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.source == "default":
@@ -332,7 +380,9 @@ def main() -> None:
     else:
         source = Path(args.source)
     start = time.perf_counter()
-    if args.shape:
+    if args.deepen:
+        out = write_deepened_gguf(source, args.out, args.deepen)
+    elif args.shape:
         out = write_shaped_gguf(source, args.out, SHAPES[args.shape], args.type, args.context, args.seed)
     else:
         out = write_random_gguf(source, args.out, args.context or 32768, args.seed)

@@ -482,7 +482,7 @@ def render_spec_decode(data: dict) -> str:
     draft = data.get("draft")
     if draft:
         name = ((data.get("resolved") or {}).get("draft") or {}).get("speculative_draft") or draft.get("draft")
-        head += f" `draft`: drafts from the draft model {name}, k = {draft.get('k')}."
+        head += f" `draft`: drafts from the draft model {name}, k = {draft.get('k')}, for {data.get('model')}."
     if data.get("quick"):
         head += " A `--quick` run: smoke-test figures."
     header = ["workload", "off", "mode", "on", "on / off", "acceptance", "identical", "goal"]
@@ -662,6 +662,21 @@ def spec_for(stem: str) -> Spec:
             if stem != "peers-prefill"
             else "`python benchmarks/peers.py --only prefill`",
             render_peers,
+        )
+    if stem == "spec_decode-draft":  # spec_decode.py --draft on a target deepened by random_gguf.py
+        return Spec(
+            "Speculative decoding with a draft model",
+            "The workloads of the section above with drafts from a draft model (mode `draft`) against none, in one "
+            "run. No larger model of the default model's vocabulary can be had offline, so the target is the "
+            "default model requantised to Q8_0 with 270 layers added that add nothing (`random_gguf.py --deepen`): "
+            "it answers as the 135M model does at the cost of a model of about 1.1B parameters; the draft is the "
+            "default model's own Q4_1 file. The acceptance is therefore that of two quantisations of one model, "
+            "higher than a small model drafting for a larger one would get.",
+            "`llama-quantize --allow-requantize DEFAULT.gguf Q8.gguf Q8_0`, `python benchmarks/random_gguf.py Q8.gguf "
+            "TARGET.gguf --deepen 270`, then `python benchmarks/spec_decode.py --model TARGET.gguf --draft "
+            "DEFAULT.gguf --modes '' --skip-llama --rounds 2 --sessions 16 --out "
+            "benchmarks/results/spec_decode-draft.json`",
+            render_spec_decode,
         )
     script = ROOT / "benchmarks" / f"{stem}.py"
     about, rerun = "", ""
