@@ -268,16 +268,84 @@ def _floats(file, name: str) -> list[float]:
     return [float(v) for v in values.ravel()]
 
 
-def load_config(folder: Path):
-    from transformers import AutoConfig
+# The Llama config fields the engine reads, which a config.json must state for ``llama_config`` to read it without
+# transformers (whose config machinery takes seconds to import: most of a start but the weights). Where one is
+# missing, its value is transformers' default, which only transformers knows for sure: it reads the file instead.
+LLAMA_FIELDS = {
+    "hidden_size": int,
+    "num_hidden_layers": int,
+    "num_attention_heads": int,
+    "num_key_value_heads": int,
+    "intermediate_size": int,
+    "vocab_size": int,
+    "max_position_embeddings": int,
+    "rms_norm_eps": float,
+    "tie_word_embeddings": bool,
+}
+PLAIN_ROPE = ("default", "linear", "llama3")  # scalings read from their parameters alone (layers/rotary_embedding.py)
 
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama config.json's fields that the engine reads, as transformers' ``LlamaConfig`` gives them."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    eos_token_id: int | list[int] | None
+    rope_theta: float
+    rope_parameters: dict | None  # transformers 5's form of the RoPE settings, or
+    rope_scaling: dict | None  # the older form, beside rope_theta
+    rope_freq_factors: list[float] | None  # a GGUF's rope_freqs tensor (loader._rope_values)
+    head_dim: int | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    model_type: str = "llama"
+
+
+def llama_config(data: object) -> LlamaConfig | None:
+    """``data`` (a parsed config.json) as a ``LlamaConfig`` where it is a Llama config stating every field the engine
+    reads, with RoPE of a plain kind; None where transformers must read it (another architecture, a field left to
+    its default, LongRoPE and the like)."""
+    if not isinstance(data, dict) or data.get("model_type") != "llama" or "eos_token_id" not in data:
+        return None
+    if any(
+        type(data.get(name)) not in ((int, float) if kind is float else (kind,)) for name, kind in LLAMA_FIELDS.items()
+    ):
+        return None
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", data.get("rope_theta")) if isinstance(rope, dict) else None
+    if not isinstance(theta, (int, float)) or rope.get("rope_type", rope.get("type", "default")) not in PLAIN_ROPE:
+        return None
+    if data.get("partial_rotary_factor") not in (None, 1, 1.0) or type(data.get("head_dim", 0)) is not int:
+        return None
+    return LlamaConfig(
+        **{name: kind(data[name]) for name, kind in LLAMA_FIELDS.items()},
+        eos_token_id=data["eos_token_id"],
+        rope_theta=float(theta),
+        rope_parameters=data.get("rope_parameters"),
+        rope_scaling=data.get("rope_scaling"),
+        rope_freq_factors=data.get("rope_freq_factors"),
+        head_dim=data.get("head_dim"),
+        attention_bias=bool(data.get("attention_bias", False)),
+        mlp_bias=bool(data.get("mlp_bias", False)),
+    )
+
+
+def load_config(folder: Path):
+    """The model config in ``folder``: a ``LlamaConfig`` where ``llama_config`` reads it, else transformers'."""
     try:
-        config = AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError, KeyError, TypeError, ArithmeticError) as exc:  # not JSON, or not a model config
-        raise InvalidModelError(
-            f"{folder}/config.json cannot be read as a model config ({type(exc).__name__}: {str(exc)[:300]}); "
-            "fix or replace the model folder, or pass another --model"
-        ) from None
+        config = llama_config(json.loads((folder / "config.json").read_text()))
+    except (OSError, ValueError):  # not there, or not JSON: transformers says which below
+        config = None
+    if config is None:
+        config = _transformers_config(folder)
     for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
         value = getattr(config, field, None)
         if not isinstance(value, int) or value <= 0:
@@ -289,6 +357,18 @@ def load_config(folder: Path):
             f"{folder}: architecture {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return config
+
+
+def _transformers_config(folder: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, TypeError, ArithmeticError) as exc:  # not JSON, or not a model config
+        raise InvalidModelError(
+            f"{folder}/config.json cannot be read as a model config ({type(exc).__name__}: {str(exc)[:300]}); "
+            "fix or replace the model folder, or pass another --model"
+        ) from None
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
