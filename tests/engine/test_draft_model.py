@@ -210,8 +210,8 @@ def test_a_draft_model_that_costs_more_than_it_saves_rests_then_tries_again():
 
 
 def test_a_slow_draft_model_stops_drafting_and_the_reply_is_unchanged(tiny_model_path, engines, expected):
-    """A draft model that takes longer than it saves (here made slow) drafts COST_STEPS steps, takes PLAIN_STEPS
-    without drafts to weigh them against, rests, tries again and rests twice as long."""
+    """A draft model that takes longer than it saves (here made slow: 0.2 s a propose) drafts COST_STEPS steps,
+    takes PLAIN_STEPS without drafts to weigh them against, rests, tries again and rests twice as long."""
     llm = LLM(str(tiny_model_path), speculative={"draft": str(tiny_model_path), "k": 3}, **ENGINE)
     drafter = llm.runner.drafter
     propose = drafter.propose
@@ -219,7 +219,7 @@ def test_a_slow_draft_model_stops_drafting_and_the_reply_is_unchanged(tiny_model
     def slow(batch):
         propose(batch)
         if any(seq.spec_token_ids for seq in batch.seqs):
-            time.sleep(0.05)
+            time.sleep(0.2)  # 4 tokens a drafted step: under 20 a second, far below the tiny model's plain steps
 
     drafter.propose = slow
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
