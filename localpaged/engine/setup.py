@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -318,7 +319,11 @@ def build_engine_parts(
     files = files or resolve_model(config.model, progress)
     progress("Loading the model", None)
     hf_config = load_config(files.folder)
-    tokenizer = load_tokenizer(files.folder)
+    # The tokenizer loads in a thread while the weights do: its import and parsing are mostly Python, the weights'
+    # unpacking and packing native code that lets the thread run. Nothing reads it before the draft model's check.
+    loading = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    tokenizer_job = loading.submit(load_tokenizer, files.folder)
+    loading.shutdown(wait=False)  # the job runs to its end; the pool takes no other
 
     model_limit = min(hf_config.max_position_embeddings, getattr(hf_config, "sliding_window", None) or 1 << 30)
     max_model_len = config.max_model_len or min(model_limit, MAX_DEFAULT_CONTEXT)
@@ -330,6 +335,7 @@ def build_engine_parts(
     activations = resolve_activations(config.activations, blocks)
     attention_name = resolve_attention_name(config.attention)
     model, attention = load_model(files, hf_config, blocks, activations, attention_name, device, dtype, max_model_len)
+    tokenizer = tokenizer_job.result()
     draft = None
     if isinstance(config.speculative, Mapping):
         draft = load_draft(
