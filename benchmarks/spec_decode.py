@@ -18,8 +18,8 @@ engine's modes (``LLM(speculative=...)``): "ngram" drafts from the request's own
 Every measurement of every mode runs on a fresh engine: no earlier run's replies are there to draw on
 except where the workload puts them (the regenerate's first reply), and every mode starts from the same
 empty prefix cache (an engine kept from round to round had every session's prompt cached, so its
-sessions' decode ran without the others' prefills between its steps: off looked 1.2x faster than the
-same code in a fresh engine). Each round runs every mode
+sessions decoded without the others' prefills between their steps and looked faster than the same
+code in a fresh engine). Each round runs every mode
 once, off first in even rounds and last in odd ones (these machines drift by 20% from minute to
 minute); a mode's figure is its best round, and the ratio is best on over best off. Per row: the
 acceptance rate (accepted / proposed draft tokens, from ``llm.stats()``'s ``spec_proposed_tokens`` and
@@ -80,9 +80,8 @@ DEFAULTS = {"edit_tokens": 200, "reply_tokens": 200, "chat_tokens": 128, "chat_q
 DEFAULTS |= {"rounds": 3, "sessions": "16,64"}
 QUICK = {"edit_tokens": 24, "reply_tokens": 24, "chat_tokens": 12, "chat_questions": 1, "session_tokens": 8}
 QUICK |= {"rounds": 1, "sessions": "4"}  # a smoke run: well under a minute on the tiny model
-# The pool's size fixed (64 sessions' contexts fit in float32 KV), so that engines alive together size alike.
+# The pool's size fixed (64 sessions' contexts fit in float32 KV), so that every engine sizes alike.
 ENGINE = {"kv_disk": False, "kv_cache_memory": "2GiB"}
-# Modes with no state across requests: their engine serves every round (a fresh one would change nothing).
 STAT_FIELDS = ("spec_proposed_tokens", "spec_accepted_tokens")
 NOT_IN_ENGINE = "speculative not in this engine"
 # llama-server's draftless speculation: the closest it has to our "ngram", and its default (shared across requests).

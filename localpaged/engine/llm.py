@@ -284,7 +284,7 @@ class LLM:
         """Whether ``batch`` is a decode step with drafts (True) or without (False) that the speculator weighs
         (``Speculator.step_timed``: a draft model's); None for one it does not (prefill rows take other time, as
         does a draft's prefill of a chat it has not seen: ``DraftModel.prefilled``)."""
-        if self.runner.drafter is None or not self.speculator.weighs_cost:
+        if self.runner.drafter is None:
             return None
         if any(n != 1 + len(seq.spec_token_ids) for seq, n in zip(batch.seqs, batch.num_new_tokens)):
             return None
