@@ -1,4 +1,4 @@
-"""Write a random-weight GGUF: a model's shape with a longer context, or another Llama shape under its tokenizer.
+"""Write a random-weight GGUF: a model's shape with a longer context, or a popular model's shape under its tokenizer.
 
 The default model holds 8,192 tokens and shared_prompt.py measures 30,000-token system prompts: this
 writes a stand-in of the default model's shape with its context length raised (32,768 unless told)
@@ -13,14 +13,16 @@ factors) are copied: they are a rounding error of the file and keep the activati
 
     python benchmarks/random_gguf.py SOURCE.gguf|default OUT.gguf [--context 32768] [--seed 0]
 
-With ``--shape NAME`` it writes a model of another shape instead: the source's tokenizer and metadata
-(a Llama-architecture source, the default model's SmolLM2-135M for ``default``), the named shape's
-dimensions, and the tensor types of llama.cpp's quantisation mix for ``--type`` (Q4_K_M unless told;
-Q8_0, Q4_0, F16). Its blocks are written directly, random quant bits under scales chosen so that the
-dequantised weights are ~N(0, 0.02)-sized and finite, a tensor at a time (bounded memory); norms are
-ones. The context length is the shape's own unless ``--context`` says otherwise.
+With ``--shape NAME`` it writes a model of another shape instead: the named shape's family (llama, qwen2 with
+its Q/K/V biases, qwen3 with its Q/K norms and wider heads, phi3 with fused QKV and gate/up), dimensions and
+vocabulary size, the source's tokenizer (a Llama-architecture source, the default model's SmolLM2-135M for
+``default``) padded with unused tokens or cut to that size, and the tensor types of llama.cpp's quantisation mix
+for ``--type`` (Q4_K_M unless told; Q5_K_M, Q6_K, Q8_0, Q4_0, F16), which ``llama-quantize`` gives the same shape.
+Its blocks are written directly, random quant bits under scales chosen so that the dequantised weights are
+~N(0, 0.02)-sized and finite, a tensor at a time (bounded memory); norms are ones, biases zeros. The context
+length is the shape's own unless ``--context`` says otherwise.
 
-    python benchmarks/random_gguf.py default OUT.gguf --shape smollm2-1.7b [--type Q4_K_M] [--context N]
+    python benchmarks/random_gguf.py default OUT.gguf --shape qwen2.5-1.5b [--type Q4_K_M] [--context N]
 
 With ``--deepen N`` it writes the source's own weights with N layers appended whose attention output and MLP
 down projections are zeros (their other tensors copy the source's layers in turn): each adds nothing to the
@@ -30,10 +32,9 @@ vocabulary can be had offline: the source at another quantisation drafts for it.
 
     python benchmarks/random_gguf.py SOURCE.gguf OUT.gguf --deepen 270
 
-The shapes (SHAPES): ``smollm2-1.7b`` and ``smollm2-360m`` are those models' bodies, and their
-tokenizer is the 135M's (exact); ``llama-3b`` is Llama-3.2-3B's body (its layers, heads and widths)
-with the source's 49,152-token vocabulary, so its embedding and head are smaller than the real
-model's 128,256 rows, and without its llama3 RoPE scaling factors (a cost-free difference).
+The shapes (SHAPES) are the published bodies of the models they are named after; what they leave out costs
+nothing at decode: the real tokenizers (a random model's text is noise in any), RoPE scaling factors (Llama 3.2's
+and Phi's LongRoPE), biases' and norms' values.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def write_deepened_gguf(source: Path, out: Path, extra_layers: int) -> Path:
 
 @dataclass(frozen=True)
 class Shape:
-    """A Llama body's dimensions (the vocabulary is the source tokenizer's)."""
+    """A model body's dimensions and its family's tensor layout (``arch``: llama, qwen2, qwen3 or phi3)."""
 
     hidden: int
     layers: int
@@ -157,30 +158,66 @@ class Shape:
     context: int = 8192  # the trained context length, written unless --context is given
     rope_theta: float | None = None  # None: the source's
     size_label: str = ""
+    arch: str = "llama"
+    vocab: int | None = None  # None: the source tokenizer's; more: its tokens padded as llama.cpp's converter pads
+    head_dim: int | None = None  # None: hidden // heads
+    rotary_dim: int | None = None  # partial rotary (Phi-4-mini); None: the whole head
+    tied: bool = True  # the head is the token embedding (no output.weight)
+
+    @property
+    def head(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
+# Real models' bodies. Their published configs: Llama 3.2, Qwen2.5 and Qwen3 have tied heads over their own
+# vocabularies (embedding rows, padded past the tokenizer as the models are); Phi-3.5-mini is written without its
+# LongRoPE factors and Phi-4-mini without them too (a cost-free difference: RoPE's cost is the same).
 SHAPES = {
-    "smollm2-1.7b": Shape(2048, 24, 32, 32, 8192, 8192, 130000.0, "1.7B"),
+    "qwen2.5-0.5b": Shape(896, 24, 14, 2, 4864, 32768, 1000000.0, "0.5B", "qwen2", 151936),
+    "qwen3-0.6b": Shape(1024, 28, 16, 8, 3072, 40960, 1000000.0, "0.6B", "qwen3", 151936, head_dim=128),
     "smollm2-360m": Shape(960, 32, 15, 5, 2560, 8192, 100000.0, "360M"),
-    "llama-3b": Shape(3072, 28, 24, 8, 8192, 131072, 500000.0, "3B"),
+    "llama-3.2-1b": Shape(2048, 16, 32, 8, 8192, 131072, 500000.0, "1B", vocab=128256),
+    "qwen2.5-1.5b": Shape(1536, 28, 12, 2, 8960, 32768, 1000000.0, "1.5B", "qwen2", 151936),
+    "smollm2-1.7b": Shape(2048, 24, 32, 32, 8192, 8192, 130000.0, "1.7B"),
+    "qwen3-1.7b": Shape(2048, 28, 16, 8, 6144, 40960, 1000000.0, "1.7B", "qwen3", 151936, head_dim=128),
+    "qwen2.5-3b": Shape(2048, 36, 16, 2, 11008, 32768, 1000000.0, "3B", "qwen2", 151936),
+    "llama-3.2-3b": Shape(3072, 28, 24, 8, 8192, 131072, 500000.0, "3B", vocab=128256),
+    "phi-3.5-mini": Shape(3072, 32, 32, 32, 8192, 131072, 10000.0, "3.8B", "phi3", 32064, tied=False),
+    "phi-4-mini": Shape(3072, 32, 24, 8, 8192, 131072, 10000.0, "3.8B", "phi3", 200064, rotary_dim=96),
+    "qwen3-4b": Shape(2560, 36, 32, 8, 9728, 40960, 1000000.0, "4B", "qwen3", 151936, head_dim=128),
 }
 # The type most matrices of a mix get (llama.cpp's default type for the file type).
-MIXES = {"Q4_K_M": "Q4_K", "Q8_0": "Q8_0", "Q4_0": "Q4_0", "F16": "F16"}
+MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K", "Q8_0": "Q8_0", "Q4_0": "Q4_0", "F16": "F16"}
 QK_K = 256  # a K-quant block's weights: rows of another length cannot hold K blocks
 # llama.cpp's replacement for a K type on rows that are not a multiple of QK_K (llama-quant.cpp).
 K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
-# The per-tensor dimensions (numpy order: rows, columns) of a Llama body's tensors, by name in a block.
-BLOCK_ROLES = (
-    "attn_norm.weight",
-    "attn_q.weight",
-    "attn_k.weight",
-    "attn_v.weight",
-    "attn_output.weight",
-    "ffn_norm.weight",
-    "ffn_gate.weight",
-    "ffn_up.weight",
-    "ffn_down.weight",
-)
+PAD_TOKEN_TYPE = 5  # llama.cpp's converter pads a vocabulary with "[PAD<id>]" tokens of type UNUSED
+
+
+def block_roles(arch: str) -> tuple[str, ...]:
+    """The tensors of one block of a model of family ``arch``, by their names in the block."""
+    if arch == "phi3":  # fused QKV, and gate and up fused in ffn_up
+        return (
+            "attn_norm.weight",
+            "attn_qkv.weight",
+            "attn_output.weight",
+            "ffn_norm.weight",
+            "ffn_up.weight",
+            "ffn_down.weight",
+        )
+    extra = {
+        "llama": (),
+        "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+        "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight"),
+    }
+    if arch not in extra:
+        raise ValueError(f"no block layout for architecture {arch!r}: write one of llama, qwen2, qwen3, phi3")
+    qkv = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight")
+    return (
+        qkv
+        + extra[arch]
+        + ("attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+    )
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -192,8 +229,9 @@ def mix_type(name: str, columns: int, layers: int, mix: str, tied: bool) -> str:
     """The type llama.cpp's quantisation (llama_tensor_get_type) gives matrix ``name`` in file type ``mix``.
 
     The head (the token embedding where the head is tied to it) is Q6_K unless the mix is Q8_0; in
-    Q4_K_M, attn_v and ffn_down are Q6_K in the layers ``use_more_bits`` picks; K types on rows that
-    are not a multiple of 256 fall back as llama.cpp's do (Q4_K -> Q5_0, Q6_K -> Q8_0)."""
+    Q4_K_M and Q5_K_M, attn_v (or a fused attn_qkv) and ffn_down are Q6_K in the layers ``use_more_bits``
+    picks; K types on rows that are not a multiple of 256 fall back as
+    llama.cpp's do (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0)."""
     kind = MIXES[mix]
     if kind == "F16":  # llama.cpp mixes only quantised file types
         return kind
@@ -201,7 +239,9 @@ def mix_type(name: str, columns: int, layers: int, mix: str, tied: bool) -> str:
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         if kind != "Q8_0":
             kind = "Q6_K" if columns % QK_K == 0 else "Q8_0"
-    elif layer and mix == "Q4_K_M" and name.endswith(("attn_v.weight", "ffn_down.weight")):
+    elif (
+        layer and mix in ("Q4_K_M", "Q5_K_M") and name.endswith(("attn_v.weight", "attn_qkv.weight", "ffn_down.weight"))
+    ):
         kind = "Q6_K" if use_more_bits(int(layer.group(1)), layers) else kind
     if columns % QK_K:
         kind = K_FALLBACK.get(kind, kind)
@@ -240,10 +280,15 @@ def random_blocks(kind: str, blocks: int, rng: np.random.Generator) -> np.ndarra
         # a common offset in all its weights, which over many layers would drive every position alike.
         sign = rng.choice(np.array([-1.0, 1.0]), size=blocks)
         raw[:, 0:2] = _half_bytes(sign * WEIGHT_STD / spread[kind])
-    elif kind == "Q4_K":  # w = d * scale * q - dmin * min per sub-block of 32: min = scale, dmin = 7.5 d centres q
+    elif kind == "Q5_1":  # w = d * q + m: m = -15.5 d centres q
+        d = WEIGHT_STD / _rms_of_uniform(32, 15.5)
+        raw[:, 0:2], raw[:, 2:4] = _half_bytes(np.full(blocks, d)), _half_bytes(np.full(blocks, -15.5 * d))
+    elif kind in ("Q4_K", "Q5_K"):  # w = d * scale * q - dmin * min per sub-block of 32: min = scale, dmin centres q
+        levels = 16 if kind == "Q4_K" else 32
+        centre = (levels - 1) / 2
         scales = rng.integers(32, 64, size=(blocks, 8))
-        d = WEIGHT_STD / (_rms_of_uniform(16, 7.5) * np.sqrt(np.mean(scales.astype(np.float64) ** 2, axis=1)))
-        raw[:, 0:2], raw[:, 2:4] = _half_bytes(d), _half_bytes(7.5 * d)
+        d = WEIGHT_STD / (_rms_of_uniform(levels, centre) * np.sqrt(np.mean(scales.astype(np.float64) ** 2, axis=1)))
+        raw[:, 0:2], raw[:, 2:4] = _half_bytes(d), _half_bytes(centre * d)
         raw[:, 4:16] = _pack_k_scales(scales, scales)
     elif kind == "Q6_K":  # w = d * scale * (q - 32) per sub-block of 16, signed 8-bit scales, d last
         scales = rng.integers(8, 17, size=(blocks, 16)) * rng.choice(np.array([-1, 1]), size=(blocks, 16))
@@ -251,13 +296,13 @@ def random_blocks(kind: str, blocks: int, rng: np.random.Generator) -> np.ndarra
         raw[:, 192:208] = scales.astype(np.int8).view(np.uint8)
         raw[:, 208:210] = _half_bytes(d)
     else:
-        raise ValueError(f"no random block writer for {kind} (have Q8_0 Q4_0 Q5_0 Q4_K Q6_K)")
+        raise ValueError(f"no random block writer for {kind} (have Q8_0 Q4_0 Q5_0 Q5_1 Q4_K Q5_K Q6_K)")
     return raw
 
 
 def _tensor_dims(name: str, shape: Shape, vocab: int) -> tuple[int, ...]:
-    """Tensor ``name``'s dimensions in ``shape``, numpy order (rows, columns), or (length,) for a norm."""
-    head = shape.hidden // shape.heads
+    """Tensor ``name``'s dimensions in ``shape``, numpy order (rows, columns), or (length,) for a norm or bias."""
+    head = shape.head
     h, q, kv, inter = shape.hidden, shape.heads * head, shape.kv_heads * head, shape.intermediate
     role = re.sub(r"^blk\.\d+\.", "", name)
     dims = {
@@ -269,55 +314,91 @@ def _tensor_dims(name: str, shape: Shape, vocab: int) -> tuple[int, ...]:
         "attn_q.weight": (q, h),
         "attn_k.weight": (kv, h),
         "attn_v.weight": (kv, h),
+        "attn_q.bias": (q,),
+        "attn_k.bias": (kv,),
+        "attn_v.bias": (kv,),
+        "attn_q_norm.weight": (head,),
+        "attn_k_norm.weight": (head,),
+        "attn_qkv.weight": (q + 2 * kv, h),
         "attn_output.weight": (h, q),
         "ffn_gate.weight": (inter, h),
-        "ffn_up.weight": (inter, h),
+        "ffn_up.weight": (2 * inter if shape.arch == "phi3" else inter, h),
         "ffn_down.weight": (h, inter),
     }
     if role not in dims:
-        raise ValueError(f"{name}: not a tensor of a plain Llama body; reshaping knows {', '.join(dims)}")
+        raise ValueError(f"{name}: not a tensor of the bodies reshaping writes; it knows {', '.join(dims)}")
     return dims[role]
+
+
+def resized_tokenizer(reader: GGUFReader, vocab: int) -> dict[str, list]:
+    """The source's tokens, token types and merges for a vocabulary of ``vocab`` entries: padded with
+    "[PAD<id>]" tokens of type UNUSED as llama.cpp's converter pads a model's embedding rows past its
+    tokenizer, or cut to the first ``vocab`` tokens and the merges that make only those."""
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    merges = list(reader.fields["tokenizer.ggml.merges"].contents())
+    if vocab >= len(tokens):
+        pad = range(len(tokens), vocab)
+        return {
+            "tokenizer.ggml.tokens": tokens + [f"[PAD{i}]" for i in pad],
+            "tokenizer.ggml.token_type": types + [PAD_TOKEN_TYPE] * len(pad),
+            "tokenizer.ggml.merges": merges,
+        }
+    kept = set(tokens[:vocab])
+    return {
+        "tokenizer.ggml.tokens": tokens[:vocab],
+        "tokenizer.ggml.token_type": types[:vocab],
+        "tokenizer.ggml.merges": [
+            m for m in merges if (parts := m.split(" ")) and all(p in kept for p in parts) and "".join(parts) in kept
+        ],
+    }
 
 
 def write_shaped_gguf(
     source: Path, out: Path, shape: Shape, mix: str = "Q4_K_M", context: int | None = None, seed: int = 0
 ) -> Path:
-    """A Llama GGUF of ``shape`` with ``source``'s tokenizer and metadata, llama.cpp's ``mix`` of tensor
-    types and random weights (norms are ones), written a tensor at a time."""
-    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
-        raise ValueError(f"{shape}: the heads must divide the width and the KV heads the heads")
+    """A GGUF of ``shape`` (its family's architecture and tensors) with ``source``'s tokenizer (resized to the
+    shape's vocabulary) and general metadata, llama.cpp's ``mix`` of tensor types and random weights (norms
+    are ones, biases zeros), written a tensor at a time."""
+    if shape.heads % shape.kv_heads or (shape.head_dim is None and shape.hidden % shape.heads):
+        raise ValueError(
+            f"{shape}: the KV heads must divide the heads, and the heads the width unless head_dim is given"
+        )
+    roles = block_roles(shape.arch)
     reader = GGUFReader(source)
-    arch = reader.fields["general.architecture"].contents()
-    if arch != "llama":
-        raise ValueError(f"{source}: architecture {arch!r}; reshaping writes Llama bodies from a Llama source")
-    names = [t.name for t in reader.tensors]
-    vocab = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[1])
-    tied = "output.weight" not in names
-    head = shape.hidden // shape.heads
+    source_arch = reader.fields["general.architecture"].contents()
+    if source_arch != "llama":
+        raise ValueError(f"{source}: architecture {source_arch!r}; reshaping takes its tokenizer from a Llama source")
+    arch, vocab = shape.arch, shape.vocab or len(reader.fields["tokenizer.ggml.tokens"].contents())
     context = context or shape.context
     label = shape.size_label or f"{shape.layers}x{shape.hidden}"
-    override = {
+    changed: dict[str, object] = {
         f"{arch}.embedding_length": shape.hidden,
         f"{arch}.block_count": shape.layers,
         f"{arch}.feed_forward_length": shape.intermediate,
         f"{arch}.attention.head_count": shape.heads,
         f"{arch}.attention.head_count_kv": shape.kv_heads,
         f"{arch}.context_length": context,
-        f"{arch}.rope.dimension_count": head,
+        f"{arch}.rope.dimension_count": shape.rotary_dim or shape.head,
+        f"{arch}.vocab_size": vocab,
         "general.file_type": int(LlamaFileType[f"MOSTLY_{mix}"]),
         "general.size_label": label,
     }
+    if shape.head_dim:
+        changed[f"{arch}.attention.key_length"] = changed[f"{arch}.attention.value_length"] = shape.head_dim
+    changed |= resized_tokenizer(reader, vocab)
     floats = {f"{arch}.rope.freq_base": shape.rope_theta} if shape.rope_theta is not None else {}
     writer = GGUFWriter(out, arch)
-    for name, field in reader.fields.items():
-        if name.startswith(NOT_COPIED):
+    for source_name, field in reader.fields.items():
+        if source_name.startswith(NOT_COPIED):
             continue
-        value = override.pop(name, floats.pop(name, field.contents()))
-        if name == "general.name":
+        name = re.sub(r"^llama\.", f"{arch}.", source_name)
+        value = changed.pop(name, floats.pop(name, field.contents()))
+        if name == "general.name":  # not the family's name: llama.cpp gives named Phi-3 tokens attributes by it
             value = f"{value} reshaped to {label} (random weights, {mix})"
         main = field.types[0]
         writer.add_key_value(name, value, main, field.types[-1] if main == GGUFValueType.ARRAY else None)
-    for name, value in override.items():  # keys the source lacks
+    for name, value in changed.items():  # keys the source lacks
         if isinstance(value, str):
             writer.add_string(name, value)
         else:
@@ -325,14 +406,12 @@ def write_shaped_gguf(
     for name, value in floats.items():
         writer.add_float32(name, value)
 
-    top = [n for n in names if not n.startswith("blk.")]
-    order = [n for n in top if n == "token_embd.weight"]
-    order += [f"blk.{i}.{role}" for i in range(shape.layers) for role in BLOCK_ROLES]
-    order += [n for n in top if n != "token_embd.weight"]
+    order = ["token_embd.weight"] + [f"blk.{i}.{role}" for i in range(shape.layers) for role in roles]
+    order += ["output_norm.weight"] + ([] if shape.tied else ["output.weight"])
     plan: list[tuple[str, tuple[int, ...], str]] = []
     for name in order:
         dims = _tensor_dims(name, shape, vocab)
-        kind = "F32" if len(dims) == 1 else mix_type(name, dims[1], shape.layers, mix, tied)
+        kind = "F32" if len(dims) == 1 else mix_type(name, dims[1], shape.layers, mix, shape.tied)
         plan.append((name, dims, kind))
         if kind in ("F32", "F16"):
             dtype = np.dtype(np.float32 if kind == "F32" else np.float16)
@@ -348,8 +427,8 @@ def write_shaped_gguf(
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     for name, dims, kind in plan:  # a tensor's bytes at a time: memory is the largest tensor's
-        if kind == "F32":
-            data = np.ones(dims, np.float32)  # RMSNorm weights as a fresh model's
+        if kind == "F32":  # RMSNorm weights as a fresh model's; biases zero
+            data = (np.zeros if name.endswith(".bias") else np.ones)(dims, np.float32)
         elif kind == "F16":
             data = (rng.standard_normal(dims, dtype=np.float32) * WEIGHT_STD).astype(np.float16)
         else:

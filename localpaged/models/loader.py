@@ -207,6 +207,8 @@ def hf_config_of(file):
             "its tokenizer (llama.cpp's convert_hf_to_gguf.py writes one), or pass another --model"
         )
     values.setdefault("vocab_size", meta["tokenizer.ggml.tokens"])  # the vocabulary's length
+    if f"{arch}.attention.key_length" in meta:  # a head size other than the width over the heads (Qwen3, Nemo)
+        values["head_dim"] = meta[f"{arch}.attention.key_length"]
     values["tie_word_embeddings"] = "output.weight" not in file.tensors  # llama.cpp writes no copy of a tied head
     for gguf_name, name in (("bos", "bos"), ("unknown", "unk"), ("padding", "pad")):
         if f"tokenizer.ggml.{gguf_name}_token_id" in meta:
