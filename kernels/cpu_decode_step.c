@@ -29,6 +29,26 @@ static int sizes_agree(const lp_llama *m, const lp_decoder_layer *layer) {
            layer->down.rows == m->hidden && attention > 0;
 }
 
+/* qkv [B, width] += bias [width], row by row: BlockLinear's `out + bias`, one float add an element. */
+static void add_bias(float *qkv, const float *bias, int64_t B, int64_t width) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < width; i++) qkv[b * width + i] += bias[i];
+}
+
+/* Every head of q and k in qkv [B, (H + 2 KVH) * D] RMS-normalised in place (LlamaAttention.norm_heads), v as it is;
+ * scratch holds H * D floats. */
+static int norm_heads(const lp_decoder_layer *layer, float *qkv, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                      float eps, float *scratch) {
+    const int64_t width = (H + 2 * KVH) * D;
+    int status = LP_OK;
+    for (int64_t b = 0; b < B && status == LP_OK; b++) {
+        float *q = qkv + b * width, *k = q + H * D;
+        status = lp_add_rms_norm(q, NULL, layer->q_norm, H, D, eps, scratch, q);
+        if (status == LP_OK) status = lp_add_rms_norm(k, NULL, layer->k_norm, KVH, D, eps, scratch, k);
+    }
+    return status;
+}
+
 /* x [B, hidden]: the embedded tokens, one per sequence. out [B, hidden]: the final norm of the last layer's
  * residual stream (what LlamaForCausalLM.forward returns). Each sequence's new K and V go to slots[b] (-1: nowhere);
  * it attends over context_lens[b] tokens through its row of block_tables [B, max_blocks], groups of sequences
@@ -57,6 +77,9 @@ int lp_llama_decode(const lp_llama *m, const float *x, const float *cos, const f
         status = i == 0 ? lp_add_rms_norm(x, NULL, layer->input_norm, B, hidden, m->eps, residual, normed)
                         : lp_add_rms_norm(y, residual, layer->input_norm, B, hidden, m->eps, residual, normed);
         if (status == LP_OK) status = project(&layer->qkv, normed, B, hidden, qkv);
+        if (status == LP_OK && layer->qkv_bias) add_bias(qkv, layer->qkv_bias, B, qkv_width);
+        /* the attention buffer is free until the attention writes it */
+        if (status == LP_OK && layer->q_norm) status = norm_heads(layer, qkv, B, H, KVH, D, m->eps, attention);
         if (status == LP_OK)
             status = lp_rope_write_kv(qkv, cos, sin, slots, B, H, KVH, D, m->num_blocks * 16, layer->k_cache,
                                       layer->v_cache, m->kv_dtype, q);

@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define TILE 16 /* weight rows per packed tile */
-#define LP_ABI_VERSION 10
+#define LP_ABI_VERSION 11
 
 /* A decode step reads every weight once, from memory, a tile's bytes in order: a qgemm kernel asks for the bytes
  * PREFETCH_BYTES past the group of a tile it is about to read (the groups that follow, then the next tile's), since
@@ -113,6 +113,8 @@ typedef struct {
 
 typedef struct {
     const float *input_norm, *post_attention_norm; /* [hidden] each */
+    const float *qkv_bias;                         /* [(num_heads + 2 num_kv_heads) head_dim], or NULL (Qwen2 has one) */
+    const float *q_norm, *k_norm; /* [head_dim] each, or both NULL: Qwen3's RMS norm of every head of q and k */
     lp_projection qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [num_blocks, 16, num_kv_heads, head_dim] of kv_dtype */
 } lp_decoder_layer;

@@ -12,8 +12,9 @@ model it mirrors: a change to ``LlamaForCausalLM``'s decoder layer is a change h
 cpu_decode_step.c.
 
 It applies where the module path would call exactly these kernels: a Llama-family model in float32 on
-the native kernels, every projection of every layer a GGUF's blocks without a bias and a whole number of
-16-row tiles, no per-head norm (Qwen3), RoPE over the whole head, and the native decode attention.
+the native kernels, every projection of every layer a GGUF's blocks in a whole number of 16-row tiles with
+no bias but QKV's (Qwen2), per-head q and k norms or none (Qwen3), RoPE over the whole head, and the native
+decode attention.
 Anything else (``NativeDecode.build`` returns None) runs the modules as before.
 """
 
@@ -61,6 +62,9 @@ class LpDecoderLayer(ctypes.Structure):
     _fields_ = [
         ("input_norm", cpu.POINTER),
         ("post_attention_norm", cpu.POINTER),
+        ("qkv_bias", cpu.POINTER),
+        ("q_norm", cpu.POINTER),
+        ("k_norm", cpu.POINTER),
         ("qkv", LpProjection),
         ("o", LpProjection),
         ("gate_up", LpProjection),
@@ -166,6 +170,9 @@ class NativeDecode:
             attn, mlp = layer.self_attn, layer.mlp
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
             entry.post_attention_norm = layer.post_attention_layernorm.weight.data_ptr()
+            entry.qkv_bias = attn.qkv_proj.bias.data_ptr() if attn.qkv_proj.bias is not None else None
+            if attn.q_norm is not None:
+                entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
             entry.qkv = LpProjection.of(attn.qkv_proj.packed)
             entry.o = LpProjection.of(attn.o_proj.packed)
             entry.gate_up = LpProjection.of(mlp.gate_up_proj.packed)
@@ -195,18 +202,31 @@ class NativeDecode:
         if not attention.native_decode or model.rotary_emb.cos.shape[-1] * 2 != model.head_dim:
             return False
         norms = [model.norm] + [
-            n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+            n
+            for layer in model.layers
+            for n in (
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                layer.self_attn.q_norm,
+                layer.self_attn.k_norm,
+            )
+            if n is not None
         ]
-        if not all(cpu.runs(n.weight.device, n.weight.dtype) and n.weight.is_contiguous() for n in norms):
+        biases = [layer.self_attn.qkv_proj.bias for layer in model.layers if layer.self_attn.qkv_proj.bias is not None]
+        if not all(cpu.runs(t.device, t.dtype) and t.is_contiguous() for t in (*(n.weight for n in norms), *biases)):
             return False
         if len({n.eps for n in norms}) != 1 or model.head_dim % 16 or model.config.hidden_size % 8:
             return False
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.q_norm is not None or attn.attn.k_cache is None or attn.attn.k_cache.dtype not in cpu.KV_DTYPES:
+            if (attn.q_norm is None) != (attn.k_norm is None):
+                return False
+            if attn.attn.k_cache is None or attn.attn.k_cache.dtype not in cpu.KV_DTYPES:
                 return False
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if not isinstance(proj, BlockLinear) or proj.bias is not None or proj.packed.rows % cpu.TILE:
+                if not isinstance(proj, BlockLinear) or proj.packed.rows % cpu.TILE:
+                    return False
+                if proj.bias is not None and proj is not attn.qkv_proj:  # the step adds the QKV bias alone
                     return False
         return True
 

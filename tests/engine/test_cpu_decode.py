@@ -9,7 +9,7 @@ from localpaged import LLM, SamplingParams
 from localpaged.errors import KernelArgumentError
 from localpaged.kernels import cpu
 from localpaged.models.llama_cpu_decode import NativeDecode, llama_decode
-from tests.gguf_models import MIXED_TYPES, tiny_hf_model, write_gguf
+from tests.gguf_models import MIXED_TYPES, NATIVE_TYPES, tiny_hf_model, write_gguf
 from tests.oracle import exact_llm
 
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler or no 64-bit CPU: no native kernels")
@@ -40,8 +40,18 @@ def logits_of_each_step(llm, prompts: list[list[int]], params: SamplingParams) -
     ],
 )
 def test_native_decode_steps_give_the_module_paths_logits_bit_for_bit(native_llama, kv_cache_dtype, activations):
+    assert_native_steps_match_the_modules(native_llama, kv_cache_dtype, activations)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # Qwen2's QKV bias, Qwen3's q and k norms (and 128-wide heads)
+def test_native_decode_steps_of_other_families_give_the_module_paths_logits(arch, tmp_path, gguf_tokenizer):
+    path = write_gguf(tmp_path / f"{arch}.gguf", tiny_hf_model(arch), arch, NATIVE_TYPES, gguf_tokenizer)
+    assert_native_steps_match_the_modules(path, "float16", "int16" if cpu.vnni_is_fast() else "float32")
+
+
+def assert_native_steps_match_the_modules(path, kv_cache_dtype: str, activations: str) -> None:
     llm = LLM(
-        str(native_llama),
+        str(path),
         dtype="float32",
         kv_cache_dtype=kv_cache_dtype,
         activations=activations,
