@@ -32,7 +32,8 @@ CASES = [  # (q_lens, cached prefix lens, num_kv_heads, gqa ratio, head_dim); co
 def prefill_and_reference(
     q_lens, prefix_lens, num_kv_heads, gqa, head_dim, kv_dtype, make_paged_kv, seed, activations="float32"
 ):
-    """The kernel's output for one case, and the float64 reference's."""
+    """The kernel's output for one case, the float64 reference's, and the reference over |V| (each output element's
+    sum of weight x |value|: what rounding the weights and V can move it by, test_cpu_prefill_int16.py's bound)."""
     gen = torch.Generator().manual_seed(seed)
     context_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
     k_cache, v_cache, tables, k_ref, v_ref = (
@@ -43,13 +44,16 @@ def prefill_and_reference(
     lens = torch.tensor(context_lens, dtype=torch.int32)
     scale = head_dim**-0.5
     out = cpu.paged_prefill(q, k_cache, v_cache, tables, cu_seqlens_q, lens, scale, activations)
-    return out, torch_attention.paged_prefill(q.double(), k_ref, v_ref, tables, cu_seqlens_q, lens, scale)
+    ref, magnitude = (
+        torch_attention.paged_prefill(q.double(), k_ref, v, tables, cu_seqlens_q, lens, scale)
+        for v in (v_ref, v_ref.abs())
+    )
+    return out, ref, magnitude
 
 
 def run_case(q_lens, prefix_lens, num_kv_heads, gqa, head_dim, kv_dtype, make_paged_kv, assert_close, seed):
-    assert_close(
-        *prefill_and_reference(q_lens, prefix_lens, num_kv_heads, gqa, head_dim, kv_dtype, make_paged_kv, seed)
-    )
+    out, ref, _ = prefill_and_reference(q_lens, prefix_lens, num_kv_heads, gqa, head_dim, kv_dtype, make_paged_kv, seed)
+    assert_close(out, ref)
 
 
 @pytest.mark.parametrize("kv_dtype", cpu.KV_DTYPES)
