@@ -767,7 +767,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 _lp_rope_write_kv = Kernel(
     "lp_rope_write_kv",
-    [POINTER, POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE, POINTER, POINTER, INT, POINTER],
+    [POINTER, POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE, SIZE, POINTER, POINTER, INT, POINTER],
     bad_index="a slot_mapping entry is below -1 or past the end of the cache; its K/V was not written",
 )
 
@@ -783,9 +783,10 @@ def rope_write_kv(
 ) -> torch.Tensor:
     """RoPE on q and k of ``qkv`` [N, (H + 2 KVH) * D], k and v stored in their slots; returns rotated q [N, H, D].
 
-    ``cos``/``sin`` hold [N, D/2] values (any shape of that many, e.g. [N, 1, D/2]); caches are
-    ``[blocks, 16, KVH, D]`` of any of KV_DTYPES (rounded to nearest even, as ``Tensor.to`` rounds), D a
-    multiple of 16.
+    ``cos``/``sin`` hold [N, R/2] values (any shape of that many, e.g. [N, 1, R/2]): the first R dimensions of
+    each head rotate, the rest pass through (partial rotary; R = D rotates them all). Caches are
+    ``[blocks, 16, KVH, D]`` of any of KV_DTYPES (rounded to nearest even, as ``Tensor.to`` rounds); D and R are
+    multiples of 16.
     """
     num_blocks, kv_heads, d, kv_dtype = _expect_cache(k_cache, v_cache)
     expect("qkv", qkv, torch.float32, 2)
@@ -797,9 +798,18 @@ def rope_write_kv(
             f"qkv has rows of {width}; {num_heads} query heads and caches of {kv_heads} KV heads of {d} "
             f"need rows of {(num_heads + 2 * kv_heads) * d}, and a head_dim that is a multiple of 16"
         )
-    if cos.dim() == 0 or len(cos) != n or cos.numel() != n * d // 2 or sin.shape != cos.shape:
+    rotary = 2 * cos.numel() // n if n else d
+    if (
+        cos.dim() == 0
+        or len(cos) != n
+        or rotary % 16
+        or rotary > d
+        or cos.numel() * 2 != n * rotary
+        or sin.shape != cos.shape
+    ):
         raise KernelArgumentError(
-            f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)}: need [{n}, {d // 2}] values each, one row a token"
+            f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)}: need [{n}, R / 2] values each, one row a token, "
+            f"R rotated dimensions a multiple of 16 and at most the head's {d}"
         )
     expect_index("slot_mapping", slot_mapping, 1, n)
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
@@ -814,6 +824,7 @@ def rope_write_kv(
         num_heads,
         kv_heads,
         d,
+        rotary,
         num_blocks * PAGE,
         k_cache.data_ptr(),
         v_cache.data_ptr(),

@@ -53,7 +53,7 @@ static int norm_heads(const lp_decoder_layer *layer, float *qkv, int64_t B, int6
  * residual stream (what LlamaForCausalLM.forward returns). Each sequence's new K and V go to slots[b] (-1: nowhere);
  * it attends over context_lens[b] tokens through its row of block_tables [B, max_blocks], groups of sequences
  * sharing leading blocks as `cascade` (NULL: none) has them, in every layer. cos and sin hold
- * [B, head_dim / 2] values. LP_OK, or the first status a kernel returned (the output is then incomplete). */
+ * [B, rotary_dim / 2] values. LP_OK, or the first status a kernel returned (the output is then incomplete). */
 int lp_llama_decode(const lp_llama *m, const float *x, const float *cos, const float *sin, const int64_t *slots,
                     const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t max_blocks,
                     const lp_cascade *cascade, float *out) {
@@ -81,8 +81,8 @@ int lp_llama_decode(const lp_llama *m, const float *x, const float *cos, const f
         /* the attention buffer is free until the attention writes it */
         if (status == LP_OK && layer->q_norm) status = norm_heads(layer, qkv, B, H, KVH, D, m->eps, attention);
         if (status == LP_OK)
-            status = lp_rope_write_kv(qkv, cos, sin, slots, B, H, KVH, D, m->num_blocks * 16, layer->k_cache,
-                                      layer->v_cache, m->kv_dtype, q);
+            status = lp_rope_write_kv(qkv, cos, sin, slots, B, H, KVH, D, m->rotary_dim, m->num_blocks * 16,
+                                      layer->k_cache, layer->v_cache, m->kv_dtype, q);
         if (status == LP_OK)
             status = lp_paged_decode(q, layer->k_cache, layer->v_cache, m->kv_dtype, block_tables, context_lens, B, H,
                                      KVH, D, max_blocks, m->num_blocks, m->scale, cascade, attention);

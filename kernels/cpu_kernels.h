@@ -93,8 +93,8 @@ int lp_add_rms_norm(const float *x, const float *residual, const float *weight, 
                     float *sum, float *out);
 int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out);
 int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slots, int64_t N, int64_t H,
-                     int64_t KVH, int64_t D, int64_t num_slots, void *k_cache, void *v_cache, int kv_dtype,
-                     float *q_out);
+                     int64_t KVH, int64_t D, int64_t R, int64_t num_slots, void *k_cache, void *v_cache,
+                     int kv_dtype, float *q_out);
 
 /* How a projection's input rows meet its weights: as they are (lp_qgemm, the exact path), rounded to int16 per run
  * (lp_qgemm_int16, the same packed layout) or to int8 (lp_qgemm_int8, packed by lp_pack_quads). kernels/cpu.py's
@@ -120,7 +120,7 @@ typedef struct {
 } lp_decoder_layer;
 
 typedef struct {
-    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, num_blocks;
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, num_blocks;
     float eps, scale;
     int32_t kv_dtype;
     const lp_decoder_layer *layers; /* num_layers of them */

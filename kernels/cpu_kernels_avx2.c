@@ -332,12 +332,12 @@ static inline void silu_mul_row(const float *gate, const float *up, long I, floa
 
 #include "cpu_rows.h" /* lp_add_rms_norm and lp_silu_mul over the rows above */
 
-/* Token n of lp_rope_write_kv: its q and k heads rotated, q into q_out, k and v into slot `slot` of the caches
- * (none where slot is -1). KV is a constant after inlining. */
+/* Token n of lp_rope_write_kv: its q and k heads rotated over their first R dimensions, q into q_out, k and v into
+ * slot `slot` of the caches (none where slot is -1). KV is a constant after inlining. */
 static inline __attribute__((always_inline)) void rope_write_row(
     const int KV, long n, long slot, const float *qkv, const float *cos, const float *sin, long H, long KVH, long D,
-    void *k_cache, void *v_cache, float *q_out) {
-    const long half = D / 2, width = (H + 2 * KVH) * D;
+    long R, void *k_cache, void *v_cache, float *q_out) {
+    const long half = R / 2, width = (H + 2 * KVH) * D;
     const float *row = qkv + n * width, *c = cos + n * half, *s = sin + n * half;
     for (long h = 0; h < H + KVH; h++) {
         if (h >= H && slot < 0) break;
@@ -356,6 +356,11 @@ static inline __attribute__((always_inline)) void rope_write_row(
                 store_kv8(KV, k_cache, k + half + i, hi);
             }
         }
+        for (long i = R; i < D; i += 8) /* past the rotary dimensions: as they are */
+            if (h < H)
+                _mm256_storeu_ps(q_out + (n * H + h) * D + i, _mm256_loadu_ps(x + i));
+            else
+                store_kv8(KV, k_cache, (slot * KVH + h - H) * D + i, _mm256_loadu_ps(x + i));
     }
     if (slot >= 0)
         for (long i = 0; i < KVH * D; i += 8) store_kv8(KV, v_cache, slot * KVH * D + i, _mm256_loadu_ps(row + (H + KVH) * D + i));

@@ -437,9 +437,9 @@ static inline void silu_mul_row(const float *gate, const float *up, long I, floa
 /* Token n of lp_rope_write_kv, as rope_write_row in cpu_kernels_avx2.c; each product ROUNDED, so q and k equal torch's
  * bit for bit before the cache's rounding. */
 static ALWAYS_INLINE void rope_write_row(const int KV, long n, long slot, const float *qkv, const float *cos,
-                                         const float *sin, long H, long KVH, long D, void *k_cache, void *v_cache,
-                                         float *q_out) {
-    const long half = D / 2, width = (H + 2 * KVH) * D;
+                                         const float *sin, long H, long KVH, long D, long R, void *k_cache,
+                                         void *v_cache, float *q_out) {
+    const long half = R / 2, width = (H + 2 * KVH) * D;
     const float *row = qkv + n * width, *c = cos + n * half, *s = sin + n * half;
     for (long h = 0; h < H + KVH; h++) {
         if (h >= H && slot < 0) break;
@@ -456,6 +456,11 @@ static ALWAYS_INLINE void rope_write_row(const int KV, long n, long slot, const 
                 store_kv8(KV, k_cache, k + half + i, hi);
             }
         }
+        for (long i = R; i < D; i += 8) /* past the rotary dimensions: as they are */
+            if (h < H)
+                store8(q_out + (n * H + h) * D + i, load8(x + i));
+            else
+                store_kv8(KV, k_cache, (slot * KVH + h - H) * D + i, load8(x + i));
     }
     if (slot >= 0)
         for (long i = 0; i < KVH * D; i += 8)

@@ -8,7 +8,7 @@
  *   weighted_rows(KV, GB, VECS, p, first, n, table, v_cache, col, stride, inv, D, o): o_g[0 : 8 VECS] (rows D
  *     apart) = inv[g] * sum over keys first .. first + n - 1 of p_g[t] * V row t (p_g rows n apart), from column col
  *     of each row on, VECS <= 8, and COLUMNS_A_WALK(GB), how many columns one such walk may take for GB heads;
- *   rope_write_row(KV, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out), one token's;
+ *   rope_write_row(KV, n, slot, qkv, cos, sin, H, KVH, D, R, k_cache, v_cache, q_out), one token's;
  *   the steps of a prefill tile (see prefill_task below). */
 
 #include <omp.h>
@@ -133,15 +133,17 @@ static inline __attribute__((always_inline)) int decode_part(const int KV, long 
     return decode_task(LP_KV_F32, b, kvh, first, end, q, k_cache, v_cache, table, H, KVH, D, scale, o_rows, stats);
 }
 
-/* RoPE (halves layout) on the q and k heads of qkv [N, (H + 2 KVH) * D], then k and v into their cache
- * slots (slot -1: skipped; caches [num_slots / 16, 16, KVH, D] of kv_dtype, an LP_KV_* type) and the rotated
- * q into q_out [N, H, D]. Products and sums are rounded one by one, as torch's elementwise ops do, and the
- * cache's rounding is torch's, so the result equals the torch path bit for bit. D % 16 == 0. A slot outside
- * the cache is not written and reported as LP_BAD_INDEX. */
+/* RoPE (halves layout) on the first R dimensions of the q and k heads of qkv [N, (H + 2 KVH) * D] (the rest
+ * pass through: partial rotary), then k and v into their cache slots (slot -1: skipped; caches
+ * [num_slots / 16, 16, KVH, D] of kv_dtype, an LP_KV_* type) and the rotated q into q_out [N, H, D]; cos and sin
+ * hold [N, R / 2]. Products and sums are rounded one by one, as torch's elementwise ops do, and the cache's
+ * rounding is torch's, so the result equals the torch path bit for bit. D % 16 == 0, R % 16 == 0, R <= D. A slot
+ * outside the cache is not written and reported as LP_BAD_INDEX. */
 int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slots, int64_t N, int64_t H,
-                     int64_t KVH, int64_t D, int64_t num_slots, void *k_cache, void *v_cache, int kv_dtype,
-                     float *q_out) {
-    if (N < 0 || H < 0 || KVH < 0 || D <= 0 || D % 16 || kv_dtype < LP_KV_F32 || kv_dtype > LP_KV_F16)
+                     int64_t KVH, int64_t D, int64_t R, int64_t num_slots, void *k_cache, void *v_cache,
+                     int kv_dtype, float *q_out) {
+    if (N < 0 || H < 0 || KVH < 0 || D <= 0 || D % 16 || R <= 0 || R % 16 || R > D || kv_dtype < LP_KV_F32 ||
+        kv_dtype > LP_KV_F16)
         return LP_BAD_ARGUMENT;
     int status = LP_OK;
 #pragma omp parallel for if (N >= 64)
@@ -153,11 +155,11 @@ int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const
             slot = -1; /* q is still rotated; nothing is written outside the cache */
         }
         if (kv_dtype == LP_KV_BF16)
-            rope_write_row(LP_KV_BF16, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out);
+            rope_write_row(LP_KV_BF16, n, slot, qkv, cos, sin, H, KVH, D, R, k_cache, v_cache, q_out);
         else if (kv_dtype == LP_KV_F16)
-            rope_write_row(LP_KV_F16, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out);
+            rope_write_row(LP_KV_F16, n, slot, qkv, cos, sin, H, KVH, D, R, k_cache, v_cache, q_out);
         else
-            rope_write_row(LP_KV_F32, n, slot, qkv, cos, sin, H, KVH, D, k_cache, v_cache, q_out);
+            rope_write_row(LP_KV_F32, n, slot, qkv, cos, sin, H, KVH, D, R, k_cache, v_cache, q_out);
     }
     return status;
 }

@@ -145,8 +145,8 @@ def select_attention(
 class Attention(nn.Module):
     """One layer's attention over the paged KV cache: rotates q and k, writes k and v, attends through the path.
 
-    KV the native kernels take (float32, bfloat16, float16) on the CPU, with every dimension rotated
-    and a head_dim a multiple of 16, runs RoPE and the K/V write in one native pass
+    KV the native kernels take (float32, bfloat16, float16) on the CPU, with a head_dim and rotated
+    dimensions (all of them, or a partial rotary's) multiples of 16, runs RoPE and the K/V write in one native pass
     (cpu.rope_write_kv), bit for bit what the torch route gives (16-bit stores round to nearest even):
     per layer that route splits qkv, rotates q and k with ~8 elementwise ops, checks the slots for -1
     and runs two index_copy_ calls. Any other case rotates with ``apply_rope`` and writes through
@@ -166,10 +166,9 @@ class Attention(nn.Module):
     def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The output ``[N, heads * head_dim]`` of ``qkv`` ``[N, (heads + 2 kv heads) * head_dim]``, unrotated."""
         n = qkv.shape[0]
-        full_rotary = 2 * cos.shape[-1] == self.head_dim
         if (
             cpu.runs(qkv.device, qkv.dtype)
-            and full_rotary
+            and cos.shape[-1] % 8 == 0
             and self.head_dim % 16 == 0
             and self.k_cache.dtype in cpu.KV_DTYPES
         ):

@@ -13,8 +13,8 @@ cpu_decode_step.c.
 
 It applies where the module path would call exactly these kernels: a Llama-family model in float32 on
 the native kernels, every projection of every layer a GGUF's blocks in a whole number of 16-row tiles with
-no bias but QKV's (Qwen2), per-head q and k norms or none (Qwen3), RoPE over the whole head, and the native
-decode attention.
+no bias but QKV's (Qwen2), per-head q and k norms or none (Qwen3), RoPE over a multiple of 16 of each head's
+dimensions (all of them, or Phi-4-mini's partial rotary), and the native decode attention.
 Anything else (``NativeDecode.build`` returns None) runs the modules as before.
 """
 
@@ -83,6 +83,7 @@ class LpLlama(ctypes.Structure):
         ("num_heads", cpu.SIZE),
         ("num_kv_heads", cpu.SIZE),
         ("head_dim", cpu.SIZE),
+        ("rotary_dim", cpu.SIZE),
         ("intermediate", cpu.SIZE),
         ("num_blocks", cpu.SIZE),
         ("eps", cpu.FLOAT),
@@ -112,18 +113,18 @@ def llama_decode(
     cascade: CascadePlan | None = None,
 ) -> torch.Tensor:
     """A decode step through every decoder layer of ``model`` and the final norm: ``x`` [B, hidden] float32 (the
-    embedded tokens, one per sequence) -> [B, hidden]. ``cos``/``sin`` hold [B, head_dim / 2] values; each token's
+    embedded tokens, one per sequence) -> [B, hidden]. ``cos``/``sin`` hold [B, rotary_dim / 2] values; each token's
     K and V go to its slot, and it attends through its block table row over ``context_lens`` tokens (``cascade``: as
     ``cpu.paged_decode`` takes it, in every layer)."""
     cpu.expect("x", x, torch.float32, 2)
     b, hidden = x.shape
     if hidden != model.hidden:
         raise KernelArgumentError(f"x has rows of {hidden}; the model's hidden size is {model.hidden}")
-    half = b * model.head_dim // 2
+    half = b * model.rotary_dim // 2
     for name, t in (("cos", cos), ("sin", sin)):
         cpu.expect(name, t, torch.float32, None)
         if t.numel() != half or (t.dim() and len(t) != b):
-            raise KernelArgumentError(f"{name} has shape {tuple(t.shape)}: need [{b}, {model.head_dim // 2}] values")
+            raise KernelArgumentError(f"{name} has shape {tuple(t.shape)}: need [{b}, {model.rotary_dim // 2}] values")
     cpu.expect_index("slot_mapping", slot_mapping, 1, b)
     cpu.expect_index("block_tables", block_tables, 2, b)
     cpu.expect_index("context_lens", context_lens, 1, b)
@@ -184,6 +185,7 @@ class NativeDecode:
             num_heads=first.num_heads,
             num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim,
+            rotary_dim=model.rotary_emb.cos.shape[-1] * 2,
             intermediate=config.intermediate_size,
             num_blocks=first.attn.k_cache.shape[0],
             eps=model.norm.eps,
@@ -199,7 +201,7 @@ class NativeDecode:
         """Whether every kernel the module path would call on a decode step of ``model`` is one of ``lp_llama_decode``'s."""
         if not isinstance(model, LlamaForCausalLM) or not isinstance(attention, TorchAttention):
             return False
-        if not attention.native_decode or model.rotary_emb.cos.shape[-1] * 2 != model.head_dim:
+        if not attention.native_decode or model.rotary_emb.cos.shape[-1] % 8:  # rotated dimensions: a multiple of 16
             return False
         norms = [model.norm] + [
             n

@@ -43,9 +43,11 @@ def test_native_decode_steps_give_the_module_paths_logits_bit_for_bit(native_lla
     assert_native_steps_match_the_modules(native_llama, kv_cache_dtype, activations)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # Qwen2's QKV bias, Qwen3's q and k norms (and 128-wide heads)
+# Qwen2's QKV bias, Qwen3's q and k norms (and 128-wide heads), Phi-3's partial rotary (48 of 64 dimensions)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
 def test_native_decode_steps_of_other_families_give_the_module_paths_logits(arch, tmp_path, gguf_tokenizer):
-    path = write_gguf(tmp_path / f"{arch}.gguf", tiny_hf_model(arch), arch, NATIVE_TYPES, gguf_tokenizer)
+    rope = {"partial_rotary_factor": 0.75} if arch == "phi3" else None
+    path = write_gguf(tmp_path / f"{arch}.gguf", tiny_hf_model(arch, rope=rope), arch, NATIVE_TYPES, gguf_tokenizer)
     assert_native_steps_match_the_modules(path, "float16", "int16" if cpu.vnni_is_fast() else "float32")
 
 

@@ -242,7 +242,7 @@ static void check_kv_conversions(int kv_dtype) {
         slots[n] = n;
     }
     for (long i = 0; i < N * D / 2; i++) cs[i] = 1.0f;
-    int status = lp_rope_write_kv(qkv, cs, sn, slots, N, 0, 1, D, N, k_cache, v_cache, kv_dtype, NULL);
+    int status = lp_rope_write_kv(qkv, cs, sn, slots, N, 0, 1, D, D, N, k_cache, v_cache, kv_dtype, NULL);
     int wrong = 0;
     for (long i = 0; i < N * D; i++) {
         if (!same_value(kv_dtype, v_cache[i], ref_narrow(kv_dtype, x[i])) && wrong++ < 3)
@@ -290,7 +290,7 @@ static void check_row_kernels(void) {
         }
     expect_close("silu_mul", M, D, out, ref, M * D, 1e-5);
 
-    status |= lp_rope_write_kv(qkv, cs, sn, slots, M, HEADS, KVH, D, 16, k_cache, v_cache, LP_KV_F32, q_out);
+    status |= lp_rope_write_kv(qkv, cs, sn, slots, M, HEADS, KVH, D, D, 16, k_cache, v_cache, LP_KV_F32, q_out);
     for (int n = 0; n < M; n++)
         for (int h = 0; h < HEADS + KVH; h++)
             for (int i = 0; i < D / 2; i++) {

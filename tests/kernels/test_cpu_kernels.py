@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from localpaged.errors import KernelArgumentError
 from localpaged.kernels import cpu, torch_attention
 from localpaged.models.gguf_weights import BlockQuantized
 
@@ -179,6 +180,30 @@ def test_small_row_kernels_equal_torch():
     assert torch.equal(k_cache.view(-1, kv_heads, d)[slots[keep]], want[keep, heads:])
     assert torch.equal(v_cache.view(-1, kv_heads, d)[slots[keep]], v.reshape(n, kv_heads, d)[keep])
     assert k_cache.view(-1, kv_heads, d).abs().sum(dim=(1, 2)).count_nonzero() == 4  # slot -1 wrote nothing
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_rope_write_kv_rotates_the_first_r_dimensions_as_torch_does(kv_dtype):
+    """Partial rotary (Phi-4-mini rotates 96 of 128): cos and sin of R / 2 values rotate the first R dimensions of
+    each q and k head, the rest pass through, bit for bit ``apply_rope``'s; R must be a multiple of 16 within the head."""
+    from localpaged.layers.rotary_embedding import apply_rope
+
+    gen = torch.Generator().manual_seed(11)
+    n, heads, kv_heads, d, r = 6, 4, 2, 64, 48
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen)
+    angles = torch.rand(n, r // 2, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    k_cache, v_cache = torch.zeros(2, 16, kv_heads, d, dtype=kv_dtype), torch.zeros(2, 16, kv_heads, d, dtype=kv_dtype)
+    slots = torch.tensor([3, 0, -1, 20, 7, 31])
+    q = cpu.rope_write_kv(qkv, cos, sin, slots, k_cache, v_cache, heads)
+    qk = qkv[:, : (heads + kv_heads) * d].reshape(n, heads + kv_heads, d)
+    want = apply_rope(qk, cos[:, None], sin[:, None])
+    assert torch.equal(q, want[:, :heads]) and torch.equal(q[..., r:], qk[:, :heads, r:])
+    keep = slots >= 0
+    assert torch.equal(k_cache.view(-1, kv_heads, d)[slots[keep]], want[keep, heads:].to(kv_dtype))
+    for bad in (40, 80):  # not a multiple of 16; wider than the head
+        with pytest.raises(KernelArgumentError, match="R rotated dimensions a multiple of 16"):
+            cpu.rope_write_kv(qkv, torch.ones(n, bad // 2), torch.zeros(n, bad // 2), slots, k_cache, v_cache, heads)
 
 
 @pytest.mark.parametrize("m", [1, 16])  # weights expanded in registers, and into a panel
