@@ -162,13 +162,28 @@ def stop_token_ids(tokenizer, hf_config) -> set[int]:
     return ids
 
 
-def default_kv_memory(device: torch.device) -> int:
-    """A quarter of free memory, at most 2 GiB on the CPU; 85% of what the GPU has free."""
+def available_memory() -> int:
+    """What the system can hand out without swapping: Linux's MemAvailable, which counts the page cache it can drop
+    (a GGUF just read fills it), else the free pages alone."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_kv_memory(device: torch.device, one_sequence: int) -> int:
+    """85% of what the GPU has free. On the CPU a quarter of available memory, at most 2 GiB, but at least
+    ``one_sequence`` (the bytes of one sequence of max_model_len) where half of available memory holds it: a model
+    with a wide KV (Phi-3.5-mini's 8,192 tokens take 3 GiB) then starts with its whole context."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.85)
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(available // 4, 2 * GiB)
+    available = available_memory()
+    return max(min(available // 4, 2 * GiB), min(one_sequence, available // 2))
 
 
 def open_kv_disk(
@@ -331,6 +346,13 @@ def build_engine_parts(
         raise ConfigError(f"max_model_len={max_model_len} exceeds what {files.name} supports ({model_limit})")
     max_num_batched_tokens = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 512)
 
+    kv_bytes = parse_bytes(config.kv_cache_memory) if config.kv_cache_memory is not None else None
+    if kv_bytes is None and not isinstance(config.speculative, Mapping):
+        target = ModelRunner.bytes_per_block(hf_config, head_dim_of(hf_config), config.block_size, kv_dtype)
+        kv_bytes = default_kv_memory(device, -(-max_model_len // config.block_size) * target)
+        if config.max_model_len is None:  # neither was asked for: the default context shortens to what the pool holds
+            max_model_len = min(max_model_len, max(kv_bytes // target, 1) * config.block_size)
+
     blocks = use_block_weights(config, files, device, dtype)
     activations = resolve_activations(config.activations, blocks)
     attention_name = resolve_attention_name(config.attention)
@@ -344,9 +366,10 @@ def build_engine_parts(
 
     target_bytes = ModelRunner.bytes_per_block(hf_config, model.head_dim, config.block_size, kv_dtype)
     block_bytes = target_bytes + (draft.block_bytes if draft is not None else 0)  # the draft's K/V of each block too
-    kv_bytes = parse_bytes(config.kv_cache_memory) if config.kv_cache_memory is not None else default_kv_memory(device)
-    num_blocks = kv_bytes // block_bytes
     needed = -(-max_model_len // config.block_size)
+    if kv_bytes is None:  # a draft model's K/V shares the pool
+        kv_bytes = default_kv_memory(device, needed * block_bytes)
+    num_blocks = kv_bytes // block_bytes
     if num_blocks < needed:
         raise ConfigError(
             f"the KV pool ({kv_bytes / 2**20:.0f} MiB = {num_blocks} blocks of {block_bytes / 2**10:.0f} KiB"

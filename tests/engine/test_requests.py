@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from localpaged import LLM, SamplingParams
 from localpaged.errors import ConfigError, ModelNotFoundError, RequestError, UnsupportedModelError
@@ -130,6 +131,31 @@ def test_unsupported_architecture_is_named(tmp_path):
 def test_pool_too_small_fails_at_start_with_numbers(tiny_model_path):
     with pytest.raises(ConfigError, match=r"cannot hold one sequence of max_model_len=1024 \(64 blocks\)"):
         LLM(str(tiny_model_path), device="cpu", dtype="float32", kv_cache_memory="64KiB", max_model_len=1024)
+
+
+def test_the_default_pool_holds_a_whole_context_or_the_default_context_shortens(tiny_model_path, monkeypatch):
+    """Neither kv_cache_memory nor max_model_len given: the pool grows to one whole context where half of available
+    memory holds it, else the context shortens to what the pool holds, and the engine starts and answers."""
+    from localpaged.engine import setup
+
+    gib = 2**30
+    monkeypatch.setattr(setup, "available_memory", lambda: 8 * gib)
+    assert setup.default_kv_memory(torch.device("cpu"), 3 * gib) == 3 * gib  # Phi-3.5-mini's whole context
+    assert setup.default_kv_memory(torch.device("cpu"), gib // 2) == 2 * gib  # the usual quarter, capped
+    monkeypatch.setattr(setup, "available_memory", lambda: 4 * gib)
+    assert setup.default_kv_memory(torch.device("cpu"), 3 * gib) == 2 * gib  # half of what is available, no more
+
+    probe = LLM(str(tiny_model_path), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory="1MiB")
+    block_bytes, full = probe.block_bytes, probe.runner.model.config.max_position_embeddings
+    probe.close()
+    monkeypatch.setattr(setup, "available_memory", lambda: 160 * block_bytes)  # the pool: 80 blocks, not full / 16
+    assert full > 80 * 16
+    llm = LLM(str(tiny_model_path), device="cpu", dtype="float32")
+    assert llm.resolved.max_model_len == 80 * 16 and llm.resolved.num_blocks >= 80
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+    llm.close()
+    with pytest.raises(ConfigError, match="cannot hold one sequence"):  # a context asked for is never shortened
+        LLM(str(tiny_model_path), device="cpu", dtype="float32", max_model_len=full)
 
 
 def test_prefix_cache_serves_shared_system_prompt(llm):
