@@ -159,7 +159,7 @@ class Shape:
     rope_theta: float | None = None  # None: the source's
     size_label: str = ""
     arch: str = "llama"
-    vocab: int | None = None  # None: the source tokenizer's; more: its tokens padded as llama.cpp's converter pads
+    vocab: int | None = None  # None: the source tokenizer's; else its tokens padded or cut to it (resized_tokenizer)
     head_dim: int | None = None  # None: hidden // heads
     rotary_dim: int | None = None  # partial rotary (Phi-4-mini); None: the whole head
     tied: bool = True  # the head is the token embedding (no output.weight)
@@ -345,12 +345,15 @@ def resized_tokenizer(reader: GGUFReader, vocab: int) -> dict[str, list]:
             "tokenizer.ggml.merges": merges,
         }
     kept = set(tokens[:vocab])
+
+    def makes_kept(merge: str) -> bool:  # "a b": both parts and what they make are kept tokens
+        a, b = merge.split(" ")
+        return a in kept and b in kept and a + b in kept
+
     return {
         "tokenizer.ggml.tokens": tokens[:vocab],
         "tokenizer.ggml.token_type": types[:vocab],
-        "tokenizer.ggml.merges": [
-            m for m in merges if (parts := m.split(" ")) and all(p in kept for p in parts) and "".join(parts) in kept
-        ],
+        "tokenizer.ggml.merges": [m for m in merges if makes_kept(m)],
     }
 
 

@@ -346,12 +346,12 @@ def build_engine_parts(
         raise ConfigError(f"max_model_len={max_model_len} exceeds what {files.name} supports ({model_limit})")
     max_num_batched_tokens = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 512)
 
+    target_bytes = ModelRunner.bytes_per_block(hf_config, head_dim_of(hf_config), config.block_size, kv_dtype)
     kv_bytes = parse_bytes(config.kv_cache_memory) if config.kv_cache_memory is not None else None
     if kv_bytes is None and not isinstance(config.speculative, Mapping):
-        target = ModelRunner.bytes_per_block(hf_config, head_dim_of(hf_config), config.block_size, kv_dtype)
-        kv_bytes = default_kv_memory(device, -(-max_model_len // config.block_size) * target)
+        kv_bytes = default_kv_memory(device, -(-max_model_len // config.block_size) * target_bytes)
         if config.max_model_len is None:  # neither was asked for: the default context shortens to what the pool holds
-            max_model_len = min(max_model_len, max(kv_bytes // target, 1) * config.block_size)
+            max_model_len = min(max_model_len, max(kv_bytes // target_bytes, 1) * config.block_size)
 
     blocks = use_block_weights(config, files, device, dtype)
     activations = resolve_activations(config.activations, blocks)
@@ -364,7 +364,6 @@ def build_engine_parts(
             config, tokenizer, hf_config, attention_name, device, dtype, kv_dtype, max_model_len, progress
         )
 
-    target_bytes = ModelRunner.bytes_per_block(hf_config, model.head_dim, config.block_size, kv_dtype)
     block_bytes = target_bytes + (draft.block_bytes if draft is not None else 0)  # the draft's K/V of each block too
     needed = -(-max_model_len // config.block_size)
     if kv_bytes is None:  # a draft model's K/V shares the pool

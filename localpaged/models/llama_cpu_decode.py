@@ -221,8 +221,6 @@ class NativeDecode:
             return False
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if (attn.q_norm is None) != (attn.k_norm is None):
-                return False
             if attn.attn.k_cache is None or attn.attn.k_cache.dtype not in cpu.KV_DTYPES:
                 return False
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):

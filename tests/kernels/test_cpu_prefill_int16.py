@@ -43,9 +43,9 @@ def check(out: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor, head_di
         assert_close(out, ref)
 
 
-def test_the_rounding_bound_holds_a_key_left_out_past_it(make_paged_kv) -> None:
-    """The bound is no blanket: against a reference that leaves out the first block of keys (the kernel reading a
-    wrong row would look alike), the int16 output fails it, on a long context and a short one."""
+def test_the_rounding_bound_rejects_a_block_read_wrong(make_paged_kv) -> None:
+    """The bound is no blanket: against a reference that reads the first block's values as zeros (as a kernel reading
+    a wrong row would), the int16 output fails it, on a long context and a short one."""
     for prefix, seed in ((240, 1), (16, 2)):
         gen = torch.Generator().manual_seed(seed)
         k_cache, v_cache, tables, k_ref, v_ref = (
@@ -59,7 +59,7 @@ def test_the_rounding_bound_holds_a_key_left_out_past_it(make_paged_kv) -> None:
         )
         assert_within_rounding(out, ref, magnitude)
         first = tables[0, 0].item()
-        k_ref[first] = -1e4  # the first block's keys get no weight
+        v_ref[first] = 0.0
         wrong = torch_attention.paged_prefill(q.double(), k_ref, v_ref, tables, cu, lens, 0.125)
         with pytest.raises(AssertionError, match="bfloat16's rounding"):
             assert_within_rounding(out, wrong, magnitude)
