@@ -46,7 +46,7 @@ from localpaged.kernels.cpu_isa import KernelPath, choose_path
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
-ABI_VERSION = 11  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
+ABI_VERSION = 12  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
@@ -445,7 +445,8 @@ def amx(want: bool | None = None) -> bool:
     """Whether cascade attention's shared pass runs on AMX tiles here, for a 16-bit KV cache and heads of a multiple
     of 32 values (else the float32 tile): a CPU with AMX-BF16 that Linux lets this process use. ``want`` False
     switches it off for this process (tests and benchmarks compare the two), True back on where it can run. Where it
-    runs, the int16 prefill (``paged_prefill(..., "int16")``) runs on AMX tiles too."""
+    runs, the int16 prefill (``paged_prefill(..., "int16")``) and a prompt's projections (``qgemm(..., prompt=True)``)
+    run on AMX tiles too."""
     lib = library()
     return lib is not None and bool(lib.lp_amx(-1 if want is None else int(want)))
 
@@ -539,14 +540,17 @@ def pack_blocks(
 _lp_qgemm = Kernel("lp_qgemm", [POINTER, SIZE, SIZE, POINTER, POINTER, SIZE, INT, INT, INT, POINTER])
 _lp_qgemm_int16 = Kernel("lp_qgemm_int16", _lp_qgemm.argtypes)
 _lp_qgemm_int8 = Kernel("lp_qgemm_int8", _lp_qgemm.argtypes)
+_lp_qgemm_amx = Kernel("lp_qgemm_amx", _lp_qgemm.argtypes)
 _QGEMM = {"float32": _lp_qgemm, "int16": _lp_qgemm_int16, "int8": _lp_qgemm_int8}  # by PackedBlocks.activations
 
 
-def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
+def qgemm(x: torch.Tensor, w: PackedBlocks, prompt: bool = False) -> torch.Tensor:
     """``x`` [M, K] float32 times the packed weight's transpose: [M, rows]. ``x`` is copied if not contiguous.
 
     A weight packed for int16 or int8 activations goes to lp_qgemm_int16 or lp_qgemm_int8, which round each run of
-    x to that width first."""
+    x to that width first. ``prompt`` says the rows are a prompt's: a weight packed for int16 activations then runs
+    them on AMX tiles where those run (lp_qgemm_amx, as exact as int16 and much faster for many rows; each row's
+    result is the same whatever the other rows), else as without."""
     expect("x", x, torch.float32, 2)
     if not isinstance(w, PackedBlocks):
         raise KernelArgumentError(f"w must be PackedBlocks (from pack_blocks), not {type(w).__name__}")
@@ -556,7 +560,8 @@ def qgemm(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:
         raise KernelArgumentError(f"x has {k} columns but the packed weight takes {w.cols} (x must be [M, {w.cols}])")
     padded = w.q.shape[0] * TILE
     out = torch.empty(m, padded)
-    _QGEMM[w.activations](
+    kernel = _lp_qgemm_amx if prompt and w.activations == "int16" else _QGEMM[w.activations]
+    kernel(
         x.data_ptr(),
         m,
         k,

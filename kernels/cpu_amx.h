@@ -9,6 +9,9 @@
  * this process its tile state, lp_amx has not switched it off, the cache is 16-bit and D a multiple of 32. */
 int lp_amx_runs(int kv_dtype, long D);
 
+/* Configures this thread's eight tiles as 16 rows of 64 bytes (16 x 32 bfloat16 or 16 x 16 float32). */
+void lp_amx_configure(void);
+
 /* rows_task of cpu_kv_dispatch.h on AMX tiles: n_tok tokens tok[i] (q's rows), all G query heads of KV head kvh,
  * over keys k_begin (a multiple of 16) .. k_end - 1 of the block table row `table`, token i seeing those up to
  * tpos[i] (NULL: all, as a shared pass's); normalised into dst's rows tok[i] where stats is NULL, else unnormalised

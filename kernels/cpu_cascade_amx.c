@@ -50,7 +50,6 @@ static pthread_once_t checked = PTHREAD_ONCE_INIT;
 static int available = 0; /* the CPU has it, Linux granted this process its tile state, and a tile op ran */
 static int wanted = 1;    /* lp_amx(0) switches it off, lp_amx(1) back on */
 
-static void configure_tiles(void);
 
 /* Whether a tile op runs: tried in a child process, since on some virtual machines the CPU reports AMX and Linux
  * grants it, yet the first tile instruction raises SIGILL (llama.cpp's AMX kernels died so on them), which would
@@ -58,7 +57,7 @@ static void configure_tiles(void);
 static AMX int tiles_run(void) {
     const pid_t child = fork();
     if (child == 0) {
-        configure_tiles();
+        lp_amx_configure();
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -96,11 +95,13 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-static AMX void configure_tiles(void) {
+AMX void lp_amx_configure(void) {
     TileConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    /* GCC does not count ldtilecfg as reading c: without this it dropped the stores above */
+    __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 
@@ -388,7 +389,7 @@ static inline __attribute__((always_inline)) AMX int amx_rows(const int KV, cons
         m[r] = -INFINITY, l[r] = 0.0f;
     }
     memset(acc, 0, acc_bytes);
-    configure_tiles();
+    lp_amx_configure();
     for (long k0 = k_begin; k0 < k_end; k0 += SUB_KEYS) {
         const long n = k_end - k0 < SUB_KEYS ? k_end - k0 : SUB_KEYS;
         lay_out_keys(KV, k_cache, table, k0, n, kvh, stride, D, kt);

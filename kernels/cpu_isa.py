@@ -37,6 +37,8 @@ INT_ACTIVATIONS_HEADER = HERE / "cpu_activations.h"
 DECODE_STEP = HERE / "cpu_decode_step.c"  # lp_llama_decode: a decode step's layers over the path's own kernels
 QGEMM_INT8 = HERE / "cpu_qgemm_int8.c"  # lp_qgemm_int8: int8 activations, plain C and AVX-512 VNNI chosen at run time
 QGEMM_INT16 = HERE / "cpu_qgemm_int16.c"  # lp_qgemm_int16: int16 activations, the same way
+QGEMM_AMX = HERE / "cpu_qgemm_amx.c"  # lp_qgemm_amx: a prefill's matmuls on AMX tiles, where the CPU has them
+QGEMM_PAIRS = HERE / "cpu_qgemm_pairs.h"  # a packed tile's column pairs, for the int16 and AMX matmuls
 PREFILL_INT16 = HERE / "cpu_prefill_int16.c"  # lp_paged_prefill_int16: VNNI and BF16 products, where the CPU has them
 CASCADE_AMX = HERE / "cpu_cascade_amx.c"  # cascade attention's shared pass on AMX tiles, where the CPU has them
 AMX_HEADER = HERE / "cpu_amx.h"
@@ -66,7 +68,17 @@ class KernelPath:
     @property
     def sources(self) -> tuple[Path, ...]:
         """The C files compiled together."""
-        return (self.source, PACK, INT_ACTIVATIONS, DECODE_STEP, QGEMM_INT8, QGEMM_INT16, PREFILL_INT16, CASCADE_AMX)
+        return (
+            self.source,
+            PACK,
+            INT_ACTIVATIONS,
+            DECODE_STEP,
+            QGEMM_INT8,
+            QGEMM_INT16,
+            QGEMM_AMX,
+            PREFILL_INT16,
+            CASCADE_AMX,
+        )
 
     @property
     def inputs(self) -> tuple[Path, ...]:
@@ -82,6 +94,7 @@ class KernelPath:
             CASCADE,
             INT_ACTIVATIONS_HEADER,
             AMX_HEADER,
+            QGEMM_PAIRS,
         )
 
 

@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define TILE 16 /* weight rows per packed tile */
-#define LP_ABI_VERSION 11
+#define LP_ABI_VERSION 12
 
 /* A decode step reads every weight once, from memory, a tile's bytes in order: a qgemm kernel asks for the bytes
  * PREFETCH_BYTES past the group of a tile it is about to read (the groups that follow, then the next tile's), since
@@ -66,14 +66,15 @@ typedef struct {
 } lp_scales;
 
 int lp_abi_version(void);
-/* Whether cascade attention's shared pass runs on AMX tiles here (cpu_cascade_amx.c): want 1 asks for it where the CPU
- * and Linux allow it, 0 switches it off (the float32 tile then runs, as on every other CPU), -1 only asks. Not a
- * status: 1 on, 0 off. */
+/* Whether the AMX tiles run here (cpu_cascade_amx.c: cascade attention's shared pass, the int16 prefill, lp_qgemm_amx):
+ * want 1 asks for them where the CPU and Linux allow it, 0 switches them off (the float32 tile, the VNNI prefill and
+ * lp_qgemm_int16 then run, as on every other CPU), -1 only asks. Not a status: 1 on, 0 off. */
 int lp_amx(int want);
 int lp_qgemm(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded, int bits, int offset, int group, float *Y);
 int lp_pack_q(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out);
 int lp_qgemm_int8(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded, int bits, int offset, int group, float *Y);
 int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded, int bits, int offset, int group, float *Y);
+int lp_qgemm_amx(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded, int bits, int offset, int group, float *Y);
 int lp_pack_quads(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out);
 int lp_unpack_gguf(int type, const uint8_t *raw, int64_t blocks, int8_t *q, uint16_t *unit, int8_t *mult,
                    uint16_t *min_unit, int8_t *min_mult);

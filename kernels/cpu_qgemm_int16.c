@@ -24,6 +24,7 @@
 
 #include "cpu_activations.h"
 #include "cpu_kernels.h"
+#include "cpu_qgemm_pairs.h"
 #include "cpu_scales.h"
 
 #if defined(__x86_64__)
@@ -67,31 +68,6 @@ static void tile_rows_plain16(const lp_rounded_rows *x, long M, long K, long G, 
 }
 
 #if defined(__x86_64__)
-/* Columns 2p and 2p + 1 of a tile: lane j holds row j's two stored values as int16 (2p's in the low half). 4 and 5
- * bits: row j's byte holds both nibbles; 5 bits add each column's fifth bit from its 16-bit word. 8 bits: the two
- * columns' 16 bytes each, sign-widened, then interleaved. */
-static inline __attribute__((always_inline)) VNNI16 __m512i pair_weights(const int BITS, const int8_t *qt, long K,
-                                                                         long p) {
-    if (BITS == 8) {
-        const __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qt + 2 * p * TILE)));
-        const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
-                                                    7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-        return _mm512_permutexvar_epi16(interleave, words);
-    }
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qt + p * TILE)));
-    /* (bytes | bytes << 12) & 0x000F000F: the low nibble stays, the high one moves to bit 16 */
-    __m512i w = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
-    if (BITS == 5) {
-        uint32_t words;
-        memcpy(&words, qt + K * TILE / 2 + 4 * p, sizeof words); /* columns 2p and 2p + 1: bit j is row j's */
-        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        const __m512i bits = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)words), lane),
-                                              _mm512_set1_epi32(0x00010001));
-        w = _mm512_or_si512(w, _mm512_slli_epi32(bits, 4));
-    }
-    return w;
-}
-
 /* R rows (<= 6, a constant after inlining) from r0 against one tile, its pairs from the expanded panel P (PANEL) or
  * unpacked from qt as they are needed: per group, each row's 16 integer dot products in one register, then scaled
  * into fp32 accumulators as scaled_group does. */
@@ -199,6 +175,7 @@ QGEMM_INT16_FN(8, 16, 0, 1)
 #define QGEMM_INT16_BY_GROUP(BITS) \
     (group == 16 ? QGEMM_INT16_BY_OFFSET(BITS, 16) : QGEMM_INT16_BY_OFFSET(BITS, 32))
 #endif
+
 
 /* X: [M, K] fp32; q, scales, bits (8, 4 or 5), offset and group (32 or 16, dividing K) as lp_qgemm takes them
  * (8-bit values never have an offset); Y: [M, N_padded]. */

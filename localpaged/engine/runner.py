@@ -28,6 +28,7 @@ from localpaged.engine.scheduler import ScheduledBatch
 from localpaged.engine.structured import apply_grammar_bitmask
 from localpaged.kernels.torch_attention import CascadePlan
 from localpaged.layers.attention import Attention, AttentionMetadata
+from localpaged.layers.linear import PromptRows
 from localpaged.models.llama_cpu_decode import NativeDecode
 
 if TYPE_CHECKING:
@@ -175,9 +176,11 @@ class ModelRunner:
         limits: list[int] = []  # each entry's whole blocks computed before this step, for the cascade groups
         logit_rows: list[int] = []
         to_sample: list[int] = []
+        prompt_rows: list[int] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + n
+            prompt_rows.extend(range(len(positions), len(positions) + max(min(end, seq.num_prompt_tokens) - start, 0)))
             drafts = seq.spec_token_ids
             input_ids.extend(seq.token_ids[start : end - len(drafts)] + drafts)
             positions.extend(range(start, end))
@@ -202,6 +205,8 @@ class ModelRunner:
                 logit_rows.append(cu[-1] - 1)
         meta = self.metadata(slots, tables, cu, context_lens)
         dev = self.device
+        if dev.type == "cpu":  # only the CPU's block projections read it
+            meta.prompt_rows = PromptRows.of(prompt_rows, len(positions), dev)
         if self.cascade and len(tables) > 1:
             meta.cascade = self.cascade_plan(tables, limits)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
@@ -230,7 +235,7 @@ class ModelRunner:
         """The model's final hidden states over the rows of ``meta``, on the fastest path that takes them."""
         if self.graphs is not None and meta.cascade is None and self.graphs.can_run(meta, len(meta.context_lens)):
             return self.graphs.run(ids, pos, meta)
-        if self.native_decode is not None and meta.max_q_len == 1:
+        if self.native_decode is not None and meta.max_q_len == 1 and meta.prompt_rows is None:
             return self.native_decode.run(ids, pos, meta)
         self.attention.prepare(meta)
         return self.model(ids, pos, meta)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from localpaged.kernels import cpu, torch_attention
+from localpaged.layers.linear import PromptRows
 from localpaged.layers.rotary_embedding import apply_rope
 
 
@@ -30,6 +31,7 @@ class AttentionMetadata:
     cascade: torch_attention.CascadePlan | None = (
         None  # groups sharing leading blocks (runner.cascade_plan); None: none
     )
+    prompt_rows: PromptRows | None = None  # the rows that are prompt tokens, for the projections; None: none
 
 
 class TorchAttention:

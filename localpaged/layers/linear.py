@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from localpaged.kernels import cpu
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """The rows of a step's flat batch that are prompt tokens (``index``) and the others (``rest``; None where every
+    row is a prompt's), int64. ``BlockLinear`` runs a prompt's rows on AMX tiles where those run
+    (``cpu.qgemm(..., prompt=True)``) in every step, so a prompt's K/V and first token do not depend on how it was
+    chunked or batched; decoded, draft and recomputed tokens run as a decode step runs them."""
+
+    index: torch.Tensor
+    rest: torch.Tensor | None
+
+    @staticmethod
+    def of(prompt: list[int], rows: int, device: torch.device) -> PromptRows | None:
+        """The split of ``rows`` rows whose prompt rows are ``prompt`` (ascending); None where there are none."""
+        if not prompt:
+            return None
+        index = torch.tensor(prompt, dtype=torch.int64, device=device)
+        if len(prompt) == rows:
+            return PromptRows(index, None)
+        rest = torch.ones(rows, dtype=torch.bool, device=device)
+        rest[index] = False
+        return PromptRows(index, rest.nonzero().squeeze(1))
 
 
 class Linear(nn.Linear):
@@ -19,7 +44,8 @@ class Linear(nn.Linear):
 
     ROW_SLICE = 1024
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
+        """``prompt_rows`` is BlockLinear's: float weights compute every row alike."""
         if x.device.type != "cpu" or x.shape[0] > 128:
             return F.linear(x, self.weight, self.bias)
         xt = x.t()
@@ -58,6 +84,13 @@ class BlockLinear(nn.Module):
             self.register_buffer(name, getattr(self.packed, name))
         self.bias = bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = cpu.qgemm(x, self.packed)
+    def forward(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
+        if prompt_rows is None:
+            out = cpu.qgemm(x, self.packed)
+        elif prompt_rows.rest is None:
+            out = cpu.qgemm(x, self.packed, prompt=True)
+        else:
+            out = x.new_empty(x.shape[0], self.out_features)
+            out[prompt_rows.index] = cpu.qgemm(x[prompt_rows.index], self.packed, prompt=True)
+            out[prompt_rows.rest] = cpu.qgemm(x[prompt_rows.rest], self.packed)
         return out + self.bias if self.bias is not None else out

@@ -16,7 +16,7 @@ from localpaged.errors import UnsupportedModelError
 from localpaged.layers.activation import SiluAndMul
 from localpaged.layers.attention import Attention, AttentionMetadata, AttentionPath
 from localpaged.layers.layernorm import RMSNorm
-from localpaged.layers.linear import Linear
+from localpaged.layers.linear import Linear, PromptRows
 from localpaged.layers.rotary_embedding import RotaryEmbedding
 
 # Our fused projections and the Hugging Face projections they hold, in row order.
@@ -44,10 +44,10 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, attention)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, meta.prompt_rows)
         if self.q_norm is not None:
             qkv = self.norm_heads(qkv)
-        return self.o_proj(self.attn(qkv, cos, sin, meta))
+        return self.o_proj(self.attn(qkv, cos, sin, meta), meta.prompt_rows)
 
     def norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """``qkv`` with every head of q and k RMS-normalised (q_norm, k_norm), v as it is."""
@@ -66,8 +66,8 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x, prompt_rows)), prompt_rows)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -82,7 +82,7 @@ class LlamaDecoderLayer(nn.Module):
         """``x`` is the last sublayer's output, not yet added to ``residual`` (None before the first layer)."""
         h, residual = self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, meta), residual)
-        return self.mlp(h), residual
+        return self.mlp(h, meta.prompt_rows), residual
 
 
 class LlamaForCausalLM(nn.Module):

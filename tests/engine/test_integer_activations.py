@@ -10,7 +10,7 @@ import torch
 from localpaged import LLM, SamplingParams
 from localpaged.errors import ConfigError
 from localpaged.kernels import cpu
-from localpaged.layers.linear import BlockLinear
+from localpaged.layers.linear import BlockLinear, PromptRows
 from tests.engine.test_parity import _prompts
 from tests.oracle import exact_llm
 
@@ -81,3 +81,66 @@ def test_auto_is_int16_where_vnni_runs_and_integer_activations_are_refused_where
     for activations in ("int16", "int8"):
         with pytest.raises(ConfigError, match=f"activations='{activations}' needs a CPU with AVX-512 VNNI"):
             make(native_llama, activations=activations)
+
+
+@NEEDS_VNNI
+def test_prompt_rows_reach_the_projections_marked_in_every_kind_of_step(native_llama):
+    """Every row of a step that is a prompt token, and no other, is in the step's PromptRows: in whole and chunked
+    prompts and in steps that also decode; a step with a prompt row never takes the native decode step (its
+    projections run every row as a decoded one)."""
+    llm = LLM(str(native_llama), dtype="float32", kv_cache_memory="64MiB", max_model_len=512, max_num_batched_tokens=16)
+    runner = llm.runner
+    steps = []
+    prepare, native = runner.prepare, runner.native_decode.run
+
+    def watched(batch):
+        # each sequence's rows this step and which of them are its prompt's, before prepare moves anything
+        expected, row = [], 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            expected += [row + j for j in range(n) if start + j < seq.num_prompt_tokens]
+            row += n
+        out = prepare(batch)
+        meta = out[2]
+        steps.append((expected, row, meta.prompt_rows))
+        return out
+
+    runner.prepare = watched
+    runner.native_decode.run = lambda ids, pos, meta: (
+        (pytest.fail("a step with prompt rows took the native decode step") if meta.prompt_rows is not None else None)
+        or native(ids, pos, meta)
+    )
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm.add_request(list(range(300, 340)), params)  # 40 prompt tokens: chunks of 16, 16 and 8
+    llm.step()
+    llm.step()
+    llm.add_request(list(range(500, 523)), params)  # arrives while the first prompt still prefills
+    while llm.has_unfinished_requests():
+        llm.step()
+    kinds = set()
+    for expected, rows, split in steps:
+        if not expected:
+            assert split is None
+            kinds.add("decode")
+            continue
+        assert split.index.tolist() == expected
+        if len(expected) == rows:
+            assert split.rest is None
+            kinds.add("prompt")
+        else:
+            assert sorted(expected + split.rest.tolist()) == list(range(rows))
+            kinds.add("mixed")
+    assert kinds == {"decode", "prompt", "mixed"}
+
+
+@NEEDS_VNNI
+def test_a_block_projection_runs_its_prompt_rows_as_prompt_rows_and_the_rest_as_decoded_ones(native_llama):
+    llm = LLM(str(native_llama), dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+    proj = next(m for m in llm.runner.model.modules() if isinstance(m, BlockLinear))
+    x = torch.randn(10, proj.in_features, generator=torch.Generator().manual_seed(0))
+    split = PromptRows.of([1, 4, 5, 9], 10, x.device)
+    out = proj(x, split)
+    assert torch.equal(out[split.index], cpu.qgemm(x[split.index], proj.packed, prompt=True))
+    assert torch.equal(out[split.rest], cpu.qgemm(x[split.rest], proj.packed))
+    assert torch.equal(proj(x, PromptRows.of(list(range(10)), 10, x.device)), cpu.qgemm(x, proj.packed, prompt=True))
+    assert torch.equal(proj(x), cpu.qgemm(x, proj.packed))

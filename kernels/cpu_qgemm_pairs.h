@@ -1,0 +1,41 @@
+/* A packed tile's columns two at a time as int16 pairs (cpu_qgemm.h's layout), for the kernels that multiply
+ * pairs: lp_qgemm_int16's VNNI kernel (cpu_qgemm_int16.c) and lp_qgemm_amx's AMX tiles (cpu_qgemm_amx.c). */
+#ifndef LP_CPU_QGEMM_PAIRS_H
+#define LP_CPU_QGEMM_PAIRS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* Columns 2p and 2p + 1 of a tile: lane j holds row j's two stored values as int16 (2p's in the low half). 4 and 5
+ * bits: row j's byte holds both nibbles; 5 bits add each column's fifth bit from its 16-bit word. 8 bits: the two
+ * columns' 16 bytes each, sign-widened, then interleaved. */
+static inline __attribute__((always_inline)) __attribute__((target("avx512f,avx512bw"))) __m512i pair_weights(const int BITS, const int8_t *qt, long K,
+                                                                         long p) {
+    if (BITS == 8) {
+        const __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qt + 2 * p * TILE)));
+        const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
+                                                    7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        return _mm512_permutexvar_epi16(interleave, words);
+    }
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qt + p * TILE)));
+    /* (bytes | bytes << 12) & 0x000F000F: the low nibble stays, the high one moves to bit 16 */
+    __m512i w = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+    if (BITS == 5) {
+        uint32_t words;
+        memcpy(&words, qt + K * TILE / 2 + 4 * p, sizeof words); /* columns 2p and 2p + 1: bit j is row j's */
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i bits = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)words), lane),
+                                              _mm512_set1_epi32(0x00010001));
+        w = _mm512_or_si512(w, _mm512_slli_epi32(bits, 4));
+    }
+    return w;
+}
+
+#endif
+
+#endif
