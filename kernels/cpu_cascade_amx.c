@@ -50,7 +50,6 @@ static pthread_once_t checked = PTHREAD_ONCE_INIT;
 static int available = 0; /* the CPU has it, Linux granted this process its tile state, and a tile op ran */
 static int wanted = 1;    /* lp_amx(0) switches it off, lp_amx(1) back on */
 
-
 /* Whether a tile op runs: tried in a child process, since on some virtual machines the CPU reports AMX and Linux
  * grants it, yet the first tile instruction raises SIGILL (llama.cpp's AMX kernels died so on them), which would
  * end this process. The child runs nothing but the tile ops and _exit. */
