@@ -108,6 +108,13 @@ def sources_sha256(path: KernelPath) -> str:
     return digest.hexdigest()
 
 
+@functools.cache
+def pack_format() -> str:
+    """sha256 over what lays out ``pack_blocks``' tensors: the C sources and flags in use, and this file. Weights kept
+    packed on disk (models/packed_cache.py) are read back only by the same kernels: any change repacks once."""
+    return hashlib.sha256((sources_sha256(chosen_path()) + Path(__file__).read_text()).encode()).hexdigest()
+
+
 def _load(compiler: str, path: KernelPath) -> ctypes.CDLL:
     """The checked library built from ``path``'s sources by ``compiler``, loaded, of ABI_VERSION, kernels declared.
 

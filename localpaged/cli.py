@@ -24,9 +24,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+# The chat layer (sqlite-utils) is imported by the commands that use it: ``serve`` starts its engine core sooner.
 from localpaged.chat.prompts import get_prompt, list_prompts, load_prompt
-from localpaged.chat.session import export_markdown, filled_context, limit_note
-from localpaged.chat.store import MAX_SEARCH_LIMIT, ChatStore
 from localpaged.errors import ConfigError, LocalpagedError, PromptError, RequestError
 
 if TYPE_CHECKING:
@@ -404,7 +403,8 @@ def cmd_chat(args: argparse.Namespace, engines: list[EngineClient]) -> None:
 
 
 def cmd_run(args: argparse.Namespace, engines: list[EngineClient]) -> None:
-    from localpaged.chat.session import Session
+    from localpaged.chat.session import Session, filled_context, limit_note
+    from localpaged.chat.store import ChatStore
 
     if args.session and (args.system or args.prompt):
         raise ConfigError("--system and --prompt set up new sessions; a continued --session keeps its own")
@@ -536,7 +536,7 @@ def open_engine(model: str | None, **engine_config: object) -> EngineClient:
 
 def cmd_serve(args: argparse.Namespace, engines: list[EngineClient]) -> None:
     from localpaged.config import EngineConfig
-    from localpaged.server.runner import listen, serve
+    from localpaged.server.listen import listen
 
     # The app's imports (FastAPI, pydantic) run while the core process loads the model, not before it starts.
     app_imports = threading.Thread(target=importlib.import_module, args=("localpaged.server.app",), daemon=True)
@@ -554,6 +554,7 @@ def cmd_serve(args: argparse.Namespace, engines: list[EngineClient]) -> None:
         engines.append(engine)
         app_imports.join()
         from localpaged.server.app import build_app
+        from localpaged.server.runner import serve
 
         app = build_app(engine, api_key=api_key, allowed_hosts=args.allowed_hosts)
         host, port = sock.getsockname()[:2]
@@ -586,12 +587,17 @@ def _is_loopback(host: str) -> bool:
 
 
 def cmd_sessions_list(args: argparse.Namespace, engines: list[EngineClient]) -> None:
+    from localpaged.chat.store import ChatStore
+
     with ChatStore(args.db) as store:
         for s in store.list_sessions():
             print(f"{s.id}\t{_when(s.updated)}\t{_shown(s.title or '(untitled)', one_line=True)}")
 
 
 def cmd_sessions_show(args: argparse.Namespace, engines: list[EngineClient]) -> None:
+    from localpaged.chat.session import limit_note
+    from localpaged.chat.store import ChatStore
+
     with ChatStore(args.db) as store:
         messages = store.messages(args.id)
     for m in messages:
@@ -603,6 +609,9 @@ def cmd_sessions_show(args: argparse.Namespace, engines: list[EngineClient]) -> 
 
 
 def cmd_sessions_export(args: argparse.Namespace, engines: list[EngineClient]) -> None:
+    from localpaged.chat.session import export_markdown
+    from localpaged.chat.store import ChatStore
+
     with ChatStore(args.db) as store:
         text = export_markdown(store.get_session(args.id), store.messages(args.id))
         database = store.path
@@ -633,12 +642,16 @@ def _check_export_target(target: Path, database: Path | None, force: bool) -> No
 
 
 def cmd_sessions_delete(args: argparse.Namespace, engines: list[EngineClient]) -> None:
+    from localpaged.chat.store import ChatStore
+
     with ChatStore(args.db) as store:
         store.delete_session(args.id)
     print(f"deleted session {args.id}", file=sys.stderr)
 
 
 def cmd_search(args: argparse.Namespace, engines: list[EngineClient]) -> None:
+    from localpaged.chat.store import MAX_SEARCH_LIMIT, ChatStore
+
     if not 1 <= args.limit <= MAX_SEARCH_LIMIT:
         raise ConfigError(f"--limit {args.limit}: use a number from 1 to {MAX_SEARCH_LIMIT:,}")
     if "\x00" in args.text:

@@ -101,7 +101,8 @@ def cache_dir() -> Path:
 
 
 def models_cache_dir() -> Path:
-    """Each GGUF file's config and tokenizer, read from its metadata: one folder per source file hash."""
+    """Each GGUF file's config and tokenizer, read from its metadata, and its weights packed for the CPU kernels;
+    each model's tokenizer record (engine/engine_tokenizer.py): one folder each, named after the source's hash."""
     return _sub(cache_dir(), "models", CACHE_VAR)
 
 

@@ -173,6 +173,7 @@ class AsyncLLM:
         self._call_ids = itertools.count()
         self._closed: LocalpagedError | None = None  # why nothing more can be served
         self._stopping = False
+        self._spare_vocabulary: Vocabulary | None = None  # a copy made while the core loaded, for vocabulary()
         if engine_process is None:
             engine_process = os.environ.get("LOCALPAGED_ENGINE_PROCESS", "1") != "0"
         if llm is None and engine_process:
@@ -195,17 +196,19 @@ class AsyncLLM:
     def _start_process(self, config: dict, progress: Progress | None) -> None:
         from localpaged.engine.tokenizer import load_front_end_tokenizer, load_tokenizer, probe_ids
 
+        def load(folder: str) -> tuple[Any, Vocabulary]:
+            tokenizer = load_front_end_tokenizer(folder)
+            return tokenizer, Vocabulary(tokenizer)  # a copy takes a good part of a second: made while waiting
+
         # The tokenizer loads here while the core loads the weights.
         loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="localpaged-tokenizer")
         tokenizer: list[concurrent.futures.Future] = []
         try:
-            core = CoreProcess(
-                config, progress, lambda folder: tokenizer.append(loader.submit(load_front_end_tokenizer, folder))
-            )
+            core = CoreProcess(config, progress, lambda folder: tokenizer.append(loader.submit(load, folder)))
             try:
-                self.tokenizer = tokenizer[0].result()
+                self.tokenizer, self._spare_vocabulary = tokenizer[0].result()
                 if probe_ids(self.tokenizer) != core.ready.probe_ids:  # a tokenizer class with its own ways
-                    self.tokenizer = load_tokenizer(core.ready.model_folder)
+                    self.tokenizer, self._spare_vocabulary = load_tokenizer(core.ready.model_folder), None
             except BaseException:
                 core.kill()
                 raise
@@ -229,7 +232,8 @@ class AsyncLLM:
     def vocabulary(self) -> Vocabulary | None:
         """A copy of the front end's tokenizer, for the caller's own use."""
         with self._tokenizer_lock:
-            return Vocabulary(self.tokenizer)
+            spare, self._spare_vocabulary = self._spare_vocabulary, None
+            return spare or Vocabulary(self.tokenizer)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         """``prompt`` as token ids, encoded and checked against the context here, before the core sees it.

@@ -34,7 +34,6 @@ from typing import Any
 from localpaged import errors
 from localpaged.engine import messages as m
 from localpaged.engine.output import RequestOutput
-from localpaged.engine.tokenizer import probe_ids
 
 log = logging.getLogger(__name__)
 
@@ -180,12 +179,14 @@ def serve(fd: int) -> int:
     def progress(message: str, fraction: float | None) -> None:
         channel.send(m.encode(m.Progress(message, fraction)))
 
-    from localpaged.engine.llm import LLM
     from localpaged.models.loader import resolve_model
 
     try:
         files = resolve_model(first[0].config.get("model"), progress)  # reads a GGUF's metadata on its first use
         channel.send(m.encode(m.Resolved(str(files.folder))))
+        # torch only now: the front end loads its tokenizer from the folder just sent while this imports.
+        from localpaged.engine.llm import LLM
+
         llm = LLM(progress=progress, model_files=files, **first[0].config)
     except errors.LocalpagedError as exc:
         channel.send(m.encode(m.StartFailed(type(exc).__name__, str(exc))))
@@ -196,7 +197,7 @@ def serve(fd: int) -> int:
             m.encode(m.StartFailed("LocalpagedError", f"the engine could not start: {type(exc).__name__}: {exc}"))
         )
         return 1
-    channel.send(m.encode(m.Ready(llm.model_name, str(llm.model_folder), llm.resolved, probe_ids(llm.tokenizer))))
+    channel.send(m.encode(m.Ready(llm.model_name, str(llm.model_folder), llm.resolved, llm.engine_tokenizer.probe_ids)))
     try:
         EngineCore(llm, channel.send).run(channel.receive)
     except (BrokenPipeError, ConnectionResetError):

@@ -23,7 +23,7 @@ import uuid
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,7 +39,14 @@ from localpaged.engine.scheduler import ScheduledBatch, Scheduler
 from localpaged.engine.sequence import Sequence, SequenceStatus
 from localpaged.engine.setup import EngineParts, build_engine_parts
 from localpaged.engine.speculative import Speculator
-from localpaged.engine.tokenizer import Prompt, check_prompt_length, encode_chat, encode_prompt, max_prompt_chars
+from localpaged.engine.tokenizer import (
+    Prompt,
+    check_prompt_length,
+    encode_chat,
+    encode_prompt,
+    max_prompt_chars,
+    token_ids,
+)
 from localpaged.errors import RequestError
 from localpaged.models import Progress
 from localpaged.models.loader import ModelFiles
@@ -83,8 +90,8 @@ class LLM:
         self.resolved = parts.resolved  # what the engine settled on
         self.model_name = parts.name
         self.model_folder = parts.folder
-        self.tokenizer = parts.tokenizer
-        self._max_prompt_chars = max_prompt_chars(self.tokenizer, self.resolved.max_model_len)
+        self.engine_tokenizer = parts.tokenizer  # decodes; the full one (``tokenizer``) loads on first use
+        self._max_prompt_chars = max_prompt_chars(self.engine_tokenizer, self.resolved.max_model_len)
         self.device = parts.device
         self.stop_token_ids = parts.stop_token_ids
         self.block_bytes = parts.block_bytes
@@ -134,7 +141,9 @@ class LLM:
         return encode_chat(self.tokenizer, messages, tools)
 
     def _encode(self, prompt: Prompt) -> list[int]:
-        ids = encode_prompt(self.tokenizer, prompt, self._max_prompt_chars)
+        ids = token_ids(prompt)
+        if ids is None:  # text or a chat: the full tokenizer (loaded on first use)
+            ids = encode_prompt(self.tokenizer, prompt, self._max_prompt_chars)
         vocab = self.runner.model.config.vocab_size
         if any(t >= vocab for t in ids):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
@@ -172,7 +181,7 @@ class LLM:
         """Sample ``index`` of a request with its own state: every per-sample thing is built here, and only here."""
         seq = Sequence(request_id, list(ids), params, index=index)
         seq.extra = _SampleState(
-            IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+            IncrementalDetokenizer(self.engine_tokenizer, ids, params.stop),
             make_generator(params, self.device, index),
             [] if params.logprobs is not None else None,
             self._grammar(params),
@@ -188,7 +197,7 @@ class LLM:
 
             vocab = self.runner.model.config.vocab_size
             self._structured = StructuredOutputManager(
-                self.tokenizer, vocab, self.stop_token_ids, self.resolved.max_num_seqs, self.device
+                self.engine_tokenizer, vocab, self.stop_token_ids, self.resolved.max_num_seqs, self.device
             )
         return self._structured.request(params.structured)
 
@@ -459,6 +468,12 @@ class LLM:
         return self.generate(list(conversations), params)  # type: ignore[arg-type]
 
     # ---- introspection --------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's transformers tokenizer (encoding, the chat template), loaded on first use: the engine itself
+        decodes with ``engine_tokenizer``, which starts without transformers."""
+        return self.engine_tokenizer.full
 
     @property
     def info(self) -> EngineInfo:

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from localpaged.config import DRAFT_K_DEFAULT, EngineConfig, ResolvedConfig, check_field, parse_bytes
+from localpaged.engine.engine_tokenizer import EngineTokenizer, load_engine_tokenizer
 from localpaged.engine.kv_disk import BlockLayout, KVDiskTier, layout_fingerprint
 from localpaged.engine.runner import ModelRunner
 from localpaged.engine.speculative import AUTO_MAX_ROWS
-from localpaged.engine.tokenizer import load_tokenizer
 from localpaged.errors import ConfigError
 from localpaged.kernels import cpu
 from localpaged.layers.attention import AttentionPath, select_attention
@@ -31,6 +31,7 @@ from localpaged.models.gguf_file import GGUFFile
 from localpaged.models.gguf_weights import BlockQuantized, GGUFWeights
 from localpaged.models.llama import LlamaForCausalLM, head_dim_of
 from localpaged.models.loader import ModelFiles, load_config, load_state_dict, resolve_model
+from localpaged.models.packed_cache import PackedCache
 from localpaged.models.quantized import swap_in_blocks
 from localpaged.models.weights_digest import weights_digest
 
@@ -56,7 +57,7 @@ class EngineParts:
     name: str
     folder: Path
     model: LlamaForCausalLM
-    tokenizer: object
+    tokenizer: EngineTokenizer
     attention: AttentionPath
     device: torch.device
     kv_dtype: torch.dtype
@@ -266,14 +267,19 @@ def load_model(
     attention = select_attention(attention_name, device, dtype, head_dim_of(hf_config), activations)
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, attention, max_model_len)
-    model = model.to_empty(device=device).to(dtype)
+    # Each tensor made as it is declared, in ``dtype``, uninitialised: what to_empty(device).to(dtype) makes, without
+    # the symbolic-shape machinery (and sympy) its empty_like loads into the process on first use.
+    model = model._apply(
+        lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+    )
     model.rotary_emb.init_tables()
     if files.gguf is None:
         model.load_hf_state_dict(load_state_dict(files.folder))
     else:
         weights = GGUFWeights(GGUFFile(files.gguf), model.hf_weight_names(), hf_config)
         if blocks:
-            model.load_hf_state_dict(swap_in_blocks(model, weights, activations))
+            cache = PackedCache(files.fingerprint, activations)
+            model.load_hf_state_dict(swap_in_blocks(model, weights, activations, cache))
         else:  # float weights, or the GPU: dequantised from the file into the model's dtype on its device
             model.load_hf_state_dict({n: dequantized(weights.read(n)) for n in weights.names})
     model.eval()
@@ -298,7 +304,7 @@ def load_draft(
     files = resolve_model(spec["draft"], progress)
     progress("Loading the draft model", None)
     draft_config = load_config(files.folder)
-    if load_tokenizer(files.folder).get_vocab() != tokenizer.get_vocab():
+    if load_engine_tokenizer(files.folder).get_vocab() != tokenizer.get_vocab():
         raise ConfigError(
             f"speculative draft {files.name}: its vocabulary is not the target model's (the same tokens under the "
             "same ids): a draft must share the target's tokenizer; name a smaller model of the same family"
@@ -334,10 +340,11 @@ def build_engine_parts(
     files = files or resolve_model(config.model, progress)
     progress("Loading the model", None)
     hf_config = load_config(files.folder)
-    # The tokenizer loads in a thread while the weights do: its import and parsing are mostly Python, the weights'
-    # unpacking and packing native code that lets the thread run. Nothing reads it before the draft model's check.
+    # The tokenizer loads in a thread while the weights do: a first load (transformers' import and parsing) is mostly
+    # Python, a first packing of the weights native code that lets the thread run. Nothing reads it before the
+    # draft model's check.
     loading = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-    tokenizer_job = loading.submit(load_tokenizer, files.folder)
+    tokenizer_job = loading.submit(load_engine_tokenizer, files.folder)
     loading.shutdown(wait=False)  # the job runs to its end; the pool takes no other
 
     model_limit = min(hf_config.max_position_embeddings, getattr(hf_config, "sliding_window", None) or 1 << 30)

@@ -24,7 +24,7 @@ import json
 import os
 import re
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from localpaged.sampling import StructuredOutputs
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+    from localpaged.engine.engine_tokenizer import EngineTokenizer
     from localpaged.engine.sequence import Sequence
 
 # Distinct compiled grammars kept; a typical schema's masks over a 50k vocabulary are ~100 KB, so this is
@@ -89,9 +90,15 @@ class StructuredOutputManager:
     """The engine's grammar compiler and the step's bitmask; used on the engine's step thread only."""
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int] | list[int], max_rows: int, device: torch.device
+        self,
+        tokenizer: EngineTokenizer,
+        vocab_size: int,
+        stop_token_ids: set[int] | list[int],
+        max_rows: int,
+        device: torch.device,
     ) -> None:
-        """``vocab_size``: the model's (the logits' width, which may exceed the tokenizer's); ``stop_token_ids``:
+        """``tokenizer``: its full transformers tokenizer is read on the compile pool (loading it may take seconds);
+        ``vocab_size``: the model's (the logits' width, which may exceed the tokenizer's); ``stop_token_ids``:
         the engine's, the only tokens a grammar's end allows; ``max_rows``: the most rows a step samples."""
         import xgrammar as xgr
 
@@ -114,13 +121,14 @@ class StructuredOutputManager:
         bitmask = self._xgr.allocate_token_bitmask(rows, self.vocab_size)
         return bitmask.pin_memory() if self.device.type == "cuda" else bitmask
 
-    def _build_compiler(self, tokenizer: Any) -> xgr.GrammarCompiler:
+    def _build_compiler(self, engine_tokenizer: EngineTokenizer) -> xgr.GrammarCompiler:
         """The compiler over the engine's vocabulary, built on the pool (it reads every token once).
 
         Special tokens other than the stop tokens are blanked, which xgrammar never allows: the reply's text
         is decoded without them, so a grammar must not spend them as text (``<|im_start|>`` inside a string).
         """
         xgr = self._xgr
+        tokenizer = engine_tokenizer.full
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stops)
         special = set(getattr(tokenizer, "all_special_ids", ()))
         special |= {

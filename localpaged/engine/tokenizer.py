@@ -55,6 +55,9 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, max_chars: int | None = None) 
     """A prompt as the token ids the engine runs: text without special tokens added, chat messages under the
     template, token ids as given (the engine checks them against its vocabulary). A RequestError names what
     is wrong; text longer than ``max_chars`` (``max_prompt_chars``) is refused before it is encoded."""
+    ids = token_ids(prompt)
+    if ids is not None:
+        return ids
     if isinstance(prompt, str):
         if reason := not_unicode(prompt):
             raise RequestError(f"the prompt cannot be encoded: {reason}")
@@ -65,14 +68,20 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, max_chars: int | None = None) 
             f"a prompt must be text (str), token ids (a list of int) or chat messages (a list of dict), "
             f"not {type(prompt).__name__}" + ("; decode it to str first" if isinstance(prompt, bytes) else "")
         )
-    if prompt and isinstance(prompt[0], dict):
-        messages = check_messages(prompt)
-        _check_chars(sum(len(m["content"]) for m in messages), max_chars)
-        return encode_chat(tokenizer, messages)
+    messages = check_messages(prompt)
+    _check_chars(sum(len(m["content"]) for m in messages), max_chars)
+    return encode_chat(tokenizer, messages)
+
+
+def token_ids(prompt: Prompt) -> list[int] | None:
+    """A prompt given as token ids, checked (RequestError unless each is a whole number >= 0; the engine checks them
+    against its vocabulary); None for text, chat messages or anything else (``encode_prompt`` says what)."""
+    if not isinstance(prompt, (list, tuple)) or (prompt and isinstance(prompt[0], dict)):
+        return None
     ids = list(prompt)
     if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
         raise RequestError("prompt token ids must be integers in [0, the vocabulary size)")
-    return ids  # type: ignore[return-value]
+    return ids
 
 
 def _check_chars(chars: int, max_chars: int | None) -> None:

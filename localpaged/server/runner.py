@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import socket
 import threading
@@ -20,23 +19,9 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from localpaged.errors import ConfigError
 from localpaged.server.state import ServerState
 
 GRACE_S = 3.0  # after the aborts, how long uvicorn waits for responses to end before it cancels them
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A socket listening on host:port (0: any free port), or a ConfigError saying why not.
-
-    The CLI listens before it loads the model, so a port in use fails at once, not after the load.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family, backlog=2048)
-    except OSError as exc:
-        reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        raise ConfigError(f"cannot listen on {host}:{port} ({reason}); pick another --port or --host") from None
 
 
 class Server(uvicorn.Server):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import re
 import time
@@ -38,12 +39,17 @@ class ServerState:
         self.metrics = ServerMetrics(engine.stats)
         self.runs: dict[str, Run] = {}
         self.stopping = False
-        # One copy for /tokenize and the prompts encoded off the loop, one for the loop's logprob texts, so
-        # that neither waits for the other's lock. None: an engine whose tokenizer is not here (a remote one).
+        # One copy for /tokenize and the prompts encoded off the loop, one for the loop's logprob texts (made on
+        # the first request for logprobs), so that neither waits for the other's lock. None: an engine whose
+        # tokenizer is not here (a remote one).
         self.vocabulary = engine.vocabulary()
-        self.token_texts = engine.vocabulary()
         chat_template = self.vocabulary.chat_template if self.vocabulary is not None else None
         self.tool_format: ToolFormat = detect_format(chat_template)
+
+    @functools.cached_property
+    def token_texts(self) -> Vocabulary | None:
+        """The loop's copy of the tokenizer, for logprob texts (read on the event loop only)."""
+        return self.engine.vocabulary()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

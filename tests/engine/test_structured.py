@@ -339,19 +339,20 @@ def test_a_failed_compile_ends_that_request_alone(tiny_model_path, monkeypatch):
 
 def test_padded_vocabulary_ids_are_never_allowed(default_model_folder):
     """The logits may be wider than the tokenizer: ids past it, like special tokens, are masked for a grammar."""
-    from localpaged.engine.tokenizer import load_tokenizer
+    from localpaged.engine.engine_tokenizer import load_engine_tokenizer
 
-    tokenizer = load_tokenizer(default_model_folder)
-    vocab = len(tokenizer) + 64
+    tokenizer = load_engine_tokenizer(default_model_folder)
+    size = len(tokenizer.full)
+    vocab = size + 64
     manager = StructuredOutputManager(tokenizer, vocab, {0, 2}, 2, torch.device("cpu"))
     request = manager.request(StructuredOutputs(regex="[^x]*"))
     request.future.result()
     assert request.start()
     logits = torch.zeros(2, vocab)
-    logits[:, len(tokenizer) :] = 100.0
+    logits[:, size:] = 100.0
     manager.apply_bitmask(logits, [1], [request])
     assert torch.isfinite(logits[0]).all()  # the other row is untouched
-    assert torch.isinf(logits[1, len(tokenizer) :]).all() and torch.isinf(logits[1, 1])  # padding, <|im_start|>
+    assert torch.isinf(logits[1, size:]).all() and torch.isinf(logits[1, 1])  # padding, <|im_start|>
     assert torch.isfinite(logits[1, [0, 2]]).all()  # the stop tokens end the reply
 
 

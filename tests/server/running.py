@@ -8,7 +8,8 @@ from contextlib import contextmanager
 
 from localpaged.engine.protocol import EngineClient
 from localpaged.server.app import build_app
-from localpaged.server.runner import Server, listen
+from localpaged.server.listen import listen
+from localpaged.server.runner import Server
 from tests.support import wait_until
 
 # The tiny model's engine settings for a server test: small, exact, on the CPU.

@@ -13,7 +13,8 @@ import pytest
 
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.server.app import build_app
-from localpaged.server.runner import Server, listen
+from localpaged.server.listen import listen
+from localpaged.server.runner import Server
 from tests.engine.fake_llm import FakeLLM
 from tests.support import wait_until
 
