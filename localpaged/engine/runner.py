@@ -28,7 +28,7 @@ from localpaged.engine.scheduler import ScheduledBatch
 from localpaged.engine.structured import apply_grammar_bitmask
 from localpaged.kernels.torch_attention import CascadePlan
 from localpaged.layers.attention import Attention, AttentionMetadata
-from localpaged.layers.linear import PromptRows
+from localpaged.layers.linear import TILE_PROMPT_MIN, PromptRows
 from localpaged.models.llama_cpu_decode import NativeDecode
 
 if TYPE_CHECKING:
@@ -180,7 +180,9 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + n
-            prompt_rows.extend(range(len(positions), len(positions) + max(min(end, seq.num_prompt_tokens) - start, 0)))
+            if seq.num_prompt_tokens >= TILE_PROMPT_MIN:
+                prompt = max(min(end, seq.num_prompt_tokens) - start, 0)
+                prompt_rows.extend(range(len(positions), len(positions) + prompt))
             drafts = seq.spec_token_ids
             input_ids.extend(seq.token_ids[start : end - len(drafts)] + drafts)
             positions.extend(range(start, end))

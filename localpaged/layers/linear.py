@@ -10,13 +10,19 @@ from torch import nn
 
 from localpaged.kernels import cpu
 
+# A prompt of at least this many tokens takes the tiles: each call lays out every weight for them, which costs more
+# than they save under about 24 rows. The prompt's own length, not what is left after the prefix cache, so that its
+# rows take one path whatever the cache held.
+TILE_PROMPT_MIN = 24
+
 
 @dataclass(frozen=True)
 class PromptRows:
     """The rows of a step's flat batch that are prompt tokens (``index``) and the others (``rest``; None where every
     row is a prompt's), int64. ``BlockLinear`` runs a prompt's rows on AMX tiles where those run
     (``cpu.qgemm(..., prompt=True)``) in every step, so a prompt's K/V and first token do not depend on how it was
-    chunked or batched; decoded, draft and recomputed tokens run as a decode step runs them."""
+    chunked or batched, nor on what the prefix cache held; decoded, draft and recomputed tokens, and the rows of a
+    prompt of fewer than ``TILE_PROMPT_MIN`` tokens, run as a decode step runs them."""
 
     index: torch.Tensor
     rest: torch.Tensor | None
@@ -75,7 +81,7 @@ class BlockLinear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
-        if prompt_rows is None:
+        if prompt_rows is None or self.packed.activations != "int16":  # only int16 weights have a prompt path
             out = cpu.qgemm(x, self.packed)
         elif prompt_rows.rest is None:
             out = cpu.qgemm(x, self.packed, prompt=True)

@@ -10,7 +10,7 @@ import torch
 from localpaged import LLM, SamplingParams
 from localpaged.errors import ConfigError
 from localpaged.kernels import cpu
-from localpaged.layers.linear import BlockLinear, PromptRows
+from localpaged.layers.linear import TILE_PROMPT_MIN, BlockLinear, PromptRows
 from tests.engine.test_parity import _prompts
 from tests.oracle import exact_llm
 
@@ -86,8 +86,9 @@ def test_auto_is_int16_where_vnni_runs_and_integer_activations_are_refused_where
 @NEEDS_VNNI
 def test_prompt_rows_reach_the_projections_marked_in_every_kind_of_step(native_llama):
     """Every row of a step that is a prompt token, and no other, is in the step's PromptRows: in whole and chunked
-    prompts and in steps that also decode; a step with a prompt row never takes the native decode step (its
-    projections run every row as a decoded one)."""
+    prompts and in steps that also decode; a prompt of fewer than TILE_PROMPT_MIN tokens has none (its rows run as
+    decoded ones); a step with a prompt row never takes the native decode step (its projections run every row as a
+    decoded one)."""
     llm = LLM(str(native_llama), dtype="float32", kv_cache_memory="64MiB", max_model_len=512, max_num_batched_tokens=16)
     runner = llm.runner
     steps = []
@@ -98,7 +99,8 @@ def test_prompt_rows_reach_the_projections_marked_in_every_kind_of_step(native_l
         expected, row = [], 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
-            expected += [row + j for j in range(n) if start + j < seq.num_prompt_tokens]
+            if seq.num_prompt_tokens >= TILE_PROMPT_MIN:
+                expected += [row + j for j in range(n) if start + j < seq.num_prompt_tokens]
             row += n
         out = prepare(batch)
         meta = out[2]
@@ -114,7 +116,7 @@ def test_prompt_rows_reach_the_projections_marked_in_every_kind_of_step(native_l
     llm.add_request(list(range(300, 340)), params)  # 40 prompt tokens: chunks of 16, 16 and 8
     llm.step()
     llm.step()
-    llm.add_request(list(range(500, 523)), params)  # arrives while the first prompt still prefills
+    llm.add_request(list(range(500, 523)), params)  # arrives while the first prompt still prefills; too short
     while llm.has_unfinished_requests():
         llm.step()
     kinds = set()
