@@ -1,9 +1,10 @@
 """Find a model (the default package, a Hugging Face folder or a .gguf file) and load its parts.
 
-A GGUF runs from the file as it is: its tensors are read from a memory map at every start
-(models/gguf_file.py, gguf_weights.py), and only what transformers needs of its metadata is written
-once to ``locations.models_cache_dir()`` (0700 folders, 0600 files), keyed by a hash of the file's
-bytes: config.json and the tokenizer files, a few megabytes for a 49152-token vocabulary. Building
+A GGUF runs from the file as it is: its tensors are read from a memory map (models/gguf_file.py,
+gguf_weights.py), and what transformers needs of its metadata is written once to
+``locations.models_cache_dir()`` (0700 folders, 0600 files), keyed by a hash of the file's bytes:
+config.json and the tokenizer files, a few megabytes for a 49152-token vocabulary (on the CPU, the
+projections packed for the kernels are kept there too: models/packed_cache.py). Building
 the tokenizer from the metadata is slow; the cached files load in a fraction of that time
 (benchmarks/gguf_load.py times a first and a warm start). Only
 safetensors and GGUF are ever read: no pickle-based checkpoint is opened. The folder is built and
