@@ -11,6 +11,7 @@ from textual.widgets import Label, Markdown
 from textual.widgets.markdown import MarkdownStream
 
 from localpaged.chat.session import limit_note
+from localpaged.tui.widgets.reply_markdown import ReplyMarkdown
 
 STATUS_MARKS = {"partial": "stopped — partial reply", "error": "error"}
 
@@ -68,7 +69,7 @@ class MessageBubble(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label(self._header(), classes="bubble-header")
-        yield Markdown(self.text, classes="bubble-body")
+        yield ReplyMarkdown(self.text, classes="bubble-body")
 
     def _header(self) -> str:
         who = "you" if self.role == "user" else "assistant"
