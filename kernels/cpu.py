@@ -332,6 +332,9 @@ class Scales(ctypes.Structure):
     ]
 
 
+PACKED_TENSORS = ("q", "unit", "mult", "min_unit", "min_mult")  # PackedBlocks' tensors (the last two may be None)
+
+
 @dataclass(frozen=True)
 class PackedBlocks:
     """A weight in the tile layout of cpu_qgemm.h: ``q`` in 8, 4 or 5 bits a value; per group a scale and a min, each

@@ -22,11 +22,13 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from localpaged.errors import ConfigError
 from localpaged.locations import make_private_tree
 
 Check = Callable[[Path], "str | None"]
+T = TypeVar("T")
 
 
 def cached_folder(target: Path, build: Callable[[Path], None], check: Check | None = None) -> Path:
@@ -61,6 +63,21 @@ def cached_folder(target: Path, build: Callable[[Path], None], check: Check | No
             f"{target.parent}. Remove that folder, or point LOCALPAGED_CACHE at a folder only you can write."
         )
     return target
+
+
+def read_trusted(target: Path, read: Callable[[Path], T], errors: tuple[type[Exception], ...]) -> T | None:
+    """``read(target)`` where a trusted folder is there; None where there is none, or it is untrusted or ``read``
+    raises one of ``errors`` (that folder set aside with a warning, for the caller to build again)."""
+    if not target.exists():
+        return None
+    reason = untrusted_reason(target)
+    if reason is None:
+        try:
+            return read(target)
+        except errors as exc:
+            reason = f"it cannot be read ({type(exc).__name__}: {str(exc)[:200]})"
+    set_aside(target, reason)
+    return None
 
 
 def untrusted_reason(path: Path, check: Check | None = None) -> str | None:

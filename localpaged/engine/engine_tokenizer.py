@@ -24,7 +24,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from localpaged.cache_folders import cached_folder, set_aside, untrusted_reason
+from localpaged.cache_folders import cached_folder, read_trusted
 from localpaged.errors import ConfigError
 from localpaged.locations import models_cache_dir
 
@@ -91,14 +91,10 @@ def load_engine_tokenizer(folder: Path) -> EngineTokenizer:
     """The tokenizer of the model in ``folder`` for the engine: from its record where one is kept, else the full
     tokenizer, whose record is written for later starts where it decodes as the backend alone does."""
     target = record_folder(folder)
-    if target.exists():
-        reason = untrusted_reason(target)
-        if reason is None:
-            try:
-                return _from_record(folder, json.loads((target / RECORD).read_text()))
-            except Exception as exc:  # noqa: BLE001 - tokenizers' parse errors are plain Exceptions
-                reason = f"{RECORD} cannot be read ({type(exc).__name__}: {str(exc)[:200]})"
-        set_aside(target, reason)
+    # Exception: tokenizers' parse errors are plain Exceptions.
+    kept = read_trusted(target, lambda f: _from_record(folder, json.loads((f / RECORD).read_text())), (Exception,))
+    if kept is not None:
+        return kept
     from localpaged.engine.tokenizer import load_tokenizer, probe_ids
 
     full = load_tokenizer(folder)

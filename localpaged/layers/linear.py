@@ -76,7 +76,7 @@ class BlockLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = packed.rows, packed.cols
         self.packed = packed
-        for name in ("q", "unit", "mult", "min_unit", "min_mult"):  # registered too, so the model's memory counts them
+        for name in cpu.PACKED_TENSORS:  # registered too, so the model's memory counts them
             self.register_buffer(name, getattr(packed, name))
         self.bias = bias
 

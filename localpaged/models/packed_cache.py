@@ -6,13 +6,15 @@ cache folder (``cache_folders.cached_folder``: built aside, renamed into place, 
 user's), and later starts memory-map it: no copy, no pickle, the pages shared with the page cache as the GGUF's
 are. The folder's name holds the GGUF's sha256, the activations the weights were packed for and
 ``cpu.pack_format()`` (the kernel sources and flags that laid them out), so no other file's or version's packing
-is ever read (a packing by another version is removed when one is written); each tensor is checked against the layout it claims when loaded (``PackedBlocks``), and against the
-projection it is loaded into. A file that fails either is set aside and packed again. The packed folders of the
-``KEEP`` models started last are kept; older ones are removed.
+is ever read (a packing by another version is removed when one is written); each tensor is checked against the
+layout it claims when loaded (``PackedBlocks``), and against the projection it is loaded into. A file that fails
+either is set aside and packed again. The packed folders of the ``KEEP`` models started last are kept; older ones
+are removed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,15 +25,14 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from localpaged.cache_folders import cached_folder, set_aside, untrusted_reason
+from localpaged.cache_folders import cached_folder, read_trusted, set_aside
 from localpaged.errors import ConfigError, KernelArgumentError
 from localpaged.kernels import cpu
 from localpaged.locations import models_cache_dir
 
 log = logging.getLogger(__name__)
 FILE = "packed.safetensors"
-TENSORS = ("q", "unit", "mult", "min_unit", "min_mult")
-FIELDS = ("rows", "bits", "offset", "group", "unit_groups", "activations")
+FIELDS = tuple(f.name for f in dataclasses.fields(cpu.PackedBlocks) if f.name not in cpu.PACKED_TENSORS)
 KEEP = 4  # packed models kept: each is about its GGUF's size again
 SPARE_BYTES = 1 << 30  # free disk left after writing one, else it is not written
 PAGE_BYTES = 4096
@@ -41,26 +42,18 @@ class PackedCache:
     """The packed projections of the GGUF whose sha256 is ``fingerprint``, for ``activations``."""
 
     def __init__(self, fingerprint: str, activations: str) -> None:
-        self.prefix = f"{fingerprint[:32]}-packed-{activations}-"
-        self.folder = models_cache_dir() / f"{self.prefix}{cpu.pack_format()[:16]}"
+        self.version = cpu.pack_format()[:16]
+        self.folder = models_cache_dir() / f"{fingerprint[:32]}-packed-{activations}-{self.version}"
 
     def load(self) -> dict[str, cpu.PackedBlocks]:
         """Each projection's packed weight by module name, mapped from the file; empty where there is none to trust."""
-        if not self.folder.exists():
+        errors = (OSError, SafetensorError, ValueError, KeyError, TypeError, KernelArgumentError)
+        packs = read_trusted(self.folder, lambda folder: _read(folder / FILE), errors)
+        if packs is None:
             return {}
-        reason = untrusted_reason(self.folder)
-        if reason is None:
-            try:
-                packs = _read(self.folder / FILE)
-                os.utime(self.folder)  # its last use, for KEEP
-                threading.Thread(
-                    target=_map_in, args=(list(packs.values()),), name="localpaged-map-in", daemon=True
-                ).start()
-                return packs
-            except (OSError, SafetensorError, ValueError, KeyError, TypeError, KernelArgumentError) as exc:
-                reason = f"{FILE} cannot be read ({type(exc).__name__}: {exc})"
-        set_aside(self.folder, reason)
-        return {}
+        os.utime(self.folder)  # its last use, for KEEP
+        threading.Thread(target=_map_in, args=(list(packs.values()),), name="localpaged-map-in", daemon=True).start()
+        return packs
 
     def set_aside(self, reason: str) -> None:
         """Remove a folder whose packing did not fit the model (the next start writes it again)."""
@@ -90,8 +83,7 @@ class PackedCache:
         """Remove packings by other kernel versions (this one never reads them), and every packed folder past the
         KEEP used last."""
         folders = [f for f in self.folder.parent.glob("*-packed-*") if f.is_dir() and not f.name.startswith(".")]
-        version = self.folder.name.rsplit("-", 1)[1]
-        stale = [f for f in folders if not f.name.endswith(f"-{version}")]
+        stale = [f for f in folders if not f.name.endswith(f"-{self.version}")]
         kept = sorted(set(folders) - set(stale), key=lambda f: f.stat().st_mtime, reverse=True)
         for folder in stale + kept[KEEP:]:
             shutil.rmtree(folder, ignore_errors=True)
@@ -106,7 +98,7 @@ def _map_in(packs: list[cpu.PackedBlocks]) -> None:
 
 
 def _tensors(pack: cpu.PackedBlocks) -> dict:
-    return {name: getattr(pack, name) for name in TENSORS if getattr(pack, name) is not None}
+    return {name: getattr(pack, name) for name in cpu.PACKED_TENSORS if getattr(pack, name) is not None}
 
 
 def _write(path: Path, packs: dict[str, cpu.PackedBlocks]) -> None:
@@ -121,7 +113,9 @@ def _read(path: Path) -> dict[str, cpu.PackedBlocks]:
         names = set(f.keys())
         packs = {}
         for module, values in fields.items():
-            tensors = {n: f.get_tensor(f"{module}.{n}") if f"{module}.{n}" in names else None for n in TENSORS}
+            tensors = {
+                n: f.get_tensor(f"{module}.{n}") if f"{module}.{n}" in names else None for n in cpu.PACKED_TENSORS
+            }
             packs[module] = cpu.PackedBlocks(**tensors, **{n: values[n] for n in FIELDS})
     if not packs:
         raise ValueError("it holds no weights")

@@ -75,7 +75,7 @@ def test_a_second_start_maps_the_packing_of_the_first_and_runs_the_same(models, 
     for name, module in again.items():
         for field in packed_cache.FIELDS:
             assert getattr(module.packed, field) == getattr(packed[name], field), (name, field)
-        for field in packed_cache.TENSORS:
+        for field in cpu.PACKED_TENSORS:
             a, b = getattr(module.packed, field), getattr(packed[name], field)
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (name, field)
     assert _greedy(second) == want
