@@ -8,7 +8,8 @@ full tokenizer (the end-of-text id, the probe conversation's), in a private cach
 files and both libraries' versions; later starts read the record alone. A record is made only where the backend
 decodes as the full tokenizer does (checked when it is made, over random ids and every special one, skipping
 special tokens and not); elsewhere the engine decodes with the full tokenizer. What the engine needs now and then
-(encoding text in process, the chat template, a grammar's vocabulary) loads the full tokenizer on first use.
+(encoding text in process, the chat template) loads the full tokenizer on first use; a grammar's vocabulary is
+read from the record's backend.
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ class EngineTokenizer:
 
                 self._full = load_tokenizer(self.folder)
             return self._full
+
+    @property
+    def vocabulary(self) -> Any:
+        """A transformers tokenizer with the model's vocabulary and special tokens, for a library that reads one
+        (xgrammar's vocabulary): the recorded backend in transformers' fast class where there is a record (a
+        fraction of a second: its vocabulary and special tokens are the full tokenizer's, as the record's check
+        found), else ``full``."""
+        if self.backend is None:
+            return self.full
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_object=self.backend)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         if self.backend is None:

@@ -97,7 +97,7 @@ class StructuredOutputManager:
         max_rows: int,
         device: torch.device,
     ) -> None:
-        """``tokenizer``: its full transformers tokenizer is read on the compile pool (loading it may take seconds);
+        """``tokenizer``: its vocabulary is read on the compile pool (``EngineTokenizer.vocabulary``);
         ``vocab_size``: the model's (the logits' width, which may exceed the tokenizer's); ``stop_token_ids``:
         the engine's, the only tokens a grammar's end allows; ``max_rows``: the most rows a step samples."""
         import xgrammar as xgr
@@ -128,7 +128,7 @@ class StructuredOutputManager:
         is decoded without them, so a grammar must not spend them as text (``<|im_start|>`` inside a string).
         """
         xgr = self._xgr
-        tokenizer = engine_tokenizer.full
+        tokenizer = engine_tokenizer.vocabulary
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stops)
         special = set(getattr(tokenizer, "all_special_ids", ()))
         special |= {

@@ -356,6 +356,39 @@ def test_padded_vocabulary_ids_are_never_allowed(default_model_folder):
     assert torch.isfinite(logits[1, [0, 2]]).all()  # the stop tokens end the reply
 
 
+def test_a_grammar_reads_the_vocabulary_of_the_record_as_of_the_full_tokenizer(default_model_folder):
+    """From a tokenizer record the compiler takes its vocabulary without loading transformers' tokenizer (seconds),
+    and a grammar allows the tokens it allows from the full tokenizer: special tokens blanked, the stops kept."""
+    from localpaged.engine.engine_tokenizer import EngineTokenizer, load_engine_tokenizer
+    from localpaged.engine.tokenizer import load_tokenizer
+
+    load_engine_tokenizer(default_model_folder)  # writes the record
+    recorded = load_engine_tokenizer(default_model_folder)
+    full = load_tokenizer(default_model_folder)
+    assert recorded.backend is not None
+    size = len(full)
+    managers = [
+        StructuredOutputManager(t, size, {0, 2}, 1, torch.device("cpu"))
+        for t in (recorded, EngineTokenizer(default_model_folder, None, full.eos_token_id, None, full))
+    ]
+    specs = [
+        StructuredOutputs(json=PERSON),
+        StructuredOutputs(regex="[a-z ]+!"),
+        StructuredOutputs(choice=["<|im_start|>", " x"]),
+    ]
+    for spec in specs:
+        masks = []
+        for manager in managers:
+            request = manager.request(spec)
+            request.future.result()
+            assert request.start()
+            logits = torch.zeros(1, size)
+            manager.apply_bitmask(logits, [0], [request])
+            masks.append(torch.isinf(logits[0]))
+        assert torch.equal(masks[0], masks[1]) and not masks[0].all(), spec
+    assert recorded._full is None  # transformers' tokenizer was never loaded for it
+
+
 # ---- AsyncLLM ----------------------------------------------------------------------------------------------------
 
 
