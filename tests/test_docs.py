@@ -41,18 +41,18 @@ def test_readme_results_table_is_what_the_results_give() -> None:
 
 
 def test_an_unknown_or_broken_results_file_gets_a_section_of_its_own(tmp_path: Path) -> None:
-    (tmp_path / "shared_prompt.json").write_text(
+    (tmp_path / "ttft_sweep.json").write_text(
         json.dumps({"date": "2027-01-01", "rows": [{"clients": 4, "tok_s": 100.5}], "ttfts": [0.1, 0.2, 0.3]})
     )
-    (tmp_path / "shared_prompt_ttft.png").write_bytes(b"")
+    (tmp_path / "ttft_sweep_ttft.png").write_bytes(b"")
     (tmp_path / "truncated.json").write_text('{"tok_s": ')
     (tmp_path / "kv_disk.json").write_text(json.dumps([1, 2]))  # a known name in a shape its renderer never saw
     doc = gen.render_doc(tmp_path)
-    assert "## shared_prompt" in doc
+    assert "## ttft_sweep" in doc
     assert "| rows / 0 / tok_s | 100.5 |" in doc
     assert "| ttfts | 0.2 (median of 3) |" in doc
     assert "date: 2027-01-01" in doc
-    assert "![shared_prompt_ttft.png](../benchmarks/results/shared_prompt_ttft.png)" in doc
+    assert "![ttft_sweep_ttft.png](../benchmarks/results/ttft_sweep_ttft.png)" in doc
     assert "could not be read (JSONDecodeError)" in doc
     assert "## The disk KV tier" in doc
 

@@ -250,6 +250,48 @@ def render_start_time(data: dict) -> str:
     return out
 
 
+def render_shared_prompt(data: dict) -> str:
+    mib = 2**20
+    header = ["users", "cascade", "first user's prefill s", "every first token s", "decode tok/s"]
+    header += ["decode step ms (users)", "KV MiB: pool peak", "minimum then", "unshared", "llama.cpp `-np U`"]
+    rows = []
+    for p in data["points"]:
+        for name in ("on", "off"):
+            m = p[name]
+            step = f"{num(m['decode_step_ms'], 0)} ({num(m['decode_batch'], 0)})"
+            rows.append(
+                [num(p["users"], 0), name, num(m["first_prefill_s"], 2), num(m["ttft_last_s"], 2)]
+                + [num(m["decode_tok_s"]), step, num(m["peak_bytes"] / mib), num(m["minimum_bytes"] / mib)]
+                + [num(m["unshared_whole_bytes"] / mib), num(p["llama_np_bytes"] / mib)]
+            )
+        q = p["on_over_off"]
+        cells = [q.get(k) for k in ("first_prefill_s", "ttft_last_s", "decode_tok_s", "decode_step_ms")]
+        rows.append([num(p["users"], 0), "on/off", *(f"{c:.2f}x" if c else "-" for c in cells), "", "", "", ""])
+    out = (
+        f"**{num(data['shared_tokens'], 0)}-token system prompt, {num(data['new_tokens'], 0)} new tokens a user** "
+        f"({data['model']}; medians of {num(data['rounds'], 0)} rounds; on/off: times under 1x and tok/s over 1x "
+        "mean shared-prefix attention is faster):\n\n" + table(header, rows)
+    )
+    most = max(data["points"], key=lambda p: p["users"])
+    if most["on_over_off"].get("decode_tok_s"):
+        out += (
+            f"\n\nAggregate decode at {most['users']} users with shared-prefix attention on: "
+            f"**{most['on_over_off']['decode_tok_s']:.2f}x** off (the goal: at least 4x)."
+        )
+    steps = data.get("step_ratio") or {}
+    small, large = steps.get("users", [0, 0])
+    if small != large and steps.get("on"):
+        out += f" The decode step at {large} users takes **{steps['on']:.2f}x** the step at {small} with it on"
+        out += f" ({steps['off']:.2f}x off; the goal: at most 2x)." if steps.get("off") else " (the goal: at most 2x)."
+    on = most["on"]
+    out += (
+        f" At {most['users']} users the pool's peak is {on['peak_blocks'] / on['minimum_blocks']:.3f}x the minimum"
+        f" for what it holds then, {1 - on['peak_bytes'] / on['unshared_bytes']:.2%} less than the same users'"
+        " paged KV unshared."
+    )
+    return out
+
+
 def render_peers(data: dict) -> str:
     parts = [peers_bound(data), peers_sessions(data), peers_one_chat(data), peers_prefill(data), peers_kv_memory(data)]
     parts.append(peers_latency(data))
@@ -644,6 +686,17 @@ KNOWN: dict[str, Spec] = {
         "(`--quick`: a smoke run in under a minute).",
         render_spec_decode,
     ),
+    "shared_prompt": Spec(
+        "One long system prompt, many users: shared-prefix attention",
+        "U users arrive together, each with the same system prompt and a question of its own, T new tokens each, "
+        "greedy; one engine with shared-prefix (cascade) attention and one without, in turn in one run, each round "
+        "on a system prompt of its own (cold, the disk tier off). The KV columns are the pool's peak, the minimum "
+        "for the tokens the users hold at that step (the prompt's blocks once, each user's own), the same users "
+        "without sharing, and what llama-server reserves for them with a slot each.",
+        "`python benchmarks/shared_prompt.py [--users 8,64] [--shared-tokens 8000] [--new-tokens 32]` (part of "
+        "`make bench`).",
+        render_shared_prompt,
+    ),
     "sampling_cost": Spec(
         "What penalties and logprobs cost",
         "The sampler's time and the whole step's with penalties, logit_bias and min_p, with logprobs=5, and with "
@@ -668,6 +721,16 @@ def spec_for(stem: str) -> Spec:
             if stem != "peers-prefill"
             else "`python benchmarks/peers.py --only prefill`",
             render_peers,
+        )
+    if stem.startswith("shared_prompt-"):  # shared_prompt.py --model FILE: a longer context
+        return Spec(
+            f"One long system prompt, many users: {stem.removeprefix('shared_prompt-')}",
+            "The workload of the section above at the seed's scale, on a random-weight GGUF of the default model's "
+            "shape with a 32k context (`benchmarks/random_gguf.py default FILE --context 32768`; speed does not "
+            "depend on the weights' values).",
+            f"`python benchmarks/shared_prompt.py --model {stem.removeprefix('shared_prompt-')}.gguf --users 200 "
+            "--shared-tokens 30000 --new-tokens 16 --rounds 1`",
+            render_shared_prompt,
         )
     if stem == "spec_decode-draft":  # spec_decode.py --draft on a target deepened by random_gguf.py
         return Spec(
