@@ -57,6 +57,20 @@ def test_an_unknown_or_broken_results_file_gets_a_section_of_its_own(tmp_path: P
     assert "## The disk KV tier" in doc
 
 
+def test_a_shared_prompt_model_run_is_labelled_by_its_own_figures(tmp_path: Path) -> None:
+    seed = json.loads((ROOT / "benchmarks" / "results" / "shared_prompt-smollm2-135m-32k.json").read_text())
+    (tmp_path / "shared_prompt-seed.json").write_text(json.dumps(seed))
+    smaller = seed | {"shared_tokens": 12000, "rounds": 2}
+    smaller["points"] = [p | {"users": 50} for p in seed["points"]]
+    (tmp_path / "shared_prompt-smaller.json").write_text(json.dumps(smaller))
+    doc = gen.render_doc(tmp_path)
+    seed_part, smaller_part = doc.split("## One long system prompt, many users: smaller")
+    assert "--users 200 --shared-tokens 30000 --new-tokens 16 --rounds 1`" in seed_part
+    assert "(the goal: within 180 s)" in seed_part
+    assert "--users 50 --shared-tokens 12000 --new-tokens 16 --rounds 2`" in smaller_part
+    assert "the goal" not in smaller_part
+
+
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
