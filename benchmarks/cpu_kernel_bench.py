@@ -2,7 +2,8 @@
 
 Times each path this CPU runs on the default model's decode shapes (SmolLM2-135M: Q4_1 projections 576 -> 3072
 and 1536 -> 576, the Q8_0 head 576 -> 49152, paged decode of 9 query / 3 KV heads of 64 at 512 tokens over a
-float32, bfloat16 and float16 cache) for one sequence and for 16, and a 512-token prefill chunk after 3,584
+float32, bfloat16 and float16 cache) for one sequence and for 16 (the projections for 64 too, int16 inputs with
+and without AMX-INT8 tiles where they run), and a 512-token prefill chunk after 3,584
 cached tokens (float32 products, and int16 ones: cpu.paged_prefill's activations). The machines this runs on are shared and
 drift, so each figure is the best of several rounds, the paths interleaved round by round. ``--engine``
 measures the engine on the default model instead, each path in a process of its own (LOCALPAGED_CPU_KERNELS
@@ -127,6 +128,15 @@ def best_us(fn: Callable[[], object], budget_s: float = 0.3) -> float:
     return best * 1e6
 
 
+def without_amx(fn: Callable[..., object], *args: object) -> object:
+    """``fn(*args)`` with the AMX tiles switched off, as on a CPU without them."""
+    cpu.amx(False)
+    try:
+        return fn(*args)
+    finally:
+        cpu.amx(True)
+
+
 def cases(context: int) -> dict[str, Callable[[], object]]:
     """Every timed call, its inputs made once."""
     gen = torch.Generator().manual_seed(0)
@@ -140,12 +150,14 @@ def cases(context: int) -> dict[str, Callable[[], object]]:
         min_mult = mult if with_min else torch.zeros_like(mult)
         for activations in cpu.ACTIVATIONS:
             packed = cpu.pack_blocks(q, unit, mult, min_unit, min_mult, activations)
-            for m in (1, 16):
+            for m in (1, 16, 64):
                 x = torch.randn(m, k, generator=gen)
                 label = f"qgemm {name}, {m} row{'s' * (m > 1)}" + (
                     "" if activations == "float32" else f", {activations} x"
                 )
                 calls[label] = lambda x=x, packed=packed: cpu.qgemm(x, packed)
+                if activations == "int16" and m >= 16 and cpu.amx():  # the same bits without the AMX-INT8 tiles
+                    calls[label + ", AMX off"] = lambda x=x, packed=packed: without_amx(cpu.qgemm, x, packed)
     heads, kv_heads, d = 9, 3, 64
     for b in (1, 16):
         blocks = b * -(-context // 16)
@@ -193,13 +205,13 @@ def main() -> None:
             for case, fn in calls.items():
                 best[case, name] = min(best[case, name], best_us(fn))
     print(f"{torch.get_num_threads()} threads; best of {args.rounds} rounds, microseconds per call")
-    print(f"{'':48}" + "".join(f"{name:>10}" for name in names) + "   vs avx2")
+    print(f"{'':56}" + "".join(f"{name:>10}" for name in names) + "   vs avx2")
     for case in calls:
         row = "".join(f"{best[case, name]:10.1f}" for name in names)
         ratios = " ".join(
             f"{best[case, 'avx2'] / best[case, n]:.2f}x" for n in names if n != "avx2" and "avx2" in names
         )
-        print(f"{case:48}{row}   {ratios}")
+        print(f"{case:56}{row}   {ratios}")
 
 
 if __name__ == "__main__":

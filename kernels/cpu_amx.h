@@ -5,12 +5,26 @@
 
 #include <stdint.h>
 
+#include "cpu_activations.h"
+#include "cpu_kernels.h"
+
 /* Whether lp_amx_rows runs here for a cache of kv_dtype and heads of D values: the CPU has AMX-BF16, Linux granted
  * this process its tile state, lp_amx has not switched it off, the cache is 16-bit and D a multiple of 32. */
 int lp_amx_runs(int kv_dtype, long D);
 
 /* Configures this thread's eight tiles as 16 rows of 64 bytes (16 x 32 bfloat16 or 16 x 16 float32). */
 void lp_amx_configure(void);
+
+/* Whether AMX-INT8 runs here as well (lp_amx's conditions and the CPU's amx-int8): lp_qgemm_int16's batches. */
+int lp_amx_int8(void);
+
+/* Configures this thread's tile i as rows[i] rows of colsb[i] bytes, for the eight tiles. */
+void lp_amx_configure_tiles(const uint8_t rows[8], const uint16_t colsb[8]);
+
+/* lp_qgemm_int16's product of the rounded rows x [M, K] on AMX-INT8 tiles, the same bits as its VNNI kernel
+ * (cpu_qgemm_int16_amx.c): LP_OK or LP_OUT_OF_MEMORY; only where lp_amx_int8 says so. */
+int lp_qgemm_int16_amx(const lp_rounded_rows *x, long M, long K, const int8_t *q, const lp_scales *scales,
+                       long N_padded, int bits, int offset, int group, float *Y);
 
 /* rows_task of cpu_kv_dispatch.h on AMX tiles: n_tok tokens tok[i] (q's rows), all G query heads of KV head kvh,
  * over keys k_begin (a multiple of 16) .. k_end - 1 of the block table row `table`, token i seeing those up to

@@ -87,21 +87,31 @@ int lp_amx(int want) {
 
 int lp_amx_runs(int kv_dtype, long D) { return kv_dtype != LP_KV_F32 && D % 32 == 0 && lp_amx(-1); }
 
-/* Every tile 16 rows of 64 bytes: 16 x 32 bfloat16 or 16 x 16 float32. */
+int lp_amx_int8(void) {
+    pthread_once(&checked, check_amx);
+    return __builtin_cpu_supports("amx-int8") && lp_amx(-1);
+}
+
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 } TileConfig;
 
-AMX void lp_amx_configure(void) {
+AMX void lp_amx_configure_tiles(const uint8_t rows[8], const uint16_t colsb[8]) {
     TileConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    for (int i = 0; i < 8; i++) c.colsb[i] = colsb[i], c.rows[i] = rows[i];
     /* GCC does not count ldtilecfg as reading c: without this it dropped the stores above */
     __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
+}
+
+AMX void lp_amx_configure(void) {
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    lp_amx_configure_tiles(rows, colsb);
 }
 
 /* 16 values of a cache row as float32. */
@@ -430,6 +440,8 @@ int lp_amx_runs(int kv_dtype, long D) {
     (void)kv_dtype, (void)D;
     return 0;
 }
+
+int lp_amx_int8(void) { return 0; }
 
 int lp_amx_rows(int kv_dtype, const float *q, const int32_t *tok, const int32_t *tpos, long n_tok, long kvh,
                 const void *k_cache, const void *v_cache, const int32_t *table, long k_begin, long k_end, long H,

@@ -38,6 +38,7 @@ DECODE_STEP = HERE / "cpu_decode_step.c"  # lp_llama_decode: a decode step's lay
 QGEMM_INT8 = HERE / "cpu_qgemm_int8.c"  # lp_qgemm_int8: int8 activations, plain C and AVX-512 VNNI chosen at run time
 QGEMM_INT16 = HERE / "cpu_qgemm_int16.c"  # lp_qgemm_int16: int16 activations, the same way
 QGEMM_AMX = HERE / "cpu_qgemm_amx.c"  # lp_qgemm_amx: a prefill's matmuls on AMX tiles, where the CPU has them
+QGEMM_INT16_AMX = HERE / "cpu_qgemm_int16_amx.c"  # lp_qgemm_int16's batches on AMX-INT8 tiles, the same bits
 QGEMM_PAIRS = HERE / "cpu_qgemm_pairs.h"  # a packed tile's column pairs, for the int16 and AMX matmuls
 PREFILL_INT16 = HERE / "cpu_prefill_int16.c"  # lp_paged_prefill_int16: VNNI and BF16 products, where the CPU has them
 CASCADE_AMX = HERE / "cpu_cascade_amx.c"  # cascade attention's shared pass on AMX tiles, where the CPU has them
@@ -76,6 +77,7 @@ class KernelPath:
             QGEMM_INT8,
             QGEMM_INT16,
             QGEMM_AMX,
+            QGEMM_INT16_AMX,
             PREFILL_INT16,
             CASCADE_AMX,
         )

@@ -15,7 +15,8 @@
  * vpdpwssd against a row of X's pair (2p, 2p + 1) broadcast adds 2 columns x 16 rows. The plain C kernel computes
  * the same integers, scales and fused multiply-adds; only each run's float sum (the min term's) is added in another
  * order. Against lp_qgemm it is faster on every projection of the default model, most on 16-row batches, where the
- * float32 kernel is bound by its FMAs (benchmarks/cpu_kernel_bench.py's qgemm timings, "int16 x" rows).
+ * float32 kernel is bound by its FMAs (benchmarks/cpu_kernel_bench.py's qgemm timings, "int16 x" rows). A batch of
+ * AMX_INT16_ROWS rows or more goes to AMX-INT8 tiles where they run (cpu_qgemm_int16_amx.c): the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,9 +24,13 @@
 #include <string.h>
 
 #include "cpu_activations.h"
+#include "cpu_amx.h"
 #include "cpu_kernels.h"
 #include "cpu_qgemm_pairs.h"
 #include "cpu_scales.h"
+
+/* Under 16 rows the tiles' padding rows cost more than the tiles save. */
+#define AMX_INT16_ROWS 16
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -154,26 +159,10 @@ static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
         }                                                                                                              \
         return status;                                                                                                 \
     }
-#define QGEMM_INT16_FNS(BITS, GROUP)                                                                       \
-    QGEMM_INT16_FN(BITS, GROUP, 0, 0) QGEMM_INT16_FN(BITS, GROUP, 0, 1) QGEMM_INT16_FN(BITS, GROUP, 1, 0) \
-        QGEMM_INT16_FN(BITS, GROUP, 1, 1)
-QGEMM_INT16_FNS(4, 32)
-QGEMM_INT16_FNS(4, 16)
-QGEMM_INT16_FNS(5, 32)
-QGEMM_INT16_FNS(5, 16)
-QGEMM_INT16_FN(8, 32, 0, 0)
-QGEMM_INT16_FN(8, 32, 0, 1)
-QGEMM_INT16_FN(8, 16, 0, 0)
-QGEMM_INT16_FN(8, 16, 0, 1)
+INT16_INSTANCES(QGEMM_INT16_FN)
 
 #define QGEMM_INT16_CALL(BITS, GROUP, HAS_OFFSET, HAS_MIN) \
     qgemm_int16_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(&x, M, K, q, offset, scales, N_padded, Y)
-#define QGEMM_INT16_BY_MIN(BITS, GROUP, HAS_OFFSET) \
-    (scales->min_unit ? QGEMM_INT16_CALL(BITS, GROUP, HAS_OFFSET, 1) : QGEMM_INT16_CALL(BITS, GROUP, HAS_OFFSET, 0))
-#define QGEMM_INT16_BY_OFFSET(BITS, GROUP) \
-    (offset ? QGEMM_INT16_BY_MIN(BITS, GROUP, 1) : QGEMM_INT16_BY_MIN(BITS, GROUP, 0))
-#define QGEMM_INT16_BY_GROUP(BITS) \
-    (group == 16 ? QGEMM_INT16_BY_OFFSET(BITS, 16) : QGEMM_INT16_BY_OFFSET(BITS, 32))
 #endif
 
 
@@ -189,9 +178,9 @@ int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const 
     if (status != LP_OK) return status;
 #if defined(__x86_64__)
     if (lp_has_vnni()) {
-        status = bits == 4   ? QGEMM_INT16_BY_GROUP(4)
-                 : bits == 5 ? QGEMM_INT16_BY_GROUP(5)
-                             : (group == 16 ? QGEMM_INT16_BY_MIN(8, 16, 0) : QGEMM_INT16_BY_MIN(8, 32, 0));
+        status = M >= AMX_INT16_ROWS && lp_amx_int8()
+                     ? lp_qgemm_int16_amx(&x, M, K, q, scales, N_padded, bits, offset, group, Y)
+                 : INT16_DISPATCH(QGEMM_INT16_CALL);
         lp_free_rows(&x);
         return status;
     }

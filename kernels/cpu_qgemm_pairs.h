@@ -38,4 +38,24 @@ static inline __attribute__((always_inline)) __attribute__((target("avx512f,avx5
 
 #endif
 
+/* Every (bits, group, offset or not, min or not) a kernel on int16 inputs takes, one FN(BITS, GROUP, HAS_OFFSET,
+ * HAS_MIN) each (8-bit values never have an offset): lp_qgemm_int16's VNNI and AMX-INT8 kernels instantiate theirs
+ * with it. */
+#define INT16_INSTANCES(FN)                                                                                      \
+    FN(4, 32, 0, 0) FN(4, 32, 0, 1) FN(4, 32, 1, 0) FN(4, 32, 1, 1) FN(4, 16, 0, 0) FN(4, 16, 0, 1) FN(4, 16, 1, 0) \
+        FN(4, 16, 1, 1) FN(5, 32, 0, 0) FN(5, 32, 0, 1) FN(5, 32, 1, 0) FN(5, 32, 1, 1) FN(5, 16, 0, 0)             \
+            FN(5, 16, 0, 1) FN(5, 16, 1, 0) FN(5, 16, 1, 1) FN(8, 32, 0, 0) FN(8, 32, 0, 1) FN(8, 16, 0, 0)         \
+                FN(8, 16, 0, 1)
+
+/* CALL(BITS, GROUP, HAS_OFFSET, HAS_MIN) for the instance of the variables bits, group, offset and scales in scope. */
+#define INT16_DISPATCH(CALL)                 \
+    (bits == 4   ? INT16_BY_GROUP(CALL, 4)   \
+     : bits == 5 ? INT16_BY_GROUP(CALL, 5)   \
+                 : (group == 16 ? INT16_BY_MIN(CALL, 8, 16, 0) : INT16_BY_MIN(CALL, 8, 32, 0)))
+#define INT16_BY_GROUP(CALL, BITS) (group == 16 ? INT16_BY_OFFSET(CALL, BITS, 16) : INT16_BY_OFFSET(CALL, BITS, 32))
+#define INT16_BY_OFFSET(CALL, BITS, GROUP) \
+    (offset ? INT16_BY_MIN(CALL, BITS, GROUP, 1) : INT16_BY_MIN(CALL, BITS, GROUP, 0))
+#define INT16_BY_MIN(CALL, BITS, GROUP, HAS_OFFSET) \
+    (scales->min_unit ? CALL(BITS, GROUP, HAS_OFFSET, 1) : CALL(BITS, GROUP, HAS_OFFSET, 0))
+
 #endif
