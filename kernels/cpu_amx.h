@@ -3,6 +3,7 @@
 #ifndef LP_CPU_AMX_H
 #define LP_CPU_AMX_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "cpu_activations.h"
@@ -14,6 +15,12 @@ int lp_amx_runs(int kv_dtype, long D);
 
 /* Configures this thread's eight tiles as 16 rows of 64 bytes (16 x 32 bfloat16 or 16 x 16 float32). */
 void lp_amx_configure(void);
+
+/* This thread's buffer `slot` of at least `bytes` (64-byte aligned), kept for its next calls, or NULL where no memory
+ * is left: the tiles' operands are laid out per call, up to tens of MiB for a prompt, and memory fresh from the system
+ * costs a page fault each 4 KiB every call. One slot per use, so that one call's buffers never overlap. */
+enum { LP_AMX_CASCADE, LP_AMX_ROWS, LP_AMX_PANEL, LP_AMX_BUFFERS };
+void *lp_amx_buffer(int slot, size_t bytes);
 
 /* Whether AMX-INT8 runs here as well (lp_amx's conditions and the CPU's amx-int8): lp_qgemm_int16's batches. */
 int lp_amx_int8(void);

@@ -108,6 +108,17 @@ AMX void lp_amx_configure_tiles(const uint8_t rows[8], const uint16_t colsb[8]) 
     _tile_loadconfig(&c);
 }
 
+void *lp_amx_buffer(int slot, size_t bytes) {
+    static __thread void *buffer[LP_AMX_BUFFERS];
+    static __thread size_t held[LP_AMX_BUFFERS];
+    if (held[slot] < bytes) {
+        free(buffer[slot]);
+        buffer[slot] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        held[slot] = buffer[slot] ? bytes : 0;
+    }
+    return buffer[slot];
+}
+
 AMX void lp_amx_configure(void) {
     static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
     static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
@@ -194,8 +205,6 @@ INLINE_AMX __m512 exp2_16(__m512 x) {
 /* Per thread: a step's scores (s [16][SUB_KEYS]) and weights' three terms (p [3][16][SUB_KEYS]), the task's q rows'
  * (qs [tiles][3][16][D]), its accumulators (acc [tiles][16][D], m, l [tiles][16]), a step's K (kt [2][D / 32]
  * [SUB_KEYS / 16][16][16] pairs: hi, lo) and V (vv [2][SUB_KEYS / 32][D / 16][16][32]). */
-static __thread void *scratch = NULL;
-static __thread long scratch_bytes = 0;
 
 /* A step's K rows k0 .. k0 + n - 1 as B operands, whole blocks (the rest of the last is masked out of the scores):
  * tile (c, kb) holds, row p, key kb 16 + j's values 32 c + 2 p and + 1 (a pair) in column j. */
@@ -369,12 +378,8 @@ static inline __attribute__((always_inline)) AMX int amx_rows(const int KV, cons
     const long acc_bytes = tiles * 16 * D * 4, ml_bytes = tiles * 16 * 4;
     const long kt_bytes = 2 * (D / 32) * (SUB_KEYS / 16) * 1024, vv_bytes = 2 * (SUB_KEYS / 32) * (D / 16) * 1024;
     const long bytes = s_bytes + p_bytes + q_bytes + acc_bytes + 2 * ml_bytes + kt_bytes + vv_bytes;
-    if (scratch_bytes < bytes) {
-        free(scratch);
-        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        scratch_bytes = scratch ? bytes : 0;
-        if (!scratch) return LP_OUT_OF_MEMORY;
-    }
+    void *scratch = lp_amx_buffer(LP_AMX_CASCADE, bytes);
+    if (!scratch) return LP_OUT_OF_MEMORY;
     float *s = scratch;
     uint16_t *p = (uint16_t *)((char *)scratch + s_bytes), *qs = p + 3 * 16 * SUB_KEYS;
     float *acc = (float *)(qs + tiles * 3 * 16 * D), *m = acc + tiles * 16 * D, *l = m + tiles * 16;

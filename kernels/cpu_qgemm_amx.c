@@ -14,8 +14,8 @@
  * row's result is the same whatever the other rows of the call (tests/kernels/test_cpu_qgemm_amx.py).
  *
  * Layout: X's rows are split once into A operands, 16 rows by 32 columns, each 1 KiB contiguous. Each thread takes
- * PAIRS pairs of weight tiles (128 rows of W) and lays out BLOCK_COLS of their columns at a time as B operands (pairs
- * of columns, hi and lo: 256 KiB, in L2), which every 32 rows of X then sweep: four accumulator tiles (tiles 0-3:
+ * PAIRS pairs of weight tiles (256 rows of W) and lays out BLOCK_COLS of their columns at a time as B operands (pairs
+ * of columns, hi and lo: 512 KiB, in L2), which every 32 rows of X then sweep: four accumulator tiles (tiles 0-3:
  * X's rows 0-15 or 16-31 by W's first or second tile), X's hi or lo in tiles 4-5, W's hi or lo in tiles 6-7.
  */
 #include <stdint.h>
@@ -71,7 +71,7 @@ static AMXQ void split_rows(const float *X, long M, long Mp, long K, long G, uin
         }
 }
 
-#define PAIRS 4        /* pairs of weight tiles a thread takes at a time */
+#define PAIRS 8        /* pairs of weight tiles a thread takes at a time */
 #define BLOCK_COLS 512 /* their columns laid out at a time: whole blocks of groups (at most 256 columns each) */
 
 /* The four accumulators plus X's rows 0-15 (a) and 16-31 (b) times the two weight tiles in tiles 6 and 7. */
@@ -175,7 +175,7 @@ INLINE_AMXQ void weight_block(const int BITS, const int GROUP, const int HAS_MIN
         int status = LP_OK;                                                                                           \
         const long tiles = N_padded / TILE, per = 2 * PAIRS;                                                          \
         _Pragma("omp parallel") {                                                                                     \
-            __m512i *panel = aligned_alloc(64, 2 * PAIRS * BLOCK_COLS * sizeof(__m512i));                             \
+            __m512i *panel = lp_amx_buffer(LP_AMX_PANEL, 2 * PAIRS * BLOCK_COLS * sizeof(__m512i));                   \
             if (!panel) {                                                                                             \
                 _Pragma("omp atomic write") status = LP_OUT_OF_MEMORY;                                                \
             } else {                                                                                                  \
@@ -184,7 +184,6 @@ INLINE_AMXQ void weight_block(const int BITS, const int GROUP, const int HAS_MIN
                     weight_block(BITS, GROUP, HAS_MIN, t, tiles - t < per ? tiles - t : per, M, Mp, K, q, offset,     \
                                  scales, xhi, xlo, xsum, panel, Y, N_padded);                                         \
                 _tile_release();                                                                                      \
-                free(panel);                                                                                          \
             }                                                                                                         \
         }                                                                                                             \
         return status;                                                                                                \
@@ -202,17 +201,14 @@ AMX_FNS(8)
 static int amx_qgemm(const float *X, long M, long K, const int8_t *q, const lp_scales *scales, long N_padded, int bits,
                      int offset, int group, float *Y) {
     const long Mp = (M + 31) / 32 * 32;
-    uint16_t *xhi = aligned_alloc(64, (size_t)Mp * K * 2 * sizeof(uint16_t));
-    float *xsum = aligned_alloc(64, ((size_t)Mp * (K / group) * sizeof(float) + 63) / 64 * 64);
-    if (!xhi || !xsum) {
-        free(xhi), free(xsum);
-        return LP_OUT_OF_MEMORY;
-    }
+    const size_t split_bytes = (size_t)Mp * K * 2 * sizeof(uint16_t);
+    uint16_t *xhi = lp_amx_buffer(LP_AMX_ROWS, split_bytes + (size_t)Mp * (K / group) * sizeof(float));
+    if (!xhi) return LP_OUT_OF_MEMORY;
     uint16_t *xlo = xhi + Mp * K;
+    float *xsum = (float *)(xhi + 2 * Mp * K);
     split_rows(X, M, Mp, K, group, xhi, xlo, xsum);
     memset(Y, 0, (size_t)M * N_padded * sizeof(float));
     const int status = bits == 4 ? AMX_BY_GROUP(4) : bits == 5 ? AMX_BY_GROUP(5) : AMX_BY_GROUP(8);
-    free(xhi), free(xsum);
     return status;
 }
 #endif

@@ -143,7 +143,7 @@ INLINE_AMXI void tile_rows(const int GROUP, const int HAS_OFFSET, const int HAS_
                                                                        long N_padded, float *Y) {                    \
         int status = LP_OK;                                                                                           \
         _Pragma("omp parallel") {                                                                                     \
-            __m512i *b = aligned_alloc(64, K / 4 * sizeof(__m512i));                                                  \
+            __m512i *b = lp_amx_buffer(LP_AMX_PANEL, K / 4 * sizeof(__m512i));                                        \
             if (!b) {                                                                                                 \
                 _Pragma("omp atomic write") status = LP_OUT_OF_MEMORY;                                                \
             } else {                                                                                                  \
@@ -157,7 +157,6 @@ INLINE_AMXI void tile_rows(const int GROUP, const int HAS_OFFSET, const int HAS_
                               Y + t * TILE, N_padded);                                                                \
                 }                                                                                                     \
                 _tile_release();                                                                                      \
-                free(b);                                                                                              \
             }                                                                                                         \
         }                                                                                                             \
         return status;                                                                                                \
@@ -170,12 +169,10 @@ INT16_INSTANCES(AMX16_FN)
 int lp_qgemm_int16_amx(const lp_rounded_rows *x, long M, long K, const int8_t *q, const lp_scales *scales,
                        long N_padded, int bits, int offset, int group, float *Y) {
     const long Mp = (M + 15) / 16 * 16;
-    uint8_t *a = aligned_alloc(64, (size_t)Mp * K * 2);
+    uint8_t *a = lp_amx_buffer(LP_AMX_ROWS, (size_t)Mp * K * 2);
     if (!a) return LP_OUT_OF_MEMORY;
     split_bytes(x->xq16, M, Mp, K, group, a);
-    const int status = INT16_DISPATCH(AMX16_CALL);
-    free(a);
-    return status;
+    return INT16_DISPATCH(AMX16_CALL);
 }
 
 #else /* no AMX off x86-64: lp_amx_int8 is 0 and this is never called */
