@@ -87,10 +87,7 @@ int lp_amx(int want) {
 
 int lp_amx_runs(int kv_dtype, long D) { return kv_dtype != LP_KV_F32 && D % 32 == 0 && lp_amx(-1); }
 
-int lp_amx_int8(void) {
-    pthread_once(&checked, check_amx);
-    return __builtin_cpu_supports("amx-int8") && lp_amx(-1);
-}
+int lp_amx_int8(void) { return lp_amx(-1) && __builtin_cpu_supports("amx-int8"); }
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -202,9 +199,10 @@ INLINE_AMX __m512 exp2_16(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
-/* Per thread: a step's scores (s [16][SUB_KEYS]) and weights' three terms (p [3][16][SUB_KEYS]), the task's q rows'
- * (qs [tiles][3][16][D]), its accumulators (acc [tiles][16][D], m, l [tiles][16]), a step's K (kt [2][D / 32]
- * [SUB_KEYS / 16][16][16] pairs: hi, lo) and V (vv [2][SUB_KEYS / 32][D / 16][16][32]). */
+/* A thread's scratch for amx_rows (lp_amx_buffer's LP_AMX_CASCADE), in order: a step's scores (s [16][SUB_KEYS])
+ * and weights' three terms (p [3][16][SUB_KEYS]), the task's q rows' (qs [tiles][3][16][D]), its accumulators (acc
+ * [tiles][16][D], m, l [tiles][16]), a step's K (kt [2][D / 32][SUB_KEYS / 16][16][16] pairs: hi, lo) and V (vv [2]
+ * [SUB_KEYS / 32][D / 16][16][32]). */
 
 /* A step's K rows k0 .. k0 + n - 1 as B operands, whole blocks (the rest of the last is masked out of the scores):
  * tile (c, kb) holds, row p, key kb 16 + j's values 32 c + 2 p and + 1 (a pair) in column j. */
