@@ -15,8 +15,8 @@
  *
  * Layout: X's rows in blocks of 16 (the last padded with zero rows), each group's lo and hi bytes as A operands of
  * 16 rows by G bytes; a weight tile's stored values as B operands, G / 4 rows of 16 weight rows by 4 columns, laid
- * out once per tile by the thread that takes it and swept by every row block. Groups alternate between two pairs
- * of accumulator tiles, so one group's tile products run while the last group's sums are scaled.
+ * out once per tile by the thread that takes it and swept by every row block. Each group's sums are scaled as soon
+ * as they are stored: alternating two pairs of accumulator tiles, or scaling three groups behind, timed no faster.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -84,27 +84,21 @@ INLINE_AMXI void scale_group(const int HAS_OFFSET, const int HAS_MIN, const int3
     }
 }
 
-/* Group g of row block a (A operands) times the tile's B operands b into accumulator tiles LO and HI, stored into
- * c. Tile numbers are literals, hence the macro. */
-#define GROUP_PRODUCTS(LO, HI, a, b, G, c)   \
-    do {                                      \
-        _tile_loadd(4, (a), (G));             \
-        _tile_loadd(5, (a) + 16 * (G), (G));  \
-        _tile_loadd(6, (b), 64);              \
-        _tile_zero(LO);                       \
-        _tile_zero(HI);                       \
-        _tile_dpbusd(LO, 4, 6);               \
-        _tile_dpbssd(HI, 5, 6);               \
-        _tile_stored(LO, (c)[0], 64);         \
-        _tile_stored(HI, (c)[1], 64);         \
-    } while (0)
+/* A group of a row block (its A operands at a, G bytes a row) times the tile's B operands at b, its two sums
+ * stored into c. */
+INLINE_AMXI void group_products(const uint8_t *a, const uint8_t *b, long G, int32_t c[2][16][16]) {
+    _tile_loadd(4, a, G);
+    _tile_loadd(5, a + 16 * G, G);
+    _tile_loadd(6, b, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbssd(1, 5, 6);
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+}
 
-/* Groups whose sums are stored before the first of them is scaled, so that scaling never waits on the tile stores
- * just issued (timed no slower than scaling each group at once, and no faster on this CPU). */
-#define LAG 3
-
-/* This thread's tiles: int32 sums in 0-3 (two pairs, for alternate groups), X's lo and hi bytes in 4-5, the
- * weights in 6. */
+/* This thread's tiles: the int32 sums in 0-1, X's lo and hi bytes in 4-5, the weights in 6 (the rest unused). */
 INLINE_AMXI void configure(const int GROUP) {
     const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, GROUP / 4, GROUP / 4};
     const uint16_t colsb[8] = {64, 64, 64, 64, GROUP, GROUP, 64, 64};
@@ -116,7 +110,7 @@ INLINE_AMXI void tile_rows(const int GROUP, const int HAS_OFFSET, const int HAS_
                            long M, long Mp, long K, const uint8_t *a, const uint8_t *b, int offset, lp_tile_factors st,
                            lp_tile_factors mt, float *y, long ldy) {
     const long groups = K / GROUP, block = GROUP * 16; /* a group's bytes in an A or B operand */
-    int32_t c[LAG + 1][2][16][16] __attribute__((aligned(64)));
+    int32_t c[2][16][16] __attribute__((aligned(64)));
     for (long r0 = 0; r0 < Mp; r0 += 16) {
         __m512 f[16];
         long at[16];
@@ -125,12 +119,9 @@ INLINE_AMXI void tile_rows(const int GROUP, const int HAS_OFFSET, const int HAS_
             at[i] = (r0 + i < M ? r0 + i : M - 1) * groups; /* a padding row reads a real row's values, unused */
         }
         const uint8_t *ab = a + r0 / 16 * groups * 2 * block;
-        for (long g = 0; g < groups + LAG; g++) {
-            if (g < groups) {
-                if (g % 2) GROUP_PRODUCTS(2, 3, ab + g * 2 * block, b + g * block, GROUP, c[g % (LAG + 1)]);
-                else GROUP_PRODUCTS(0, 1, ab + g * 2 * block, b + g * block, GROUP, c[g % (LAG + 1)]);
-            }
-            if (g >= LAG) scale_group(HAS_OFFSET, HAS_MIN, c[(g - LAG) % (LAG + 1)], x, at, offset, st, mt, g - LAG, f);
+        for (long g = 0; g < groups; g++) {
+            group_products(ab + g * 2 * block, b + g * block, GROUP, c);
+            scale_group(HAS_OFFSET, HAS_MIN, c, x, at, offset, st, mt, g, f);
         }
         for (int i = 0; i < 16 && r0 + i < M; i++) _mm512_storeu_ps(y + (r0 + i) * ldy, f[i]);
     }
