@@ -130,11 +130,8 @@ def best_us(fn: Callable[[], object], budget_s: float = 0.3) -> float:
 
 def without_amx(fn: Callable[..., object], *args: object) -> object:
     """``fn(*args)`` with the AMX tiles switched off, as on a CPU without them."""
-    cpu.amx(False)
-    try:
+    with cpu.amx_off():
         return fn(*args)
-    finally:
-        cpu.amx(True)
 
 
 def cases(context: int) -> dict[str, Callable[[], object]]:

@@ -25,6 +25,7 @@ Each binding's C signature is declared beside the wrapper that calls it.
 from __future__ import annotations
 
 import _ctypes
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -32,6 +33,7 @@ import os
 import shutil
 import subprocess
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -454,11 +456,23 @@ def int16_prefill_runs(head_dim: int) -> bool:
 def amx(want: bool | None = None) -> bool:
     """Whether cascade attention's shared pass runs on AMX tiles here, for a 16-bit KV cache and heads of a multiple
     of 32 values (else the float32 tile): a CPU with AMX-BF16 that Linux lets this process use. ``want`` False
-    switches it off for this process (tests and benchmarks compare the two), True back on where it can run. Where it
-    runs, the int16 prefill (``paged_prefill(..., "int16")``) and a prompt's projections (``qgemm(..., prompt=True)``)
+    switches it off for this process (tests and benchmarks compare the two: ``amx_off``), True back on where it can
+    run. Where it runs, the int16 prefill (``paged_prefill(..., "int16")``), a prompt's projections (``qgemm(...,
+    prompt=True)``) and int16 projections of 16 rows or more (on AMX-INT8 tiles where the CPU has them, the same bits)
     run on AMX tiles too."""
     lib = library()
     return lib is not None and bool(lib.lp_amx(-1 if want is None else int(want)))
+
+
+@contextlib.contextmanager
+def amx_off() -> Iterator[None]:
+    """The kernels without AMX tiles inside the ``with`` block, as every CPU without them runs (``amx``)."""
+    was = amx()
+    amx(False)
+    try:
+        yield
+    finally:
+        amx(was)
 
 
 def amx_runs(kv_dtype: torch.dtype, head_dim: int) -> bool:

@@ -98,10 +98,8 @@ def nan_empty(monkeypatch):
 def amx_off():
     """The kernels without AMX tiles where this CPU would run them (cascade attention's float32 shared pass, the int16
     prefill's VNNI tile), as every CPU without them runs."""
-    was = cpu.amx()
-    cpu.amx(False)
-    yield
-    cpu.amx(was)
+    with cpu.amx_off():
+        yield
 
 
 @pytest.fixture(params=[path.name for path in cpu_isa.PATHS if path.cpu_flags <= cpu_isa.cpu_flags()])

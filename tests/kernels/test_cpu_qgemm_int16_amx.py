@@ -25,11 +25,8 @@ def test_a_batch_on_amx_tiles_is_the_vnni_kernels_bits(m, n, k, q_range, group):
     # rows of very different sizes, so that each group's int16 values use their high bytes, negative ones too
     x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 2, m).unsqueeze(1)
     tiles = cpu.qgemm(x, packed)
-    cpu.amx(False)
-    try:
+    with cpu.amx_off():
         vnni = cpu.qgemm(x, packed)
-    finally:
-        cpu.amx(True)
     assert torch.equal(tiles, vnni)
 
 
