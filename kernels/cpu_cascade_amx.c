@@ -20,7 +20,8 @@
  * along the head, transposed to key columns) and its V rows as pairs of keys, then every 16-row tile of the task's
  * query rows takes them: scores (16 x 16 a tile op), a softmax over the step's scores in float32 (two passes, its
  * max then the weights, the running max and sum carried from step to step as the float32 tile carries them), and the
- * weighted sum of V added into the row tile's accumulator.
+ * weighted sum of V added into the row tile's accumulator. The row tiles go as a pipeline (step_tiles), so that one
+ * tile's softmax, on the vector units, runs while the tile unit multiplies for its neighbours.
  */
 #include <math.h>
 #include <stdint.h>
@@ -199,10 +200,10 @@ INLINE_AMX __m512 exp2_16(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
-/* A thread's scratch for amx_rows (lp_amx_buffer's LP_AMX_CASCADE), in order: a step's scores (s [16][SUB_KEYS])
- * and weights' three terms (p [3][16][SUB_KEYS]), the task's q rows' (qs [tiles][3][16][D]), its accumulators (acc
- * [tiles][16][D], m, l [tiles][16]), a step's K (kt [2][D / 32][SUB_KEYS / 16][16][16] pairs: hi, lo) and V (vv [2]
- * [SUB_KEYS / 32][D / 16][16][32]). */
+/* A thread's scratch for amx_rows (lp_amx_buffer's LP_AMX_CASCADE), in order: two row tiles' scores (s [2][16]
+ * [SUB_KEYS]) and weights' three terms (p [2][3][16][SUB_KEYS]: step_tiles' halves), the task's q rows' (qs [tiles]
+ * [3][16][D]), its accumulators (acc [tiles][16][D], m, l [tiles][16]), a step's K (kt [2][D / 32][SUB_KEYS / 16][16]
+ * [16] pairs: hi, lo) and V (vv [2][SUB_KEYS / 32][D / 16][16][32]). */
 
 /* A step's K rows k0 .. k0 + n - 1 as B operands, whole blocks (the rest of the last is masked out of the scores):
  * tile (c, kb) holds, row p, key kb 16 + j's values 32 c + 2 p and + 1 (a pair) in column j. */
@@ -252,116 +253,179 @@ INLINE_AMX void lay_out_values(const int KV, const void *v_cache, const int32_t 
 
 /* Accumulator tile J += the three terms of tiles 3, 4 and 5 (q's or the weights') times the B operand at b, its hi
  * (tile 6) and, of a float16 cache, its lo at b + per_hl (tile 7): every product but the two last terms' (under 2^-24
- * of it), so a sum is as near its exact value as float32's own rounding leaves it. */
+ * of it), so a sum is as near its exact value as float32's own rounding leaves it. After each half, the softmax
+ * slices due by then (pace: c is the round's Softmax). */
 #define TERM_PRODUCTS(J, b)                                                                                            \
     do {                                                                                                               \
         _tile_loadd(6, (b), 64);                                                                                       \
         _tile_dpbf16ps(J, 3, 6);                                                                                       \
         _tile_dpbf16ps(J, 4, 6);                                                                                       \
         _tile_dpbf16ps(J, 5, 6);                                                                                       \
+        pace(c);                                                                                                       \
         if (KV == LP_KV_F16) {                                                                                         \
             _tile_loadd(7, (b) + per_hl, 64);                                                                          \
             _tile_dpbf16ps(J, 3, 7);                                                                                   \
             _tile_dpbf16ps(J, 4, 7);                                                                                   \
         }                                                                                                              \
+        pace(c);                                                                                                       \
     } while (0)
 
-/* Score tile J of a group of three (keys kb + J's 16), over chunk c of the head. */
-#define SCORE_TILE(J) TERM_PRODUCTS(J, kt + (c * (SUB_KEYS / 16) + kb + (J)) * 256)
+/* Tiles 3, 4 and 5: the three terms (hi, mid, lo: [3][16][W] 16-bit values, x the hi term's first) of 32 columns. */
+#define LOAD_TERMS(x, W)                                                                                               \
+    do {                                                                                                               \
+        _tile_loadd(3, (x), (W) * 2);                                                                                  \
+        _tile_loadd(4, (x) + 16 * (W), (W) * 2);                                                                       \
+        _tile_loadd(5, (x) + 32 * (W), (W) * 2);                                                                       \
+    } while (0)
 
-/* A row tile's scores over the step's n keys (whole blocks) into s [16][SUB_KEYS], three tiles of 16 keys at a
- * time (q's tiles loaded once for them, and three sums in flight rather than one chain). q is [3][16][D]: hi, mid,
- * lo. */
-INLINE_AMX void tile_scores(const int KV, const uint16_t *q, const uint32_t *kt, long n, long D, float *s) {
-    const long per_hl = D / 32 * (SUB_KEYS / 16) * 256;
-    const long blocks = (n + 15) / 16;
-    for (long kb = 0; kb < blocks; kb += 3) {
-        const long tiles = blocks - kb < 3 ? blocks - kb : 3;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        for (long c = 0; c < D / 32; c++) {
-            _tile_loadd(3, q + c * 32, D * 2);
-            _tile_loadd(4, q + 16 * D + c * 32, D * 2);
-            _tile_loadd(5, q + 32 * D + c * 32, D * 2);
-            SCORE_TILE(0);
-            if (tiles > 1) SCORE_TILE(1);
-            if (tiles > 2) SCORE_TILE(2);
-        }
-        _tile_stored(0, s + kb * 16, SUB_KEYS * 4);
-        if (tiles > 1) _tile_stored(1, s + kb * 16 + 16, SUB_KEYS * 4);
-        if (tiles > 2) _tile_stored(2, s + kb * 16 + 32, SUB_KEYS * 4);
-    }
-}
+/* Accumulator tiles 0 .. k - 1 (k <= 3) stored as 16 float32 rows at x, x + 16 and x + 32, `stride` bytes apart. */
+#define STORE_ACCUMULATORS(x, k, stride)                                                                               \
+    do {                                                                                                               \
+        _tile_stored(0, (x), (stride));                                                                                \
+        if ((k) > 1) _tile_stored(1, (x) + 16, (stride));                                                              \
+        if ((k) > 2) _tile_stored(2, (x) + 32, (stride));                                                              \
+    } while (0)
 
-/* The 16 rows' softmax step over s's scores (log2 units), row i's first seen[i] of them (at most n; the keys after
- * are masked: past the row's position, or past the step): the running max m and sum l updated, acc's rows rescaled,
- * the weights split in three into p [3][16][SUB_KEYS] (zeros for masked keys, up to n rounded up to 32). A row that
- * sees no key of the step is left as it was. */
-INLINE_AMX void tile_softmax(const float *s, long n, const long *seen, long D, float *m, float *l, float *acc,
-                             uint16_t *p) {
-    const long padded = (n + 31) / 32 * 32;
-    for (int i = 0; i < 16; i++) {
-        const float *si = s + i * SUB_KEYS;
-        const long visible = seen[i];
-        if (visible <= 0) {
-            for (long j = 0; j < padded; j += 32)
-                for (int t = 0; t < 3; t++)
-                    _mm512_storeu_si512(p + (16 * t + i) * SUB_KEYS + j, _mm512_setzero_si512());
-            continue;
-        }
-        __m512 top = _mm512_set1_ps(m[i]);
-        for (long j = 0; j < visible; j += 16) {
-            const __mmask16 in = visible - j >= 16 ? 0xFFFF : (__mmask16)((1u << (visible - j)) - 1);
-            top = _mm512_mask_max_ps(top, in, top, _mm512_loadu_ps(si + j));
-        }
-        const float mx = _mm512_reduce_max_ps(top);
-        const __m512 mv = _mm512_set1_ps(mx);
-        __m512 total = _mm512_setzero_ps();
-        for (long j = 0; j < padded; j += 32) {
-            const long left0 = visible - j, left1 = visible - j - 16;
-            const __mmask16 in0 = left0 >= 16 ? 0xFFFF : left0 > 0 ? (__mmask16)((1u << left0) - 1) : 0;
-            const __mmask16 in1 = left1 >= 16 ? 0xFFFF : left1 > 0 ? (__mmask16)((1u << left1) - 1) : 0;
-            const __m512 e0 = _mm512_maskz_mov_ps(in0, exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in0, si + j), mv)));
-            const __m512 e1 =
-                _mm512_maskz_mov_ps(in1, exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in1, si + j + 16), mv)));
-            total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
-            __m512i hi, mid, lo;
-            split3(e0, e1, &hi, &mid, &lo);
-            _mm512_storeu_si512(p + i * SUB_KEYS + j, hi);
-            _mm512_storeu_si512(p + (16 + i) * SUB_KEYS + j, mid);
-            _mm512_storeu_si512(p + (32 + i) * SUB_KEYS + j, lo);
-        }
-        const float alpha = m[i] == -INFINITY ? 0.0f : exp2f(m[i] - mx);
-        l[i] = l[i] * alpha + _mm512_reduce_add_ps(total);
-        m[i] = mx;
-        for (long d = 0; d < D; d += 16)
-            _mm512_storeu_ps(acc + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + d), _mm512_set1_ps(alpha)));
-    }
-}
+/* Score tile J of a group of three (keys kb + J's 16), over chunk ch of the head. */
+#define SCORE_TILE(J) TERM_PRODUCTS(J, kt + (ch * (SUB_KEYS / 16) + kb + (J)) * 256)
 
 /* Accumulator tile J (columns 16 (col + J) ..): the weights times the V pairs of the 32 keys kp. */
 #define PV_COLUMN(J) TERM_PRODUCTS(J, vv + (kp * (D / 16) + col + (J)) * 512)
 
-/* acc [16][D] += P V over the step's keys (n rounded up to 32), 48 columns (three accumulator tiles) a pass. */
-INLINE_AMX void tile_values(const int KV, const uint16_t *p, const uint16_t *vv, long n, long D, float *acc) {
-    const long per_hl = SUB_KEYS / 32 * (D / 16) * 512, pairs32 = (n + 31) / 32;
+/* A row tile's softmax step under way: its rows taken one slice at a time (a row's max, or 32 of its weights), so
+ * that the vector work can go between the tile unit's products (see step_tiles). */
+typedef struct {
+    const float *s;     /* the row tile's scores [16][SUB_KEYS], log2 units */
+    const long *seen;   /* [16] each row's keys of the step (at most n; the keys after are masked) */
+    uint16_t *p;        /* its weights' three terms [3][16][SUB_KEYS] */
+    float *m, *l, *acc; /* its rows' running max and sum [16], accumulators [16][D] */
+    long n, D;
+    long row, key;      /* the row under way (16: all done) and its next weight (-1: its max not yet taken) */
+    long slices, done;  /* slices in all and done so far */
+    long paces, paced;  /* the round's pace points (two a TERM_PRODUCTS) and those passed so far */
+    float mx;
+    __m512 total;
+} Softmax;
+
+/* The next slice of c's softmax: a row's max over its visible scores, or 32 of its weights (2^(score - max), zeros
+ * for masked keys, up to n rounded up to 32) split in three into p; after a row's last, its running max and sum
+ * updated and its accumulator row rescaled. A row that sees no key of the step is left as it was (its weights 0). */
+INLINE_AMX void softmax_slice(Softmax *c) {
+    const long i = c->row, padded = (c->n + 31) / 32 * 32, visible = c->seen[i];
+    const float *si = c->s + i * SUB_KEYS;
+    uint16_t *p = c->p;
+    if (c->key < 0 && visible <= 0) {
+        for (long j = 0; j < padded; j += 32)
+            for (int t = 0; t < 3; t++) _mm512_storeu_si512(p + (16 * t + i) * SUB_KEYS + j, _mm512_setzero_si512());
+        c->row++;
+        return;
+    }
+    if (c->key < 0) {
+        __m512 top = _mm512_set1_ps(c->m[i]);
+        for (long j = 0; j < visible; j += 16) {
+            const __mmask16 in = visible - j >= 16 ? 0xFFFF : (__mmask16)((1u << (visible - j)) - 1);
+            top = _mm512_mask_max_ps(top, in, top, _mm512_loadu_ps(si + j));
+        }
+        c->mx = _mm512_reduce_max_ps(top), c->total = _mm512_setzero_ps(), c->key = 0;
+        return;
+    }
+    const long j = c->key, left0 = visible - j, left1 = visible - j - 16;
+    const __m512 mv = _mm512_set1_ps(c->mx);
+    const __mmask16 in0 = left0 >= 16 ? 0xFFFF : left0 > 0 ? (__mmask16)((1u << left0) - 1) : 0;
+    const __mmask16 in1 = left1 >= 16 ? 0xFFFF : left1 > 0 ? (__mmask16)((1u << left1) - 1) : 0;
+    const __m512 e0 = _mm512_maskz_mov_ps(in0, exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in0, si + j), mv)));
+    const __m512 e1 = _mm512_maskz_mov_ps(in1, exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in1, si + j + 16), mv)));
+    c->total = _mm512_add_ps(c->total, _mm512_add_ps(e0, e1));
+    __m512i hi, mid, lo;
+    split3(e0, e1, &hi, &mid, &lo);
+    _mm512_storeu_si512(p + i * SUB_KEYS + j, hi);
+    _mm512_storeu_si512(p + (16 + i) * SUB_KEYS + j, mid);
+    _mm512_storeu_si512(p + (32 + i) * SUB_KEYS + j, lo);
+    c->key += 32;
+    if (c->key < padded) return;
+    const float alpha = c->m[i] == -INFINITY ? 0.0f : exp2f(c->m[i] - c->mx);
+    c->l[i] = c->l[i] * alpha + _mm512_reduce_add_ps(c->total);
+    c->m[i] = c->mx;
+    float *acc = c->acc + i * c->D;
+    for (long d = 0; d < c->D; d += 16)
+        _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(alpha)));
+    c->row++, c->key = -1;
+}
+
+/* After a few of the tile unit's products: the slices due by now, in proportion. The core takes in the next
+ * products only as earlier ones drain, and runs on into the vector code behind them meanwhile: a slice or two fits
+ * behind a few products, a whole row would not. */
+INLINE_AMX void pace(Softmax *c) {
+    const long due = c->slices * ++c->paced / c->paces;
+    for (; c->done < due; c->done++) softmax_slice(c);
+}
+
+/* Score tiles 3 g .. 3 g + 2 of a row tile (keys 16 of them each, whole blocks, of the step's n) into s [16][SUB_KEYS]:
+ * q's tiles loaded once for the three, and three sums in flight rather than one chain. q is [3][16][D]: hi, mid,
+ * lo. */
+INLINE_AMX void score_group(const int KV, const uint16_t *q, const uint32_t *kt, long n, long D, long g, float *s,
+                            Softmax *c) {
+    const long per_hl = D / 32 * (SUB_KEYS / 16) * 256, kb = 3 * g, left = (n + 15) / 16 - kb;
+    const long tiles = left < 3 ? left : 3;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (long ch = 0; ch < D / 32; ch++) {
+        LOAD_TERMS(q + ch * 32, D);
+        SCORE_TILE(0);
+        if (tiles > 1) SCORE_TILE(1);
+        if (tiles > 2) SCORE_TILE(2);
+    }
+    STORE_ACCUMULATORS(s + kb * 16, tiles, SUB_KEYS * 4);
+}
+
+/* A row tile's acc [16][D] += P V over the step's n keys (rounded up to 32), 48 columns (three accumulator tiles) a
+ * pass. p is [3][16][SUB_KEYS]: hi, mid, lo. */
+INLINE_AMX void tile_values(const int KV, const uint16_t *p, const uint16_t *vv, long n, long D, float *acc,
+                            Softmax *c) {
+    const long per_hl = SUB_KEYS / 32 * (D / 16) * 512, pairs = (n + 31) / 32;
     for (long col = 0; col < D / 16; col += 3) {
         const long cols = D / 16 - col < 3 ? D / 16 - col : 3;
         _tile_loadd(0, acc + col * 16, D * 4);
         if (cols > 1) _tile_loadd(1, acc + col * 16 + 16, D * 4);
         if (cols > 2) _tile_loadd(2, acc + col * 16 + 32, D * 4);
-        for (long kp = 0; kp < pairs32; kp++) {
-            _tile_loadd(3, p + kp * 32, SUB_KEYS * 2);
-            _tile_loadd(4, p + 16 * SUB_KEYS + kp * 32, SUB_KEYS * 2);
-            _tile_loadd(5, p + 32 * SUB_KEYS + kp * 32, SUB_KEYS * 2);
+        for (long kp = 0; kp < pairs; kp++) {
+            LOAD_TERMS(p + kp * 32, SUB_KEYS);
             PV_COLUMN(0);
             if (cols > 1) PV_COLUMN(1);
             if (cols > 2) PV_COLUMN(2);
         }
-        _tile_stored(0, acc + col * 16, D * 4);
-        if (cols > 1) _tile_stored(1, acc + col * 16 + 16, D * 4);
-        if (cols > 2) _tile_stored(2, acc + col * 16 + 32, D * 4);
+        STORE_ACCUMULATORS(acc + col * 16, cols, D * 4);
+    }
+}
+
+/* A step's row tiles as a pipeline: round i gives the tile unit row tile i's scores and row tile i - 2's values, and
+ * the vector units row tile i - 1's softmax, its slices spread between the tile unit's runs of products (in order,
+ * each part of a row tile took its turn: the tiles idle during the softmax, the vector units during the products).
+ * s and p are double buffered: a round's scores and softmax, and its softmax and values, use different halves. */
+INLINE_AMX void step_tiles(const int KV, const uint16_t *qs, const uint32_t *kt, const uint16_t *vv, long k0, long n,
+                           const int32_t *tpos, long R, long G, long tiles, long D, float *s, uint16_t *p, float *m,
+                           float *l, float *acc) {
+    const long blocks = (n + 15) / 16, pairs = (n + 31) / 32, s_half = 16 * SUB_KEYS, p_half = 3 * 16 * SUB_KEYS;
+    for (long i = 0; i < tiles + 2; i++) {
+        const long t = i - 1;
+        long seen[16]; /* row tile t's rows' keys of the step: all, or up to their positions */
+        Softmax c = {.row = 16, .key = -1, .n = n, .D = D, .seen = seen};
+        c.paces = 2 * ((i < tiles ? blocks * (D / 32) : 0) + (i >= 2 ? pairs * (D / 16) : 0));
+        if (t >= 0 && t < tiles) {
+            c.s = s + t % 2 * s_half, c.p = p + t % 2 * p_half, c.m = m + t * 16, c.l = l + t * 16;
+            c.acc = acc + t * 16 * D, c.row = 0;
+            for (int r = 0; r < 16; r++) {
+                const long row = t * 16 + r < R ? t * 16 + r : R - 1, last = tpos ? tpos[row / G] - k0 + 1 : n;
+                seen[r] = last < n ? last : n;
+                c.slices += seen[r] > 0 ? 1 + pairs : 1;
+            }
+        }
+        if (i < tiles)
+            for (long g = 0; g < (blocks + 2) / 3; g++)
+                score_group(KV, qs + i * 48 * D, kt, n, D, g, s + i % 2 * s_half, &c);
+        if (i >= 2) tile_values(KV, p + i % 2 * p_half, vv, n, D, acc + (i - 2) * 16 * D, &c);
+        while (c.row < 16) softmax_slice(&c);
     }
 }
 
@@ -372,14 +436,14 @@ static inline __attribute__((always_inline)) AMX int amx_rows(const int KV, cons
                                                              long KVH, long D, float scale, float *dst, long dst_first,
                                                              float *stats) {
     const long G = H / KVH, R = G * n_tok, tiles = (R + 15) / 16, stride = KVH * D;
-    const long s_bytes = 16 * SUB_KEYS * 4, p_bytes = 3 * 16 * SUB_KEYS * 2, q_bytes = tiles * 3 * 16 * D * 2;
+    const long s_bytes = 2 * 16 * SUB_KEYS * 4, p_bytes = 2 * 3 * 16 * SUB_KEYS * 2, q_bytes = tiles * 3 * 16 * D * 2;
     const long acc_bytes = tiles * 16 * D * 4, ml_bytes = tiles * 16 * 4;
     const long kt_bytes = 2 * (D / 32) * (SUB_KEYS / 16) * 1024, vv_bytes = 2 * (SUB_KEYS / 32) * (D / 16) * 1024;
     const long bytes = s_bytes + p_bytes + q_bytes + acc_bytes + 2 * ml_bytes + kt_bytes + vv_bytes;
     void *scratch = lp_amx_buffer(LP_AMX_CASCADE, bytes);
     if (!scratch) return LP_OUT_OF_MEMORY;
     float *s = scratch;
-    uint16_t *p = (uint16_t *)((char *)scratch + s_bytes), *qs = p + 3 * 16 * SUB_KEYS;
+    uint16_t *p = (uint16_t *)((char *)scratch + s_bytes), *qs = p + 2 * 3 * 16 * SUB_KEYS;
     float *acc = (float *)(qs + tiles * 3 * 16 * D), *m = acc + tiles * 16 * D, *l = m + tiles * 16;
     uint32_t *kt = (uint32_t *)(l + tiles * 16);
     uint16_t *vv = (uint16_t *)((char *)kt + kt_bytes);
@@ -406,16 +470,7 @@ static inline __attribute__((always_inline)) AMX int amx_rows(const int KV, cons
         const long n = k_end - k0 < SUB_KEYS ? k_end - k0 : SUB_KEYS;
         lay_out_keys(KV, k_cache, table, k0, n, kvh, stride, D, kt);
         lay_out_values(KV, v_cache, table, k0, n, kvh, stride, D, vv);
-        for (long t = 0; t < tiles; t++) {
-            long seen[16]; /* each row's keys of the step: all, or up to its position */
-            for (int i = 0; i < 16; i++) {
-                const long r = t * 16 + i < R ? t * 16 + i : R - 1, last = tpos ? tpos[r / G] - k0 + 1 : n;
-                seen[i] = last < n ? last : n;
-            }
-            tile_scores(KV, qs + t * 48 * D, kt, n, D, s);
-            tile_softmax(s, n, seen, D, m + t * 16, l + t * 16, acc + t * 16 * D, p);
-            tile_values(KV, p, vv, n, D, acc + t * 16 * D);
-        }
+        step_tiles(KV, qs, kt, vv, k0, n, tpos, R, G, tiles, D, s, p, m, l, acc);
     }
     _tile_release();
     store_tile(R, G, kvh, H, D, acc, D, m, l, tok, dst, dst_first, stats);
