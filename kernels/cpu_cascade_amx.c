@@ -322,19 +322,25 @@ INLINE_AMX void softmax_slice(Softmax *c) {
     }
     if (c->key < 0) {
         __m512 top = _mm512_set1_ps(c->m[i]);
-        for (long j = 0; j < visible; j += 16) {
-            const __mmask16 in = visible - j >= 16 ? 0xFFFF : (__mmask16)((1u << (visible - j)) - 1);
-            top = _mm512_mask_max_ps(top, in, top, _mm512_loadu_ps(si + j));
-        }
+        long j = 0;
+        for (; j + 16 <= visible; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(si + j));
+        if (j < visible)
+            top = _mm512_mask_max_ps(top, (__mmask16)((1u << (visible - j)) - 1), top, _mm512_loadu_ps(si + j));
         c->mx = _mm512_reduce_max_ps(top), c->total = _mm512_setzero_ps(), c->key = 0;
         return;
     }
     const long j = c->key, left0 = visible - j, left1 = visible - j - 16;
     const __m512 mv = _mm512_set1_ps(c->mx);
-    const __mmask16 in0 = left0 >= 16 ? 0xFFFF : left0 > 0 ? (__mmask16)((1u << left0) - 1) : 0;
-    const __mmask16 in1 = left1 >= 16 ? 0xFFFF : left1 > 0 ? (__mmask16)((1u << left1) - 1) : 0;
-    const __m512 e0 = _mm512_maskz_mov_ps(in0, exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in0, si + j), mv)));
-    const __m512 e1 = _mm512_maskz_mov_ps(in1, exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in1, si + j + 16), mv)));
+    __m512 e0, e1;
+    if (left1 >= 16) { /* all 32 visible: the shared pass's every slice */
+        e0 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j), mv));
+        e1 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j + 16), mv));
+    } else {
+        const __mmask16 in0 = left0 >= 16 ? 0xFFFF : left0 > 0 ? (__mmask16)((1u << left0) - 1) : 0;
+        const __mmask16 in1 = left1 > 0 ? (__mmask16)((1u << left1) - 1) : 0;
+        e0 = _mm512_maskz_mov_ps(in0, exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in0, si + j), mv)));
+        e1 = _mm512_maskz_mov_ps(in1, exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in1, si + j + 16), mv)));
+    }
     c->total = _mm512_add_ps(c->total, _mm512_add_ps(e0, e1));
     __m512i hi, mid, lo;
     split3(e0, e1, &hi, &mid, &lo);
