@@ -366,23 +366,24 @@ INLINE_AMX void pace(Softmax *c) {
     for (; c->done < due; c->done++) softmax_slice(c);
 }
 
-/* Score tiles 3 g .. 3 g + 2 of a row tile (keys 16 of them each, whole blocks, of the step's n) into s [16][SUB_KEYS]:
- * q's tiles loaded once for the three, and three sums in flight rather than one chain. q is [3][16][D]: hi, mid,
+/* A row tile's scores over the step's n keys (whole blocks) into s [16][SUB_KEYS], three tiles of 16 keys at a
+ * time (q's tiles loaded once for them, and three sums in flight rather than one chain). q is [3][16][D]: hi, mid,
  * lo. */
-INLINE_AMX void score_group(const int KV, const uint16_t *q, const uint32_t *kt, long n, long D, long g, float *s,
-                            Softmax *c) {
-    const long per_hl = D / 32 * (SUB_KEYS / 16) * 256, kb = 3 * g, left = (n + 15) / 16 - kb;
-    const long tiles = left < 3 ? left : 3;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    for (long ch = 0; ch < D / 32; ch++) {
-        LOAD_TERMS(q + ch * 32, D);
-        SCORE_TILE(0);
-        if (tiles > 1) SCORE_TILE(1);
-        if (tiles > 2) SCORE_TILE(2);
+INLINE_AMX void tile_scores(const int KV, const uint16_t *q, const uint32_t *kt, long n, long D, float *s, Softmax *c) {
+    const long per_hl = D / 32 * (SUB_KEYS / 16) * 256, blocks = (n + 15) / 16;
+    for (long kb = 0; kb < blocks; kb += 3) {
+        const long tiles = blocks - kb < 3 ? blocks - kb : 3;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        for (long ch = 0; ch < D / 32; ch++) {
+            LOAD_TERMS(q + ch * 32, D);
+            SCORE_TILE(0);
+            if (tiles > 1) SCORE_TILE(1);
+            if (tiles > 2) SCORE_TILE(2);
+        }
+        STORE_ACCUMULATORS(s + kb * 16, tiles, SUB_KEYS * 4);
     }
-    STORE_ACCUMULATORS(s + kb * 16, tiles, SUB_KEYS * 4);
 }
 
 /* A row tile's acc [16][D] += P V over the step's n keys (rounded up to 32), 48 columns (three accumulator tiles) a
@@ -427,9 +428,7 @@ INLINE_AMX void step_tiles(const int KV, const uint16_t *qs, const uint32_t *kt,
                 c.slices += seen[r] > 0 ? 1 + pairs : 1;
             }
         }
-        if (i < tiles)
-            for (long g = 0; g < (blocks + 2) / 3; g++)
-                score_group(KV, qs + i * 48 * D, kt, n, D, g, s + i % 2 * s_half, &c);
+        if (i < tiles) tile_scores(KV, qs + i * 48 * D, kt, n, D, s + i % 2 * s_half, &c);
         if (i >= 2) tile_values(KV, p + i % 2 * p_half, vv, n, D, acc + (i - 2) * 16 * D, &c);
         while (c.row < 16) softmax_slice(&c);
     }
