@@ -16,7 +16,10 @@
  * the same integers, scales and fused multiply-adds; only each run's float sum (the min term's) is added in another
  * order. Against lp_qgemm it is faster on every projection of the default model, most on 16-row batches, where the
  * float32 kernel is bound by its FMAs (benchmarks/cpu_kernel_bench.py's qgemm timings, "int16 x" rows). A batch of
- * AMX_INT16_ROWS rows or more goes to AMX-INT8 tiles where they run (cpu_qgemm_int16_amx.c): the same bits.
+ * AMX_INT16_ROWS rows or more goes to AMX-INT8 tiles where they run (cpu_qgemm_int16_amx.c): the same bits. One or
+ * two rows of 4- or 8-bit weights (a decode step of one or two chats, which reads every weight from memory) go to
+ * tile_rows_bytes where the CPU has AVX-512 VBMI: the same bits from half the vector instructions, and so a faster
+ * read of the weights.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,6 +34,9 @@
 
 /* Under 16 rows the tiles' padding rows cost more than the tiles save. */
 #define AMX_INT16_ROWS 16
+/* Up to this many rows go to tile_rows_bytes: from 3 rows its four products a row cost more than pairs unpacked once
+ * for all of them (tile_rows_vnni16). */
+#define BYTES_ROWS 2
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -91,7 +97,7 @@ static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
         __m512i a[6][4];
         for (int i = 0; i < R; i++)
             for (int c = 0; c < C; c++) a[i][c] = _mm512_setzero_si512();
-        if (!PANEL) prefetch_group(qt, g, GROUP, BITS);
+        if (!PANEL) prefetch_group(qt, g, GROUP, BITS, PREFETCH_BYTES);
         for (long p = g * GROUP / 2; p < (g + 1) * GROUP / 2; p += C)
             for (int c = 0; c < C; c++) {
                 const __m512i w = PANEL ? _mm512_load_si512(P + p + c) : pair_weights(BITS, qt, K, p + c);
@@ -111,6 +117,143 @@ static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
     }
     for (int i = 0; i < R; i++) _mm512_storeu_ps(y + (r0 + i) * ldy, f[i]);
 }
+
+/* A few rows' int16 values split into bytes for tile_rows_bytes: x = 256 h + l, h = x >> 8 signed, l = x & 255
+ * unsigned. Per 8 columns b .. b + 7 of a row, 16 bytes: h at the even columns (b, b + 2, b + 4, b + 6), h at the
+ * odd ones, l at the even ones, l at the odd ones; per (row, group) the sum of h and the sum of l at odd columns. */
+typedef struct {
+    uint8_t *bytes;
+    int32_t *high_sum, *odd_low_sum;
+} lp_split_rows;
+
+static int split_rows(const lp_rounded_rows *x, long M, long K, long G, lp_split_rows *s) {
+    const long groups = M * (K / G);
+    char *memory = malloc(M * K * 2 + groups * 2 * sizeof(int32_t));
+    if (!memory) return LP_OUT_OF_MEMORY;
+    s->high_sum = (int32_t *)memory;
+    s->odd_low_sum = s->high_sum + groups;
+    s->bytes = (uint8_t *)(s->odd_low_sum + groups);
+    for (long g = 0; g < groups; g++) {
+        int32_t high = 0, odd_low = 0;
+        for (long k = g * G; k < (g + 1) * G; k++) {
+            const int v = x->xq16[k], h = v >> 8, l = v & 255, odd = k % 2;
+            uint8_t *eight = s->bytes + k / 8 * 16 + k % 8 / 2;
+            eight[4 * odd] = (uint8_t)h;
+            eight[8 + 4 * odd] = (uint8_t)l;
+            high += h;
+            odd_low += odd ? l : 0;
+        }
+        s->high_sum[g] = high, s->odd_low_sum[g] = odd_low;
+    }
+    return LP_OK;
+}
+
+#define VBMI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni,avx512vbmi")))
+
+/* R rows (<= BYTES_ROWS) of X against one tile of 4 or 8 bits, 8 columns a step, with vpdpbusd (64 byte products a
+ * register): each row's dot product is its high bytes' times 256 plus its low bytes', the very integers of
+ * tile_rows_vnni16, so the same bits, from half its vector instructions a weight. One vpermb (4 bits) or two
+ * vpermt2b (8 bits) put each row's 4 even or 4 odd columns in its lane. A 4-bit tile's odd columns stay in their high
+ * nibble (16 w); vpdpbusd takes one operand unsigned and one signed: h is signed, so the weights go unsigned against
+ * it (8 bits: w + 128), l is unsigned, so the weights go signed (4 bits at odd columns: 16 w - 128), and each group
+ * takes back the sums those shifts added. */
+static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
+    const int BITS, const int GROUP, const int HAS_OFFSET, const int HAS_MIN, const int R, const lp_rounded_rows *x,
+    const lp_split_rows *xs, long K, const int8_t *qt, int offset, lp_tile_factors scale,
+    lp_tile_factors min, float *y, long ldy) {
+    const long groups = K / GROUP;
+    /* 4 bits: byte 4 j + i of the step's pairs (pair i, row j) from byte 16 i + j; 8 bits: row j's even columns
+     * 0, 2, 4, 6 (of two registers of 4 columns) from byte 32 i + j, its odd ones from 32 i + 16 + j */
+    __m512i gather[2];
+    {
+        uint8_t even[64], odd[64];
+        for (int j = 0; j < TILE; j++)
+            for (int i = 0; i < 4; i++) {
+                even[4 * j + i] = (uint8_t)(BITS == 4 ? 16 * i + j : 32 * i + j);
+                odd[4 * j + i] = (uint8_t)(32 * i + 16 + j);
+            }
+        gather[0] = _mm512_loadu_si512(even), gather[1] = _mm512_loadu_si512(odd);
+    }
+    const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8((char)0xF0), top = _mm512_set1_epi8((char)0x80);
+    __m512 f[BYTES_ROWS];
+    for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
+    for (long g = 0; g < groups; g++) {
+        __m512i a[BYTES_ROWS][4];
+        for (int i = 0; i < R; i++)
+            for (int c = 0; c < 4; c++) a[i][c] = _mm512_setzero_si512();
+        prefetch_group(qt, g, GROUP, BITS, PREFETCH_BYTES_FAST);
+        for (long b = g * GROUP; b < (g + 1) * GROUP; b += 8) {
+            __m512i even_u, odd_u, even_s, odd_s;
+            if (BITS == 4) {
+                const __m512i v = _mm512_permutexvar_epi8(gather[0], _mm512_loadu_si512(qt + b * 8));
+                even_u = even_s = _mm512_and_si512(v, low4);
+                odd_u = _mm512_and_si512(v, high4);
+                odd_s = _mm512_ternarylogic_epi32(v, high4, top, 0x6A); /* (v & 0xF0) ^ 0x80 */
+            } else {
+                const __m512i v0 = _mm512_loadu_si512(qt + b * 16), v1 = _mm512_loadu_si512(qt + b * 16 + 64);
+                even_s = _mm512_permutex2var_epi8(v0, gather[0], v1);
+                odd_s = _mm512_permutex2var_epi8(v0, gather[1], v1);
+                even_u = _mm512_xor_si512(even_s, top);
+                odd_u = _mm512_xor_si512(odd_s, top);
+            }
+            for (int i = 0; i < R; i++) {
+                const int32_t *four = (const int32_t *)(xs->bytes + (i * K + b) * 2);
+                a[i][0] = _mm512_dpbusd_epi32(a[i][0], even_u, _mm512_set1_epi32(four[0]));
+                a[i][1] = _mm512_dpbusd_epi32(a[i][1], odd_u, _mm512_set1_epi32(four[1]));
+                a[i][2] = _mm512_dpbusd_epi32(a[i][2], _mm512_set1_epi32(four[2]), even_s);
+                a[i][3] = _mm512_dpbusd_epi32(a[i][3], _mm512_set1_epi32(four[3]), odd_s);
+            }
+        }
+        const __m512 s = group_values16(scale, g);
+        for (int i = 0; i < R; i++) {
+            const long at = i * groups + g;
+            __m512i dot;
+            if (BITS == 4) { /* 16 (dot - offset qsum) = 4096 a0 + 256 a1 + 16 a2 + a3 + 128 odd_low - 16 offset qsum */
+                __m512i t = _mm512_add_epi32(_mm512_slli_epi32(a[i][0], 4), a[i][1]);
+                t = _mm512_add_epi32(_mm512_slli_epi32(t, 4), a[i][2]);
+                t = _mm512_add_epi32(_mm512_slli_epi32(t, 4), a[i][3]);
+                const int32_t back = 128 * xs->odd_low_sum[at] - (HAS_OFFSET ? 16 * offset * x->qsum[at] : 0);
+                dot = _mm512_srai_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(back)), 4);
+            } else { /* dot = 256 (a0 + a1) + a2 + a3 - 32768 high */
+                const __m512i high = _mm512_slli_epi32(_mm512_add_epi32(a[i][0], a[i][1]), 8);
+                dot = _mm512_add_epi32(_mm512_add_epi32(high, a[i][2]),
+                                       _mm512_sub_epi32(a[i][3], _mm512_set1_epi32(32768 * xs->high_sum[at])));
+            }
+            const __m512 scaled = _mm512_mul_ps(_mm512_set1_ps(x->scale[at]), _mm512_cvtepi32_ps(dot));
+            f[i] = _mm512_fmadd_ps(s, scaled, f[i]);
+            if (HAS_MIN) f[i] = _mm512_fmadd_ps(group_values16(min, g), _mm512_set1_ps(x->sum[at]), f[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(y + i * ldy, f[i]);
+}
+
+#define TILE_ROWS_BYTES(BITS, GROUP, HAS_OFFSET, HAS_MIN, R) \
+    tile_rows_bytes(BITS, GROUP, HAS_OFFSET, HAS_MIN, R, x, xs, K, qt, offset, st, mt, y, N_padded)
+#define QGEMM_BYTES_FN(BITS, GROUP, HAS_OFFSET, HAS_MIN)                                                              \
+    static VBMI int qgemm_bytes_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(                                          \
+        const lp_rounded_rows *x, const lp_split_rows *xs, long M, long K, const int8_t *q, int offset,                \
+        const lp_scales *scales, long N_padded, float *Y) {                                                            \
+        const long tile_bytes = K * 2 * BITS;                                                                          \
+        _Pragma("omp parallel for schedule(static)") for (long t = 0; t < N_padded / TILE; t++) {                     \
+            const int8_t *qt = q + t * tile_bytes;                                                                     \
+            const lp_tile_factors st = tile_factors(scales->unit, scales->mult, scales->unit_groups, t, K / GROUP);    \
+            const lp_tile_factors mt = tile_factors(scales->min_unit, scales->min_mult, scales->unit_groups, t, K / GROUP); \
+            float *y = Y + t * TILE;                                                                                   \
+            switch (M) {                                                                                               \
+                case 2: TILE_ROWS_BYTES(BITS, GROUP, HAS_OFFSET, HAS_MIN, 2); break;                                   \
+                case 1: TILE_ROWS_BYTES(BITS, GROUP, HAS_OFFSET, HAS_MIN, 1); break;                                   \
+            }                                                                                                          \
+        }                                                                                                              \
+        return LP_OK;                                                                                                  \
+    }
+QGEMM_BYTES_FN(4, 32, 0, 0) QGEMM_BYTES_FN(4, 32, 0, 1) QGEMM_BYTES_FN(4, 32, 1, 0) QGEMM_BYTES_FN(4, 32, 1, 1)
+QGEMM_BYTES_FN(4, 16, 0, 0) QGEMM_BYTES_FN(4, 16, 0, 1) QGEMM_BYTES_FN(4, 16, 1, 0) QGEMM_BYTES_FN(4, 16, 1, 1)
+QGEMM_BYTES_FN(8, 32, 0, 0) QGEMM_BYTES_FN(8, 32, 0, 1) QGEMM_BYTES_FN(8, 16, 0, 0) QGEMM_BYTES_FN(8, 16, 0, 1)
+
+#define QGEMM_BYTES_CALL(BITS, GROUP, HAS_OFFSET, HAS_MIN) \
+    qgemm_bytes_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(&x, &xs, M, K, q, offset, scales, N_padded, Y)
+
+static int has_vbmi(void) { return __builtin_cpu_supports("avx512vbmi"); }
 
 /* Up to 4 rows take each pair straight from the packed bytes; more unpack the tile once into a panel of pairs (in
  * L1/L2, K * 32 bytes, one per thread) swept 6 rows at a time. One instance per (bits, group, offset or not, min or
@@ -177,6 +320,18 @@ int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const 
     int status = lp_round_rows(X, M, K, group, 16, &x);
     if (status != LP_OK) return status;
 #if defined(__x86_64__)
+    if (lp_has_vnni() && M <= BYTES_ROWS && bits != 5 && has_vbmi()) {
+        lp_split_rows xs;
+        status = split_rows(&x, M, K, group, &xs);
+        if (status == LP_OK) {
+            status = bits == 4 ? INT16_BY_GROUP(QGEMM_BYTES_CALL, 4)
+                               : (group == 16 ? INT16_BY_MIN(QGEMM_BYTES_CALL, 8, 16, 0)
+                                              : INT16_BY_MIN(QGEMM_BYTES_CALL, 8, 32, 0));
+            free(xs.high_sum);
+        }
+        lp_free_rows(&x);
+        return status;
+    }
     if (lp_has_vnni()) {
         status = M >= AMX_INT16_ROWS && lp_amx_int8()
                      ? lp_qgemm_int16_amx(&x, M, K, q, scales, N_padded, bits, offset, group, Y)

@@ -95,7 +95,7 @@ INTEGERS = {"int16": (32767, BITS, 2e-4), "int8": (127, {**BITS, Q5_1: 8, Q5_0: 
 
 
 @pytest.mark.parametrize("activations", INTEGERS)
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 33])
 @pytest.mark.parametrize("n,k,q_range,group", SHAPES)
 def test_integer_activations_compute_integer_dot_products_and_stay_near_the_exact_path(
     m, n, k, q_range, group, activations
@@ -114,6 +114,20 @@ def test_integer_activations_compute_integer_dot_products_and_stay_near_the_exac
     assert ((out - want).abs().max() / want.abs().max()).item() < 1e-5
     exact = x.double() @ weight.dequantize().double().T
     assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < off_exact
+
+
+@pytest.mark.parametrize("n,k,q_range,group", SHAPES)
+def test_int16_one_and_two_rows_get_the_bits_of_a_larger_batch(n, k, q_range, group):
+    """One or two rows take their own kernel (cpu_qgemm_int16.c's tile_rows_bytes, bytes of x against the weights),
+    three to fifteen the pairs kernel: every row's integers, and so its bits, are the same either way."""
+    gen = torch.Generator().manual_seed(n + k + group)
+    packed = pack(random_blocks(n, k, q_range, gen, group), "int16")
+    x = torch.randn(3, k, generator=gen) * torch.tensor([[1.0], [1e3], [1e-3]])
+    x[1, 0] = x[1].abs().max() * 2  # a run's largest value, rounded to 32767: the top of the int16 range
+    batch = cpu.qgemm(x, packed)
+    for m in (1, 2):
+        assert torch.equal(cpu.qgemm(x[:m], packed), batch[:m])
+    assert torch.equal(cpu.qgemm(x[1:3], packed), batch[1:3])
 
 
 def test_qgemm_reads_a_strided_input():
