@@ -17,9 +17,9 @@
  * order. Against lp_qgemm it is faster on every projection of the default model, most on 16-row batches, where the
  * float32 kernel is bound by its FMAs (benchmarks/cpu_kernel_bench.py's qgemm timings, "int16 x" rows). A batch of
  * AMX_INT16_ROWS rows or more goes to AMX-INT8 tiles where they run (cpu_qgemm_int16_amx.c): the same bits. One or
- * two rows of 4- or 8-bit weights (a decode step of one or two chats, which reads every weight from memory) go to
- * tile_rows_bytes where the CPU has AVX-512 VBMI: the same bits from half the vector instructions, and so a faster
- * read of the weights.
+ * two rows (a decode step of one or two chats, which reads every weight from memory) go to tile_rows_bytes where the
+ * CPU has AVX-512 VBMI and BITALG: the same bits from half the vector instructions, and so a faster read of the
+ * weights.
  */
 #include <math.h>
 #include <stdint.h>
@@ -148,33 +148,46 @@ static int split_rows(const lp_rounded_rows *x, long M, long K, long G, lp_split
     return LP_OK;
 }
 
-#define VBMI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni,avx512vbmi")))
+#define VBMI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni,avx512vbmi,avx512bitalg")))
 
-/* R rows (<= BYTES_ROWS) of X against one tile of 4 or 8 bits, 8 columns a step, with vpdpbusd (64 byte products a
+/* R rows (<= BYTES_ROWS) of X against one tile, 8 columns a step, with vpdpbusd (64 byte products a
  * register): each row's dot product is its high bytes' times 256 plus its low bytes', the very integers of
- * tile_rows_vnni16, so the same bits, from half its vector instructions a weight. One vpermb (4 bits) or two
- * vpermt2b (8 bits) put each row's 4 even or 4 odd columns in its lane. A 4-bit tile's odd columns stay in their high
- * nibble (16 w); vpdpbusd takes one operand unsigned and one signed: h is signed, so the weights go unsigned against
- * it (8 bits: w + 128), l is unsigned, so the weights go signed (4 bits at odd columns: 16 w - 128), and each group
- * takes back the sums those shifts added. */
+ * tile_rows_vnni16, so the same bits, from half its vector instructions a weight. One vpermb (4 and 5 bits) or two
+ * vpermt2b (8 bits) put each row's 4 even or 4 odd columns in its lane; 5 bits add each one's fifth bit, picked from
+ * its column's word by vpshufbitqmb. A 4-bit tile's odd columns stay in their high nibble (16 w). vpdpbusd takes
+ * one operand unsigned and one signed: h is signed, so the weights go unsigned against it (8 bits: w + 128), l is
+ * unsigned, so the weights go signed (4 bits at odd columns: 16 w - 128), and each group takes back the sums those
+ * shifts added. */
 static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
     const int BITS, const int GROUP, const int HAS_OFFSET, const int HAS_MIN, const int R, const lp_rounded_rows *x,
     const lp_split_rows *xs, long K, const int8_t *qt, int offset, lp_tile_factors scale,
     lp_tile_factors min, float *y, long ldy) {
     const long groups = K / GROUP;
-    /* 4 bits: byte 4 j + i of the step's pairs (pair i, row j) from byte 16 i + j; 8 bits: row j's even columns
+    /* 4 and 5 bits: byte 4 j + i of the step's pairs (pair i, row j) from byte 16 i + j; 8 bits: row j's even columns
      * 0, 2, 4, 6 (of two registers of 4 columns) from byte 32 i + j, its odd ones from 32 i + 16 + j */
     __m512i gather[2];
     {
         uint8_t even[64], odd[64];
         for (int j = 0; j < TILE; j++)
             for (int i = 0; i < 4; i++) {
-                even[4 * j + i] = (uint8_t)(BITS == 4 ? 16 * i + j : 32 * i + j);
+                even[4 * j + i] = (uint8_t)(BITS == 8 ? 32 * i + j : 16 * i + j);
                 odd[4 * j + i] = (uint8_t)(32 * i + 16 + j);
             }
         gather[0] = _mm512_loadu_si512(even), gather[1] = _mm512_loadu_si512(odd);
     }
-    const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8((char)0xF0), top = _mm512_set1_epi8((char)0x80);
+    /* 5 bits: every 64-bit lane of the step's 8 words of fifth bits (word c: column b + c, bit j: row j) made the
+     * even columns' words, or the odd ones'; then byte 4 j + i takes bit j of word i */
+    __m512i fifth[3];
+    {
+        uint16_t even[32], odd[32];
+        uint8_t bit[64];
+        for (int n = 0; n < 32; n++) even[n] = (uint16_t)(2 * (n % 4)), odd[n] = (uint16_t)(2 * (n % 4) + 1);
+        for (int n = 0; n < 64; n++) bit[n] = (uint8_t)(16 * (n % 4) + n / 4 % TILE);
+        fifth[0] = _mm512_loadu_si512(even), fifth[1] = _mm512_loadu_si512(odd), fifth[2] = _mm512_loadu_si512(bit);
+    }
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8((char)0xF0);
+    const __m512i top = _mm512_set1_epi8((char)0x80);
     __m512 f[BYTES_ROWS];
     for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
     for (long g = 0; g < groups; g++) {
@@ -189,6 +202,17 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
                 even_u = even_s = _mm512_and_si512(v, low4);
                 odd_u = _mm512_and_si512(v, high4);
                 odd_s = _mm512_ternarylogic_epi32(v, high4, top, 0x6A); /* (v & 0xF0) ^ 0x80 */
+            } else if (BITS == 5) {
+                const __m512i v = _mm512_permutexvar_epi8(gather[0], _mm512_loadu_si512(qt + b * 8));
+                const __m512i words = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(qt + K * 8 + 2 * b)));
+                const __m512i even_words = _mm512_permutexvar_epi16(fifth[0], words);
+                const __m512i odd_words = _mm512_permutexvar_epi16(fifth[1], words);
+                const __mmask64 even5 = _mm512_bitshuffle_epi64_mask(even_words, fifth[2]);
+                const __mmask64 odd5 = _mm512_bitshuffle_epi64_mask(odd_words, fifth[2]);
+                even_u = _mm512_and_si512(v, low4);
+                odd_u = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                even_u = even_s = _mm512_mask_add_epi8(even_u, even5, even_u, sixteen);
+                odd_u = odd_s = _mm512_mask_add_epi8(odd_u, odd5, odd_u, sixteen);
             } else {
                 const __m512i v0 = _mm512_loadu_si512(qt + b * 16), v1 = _mm512_loadu_si512(qt + b * 16 + 64);
                 even_s = _mm512_permutex2var_epi8(v0, gather[0], v1);
@@ -214,6 +238,10 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
                 t = _mm512_add_epi32(_mm512_slli_epi32(t, 4), a[i][3]);
                 const int32_t back = 128 * xs->odd_low_sum[at] - (HAS_OFFSET ? 16 * offset * x->qsum[at] : 0);
                 dot = _mm512_srai_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(back)), 4);
+            } else if (BITS == 5) { /* dot = 256 (a0 + a1) + a2 + a3 - offset qsum */
+                dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a[i][0], a[i][1]), 8),
+                                       _mm512_add_epi32(a[i][2], a[i][3]));
+                if (HAS_OFFSET) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * x->qsum[at]));
             } else { /* dot = 256 (a0 + a1) + a2 + a3 - 32768 high */
                 const __m512i high = _mm512_slli_epi32(_mm512_add_epi32(a[i][0], a[i][1]), 8);
                 dot = _mm512_add_epi32(_mm512_add_epi32(high, a[i][2]),
@@ -246,14 +274,14 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
         }                                                                                                              \
         return LP_OK;                                                                                                  \
     }
-QGEMM_BYTES_FN(4, 32, 0, 0) QGEMM_BYTES_FN(4, 32, 0, 1) QGEMM_BYTES_FN(4, 32, 1, 0) QGEMM_BYTES_FN(4, 32, 1, 1)
-QGEMM_BYTES_FN(4, 16, 0, 0) QGEMM_BYTES_FN(4, 16, 0, 1) QGEMM_BYTES_FN(4, 16, 1, 0) QGEMM_BYTES_FN(4, 16, 1, 1)
-QGEMM_BYTES_FN(8, 32, 0, 0) QGEMM_BYTES_FN(8, 32, 0, 1) QGEMM_BYTES_FN(8, 16, 0, 0) QGEMM_BYTES_FN(8, 16, 0, 1)
+INT16_INSTANCES(QGEMM_BYTES_FN)
 
 #define QGEMM_BYTES_CALL(BITS, GROUP, HAS_OFFSET, HAS_MIN) \
     qgemm_bytes_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(&x, &xs, M, K, q, offset, scales, N_padded, Y)
 
-static int has_vbmi(void) { return __builtin_cpu_supports("avx512vbmi"); }
+static int has_vbmi_bitalg(void) {
+    return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bitalg");
+}
 
 /* Up to 4 rows take each pair straight from the packed bytes; more unpack the tile once into a panel of pairs (in
  * L1/L2, K * 32 bytes, one per thread) swept 6 rows at a time. One instance per (bits, group, offset or not, min or
@@ -320,13 +348,11 @@ int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const 
     int status = lp_round_rows(X, M, K, group, 16, &x);
     if (status != LP_OK) return status;
 #if defined(__x86_64__)
-    if (lp_has_vnni() && M <= BYTES_ROWS && bits != 5 && has_vbmi()) {
+    if (lp_has_vnni() && M <= BYTES_ROWS && has_vbmi_bitalg()) {
         lp_split_rows xs;
         status = split_rows(&x, M, K, group, &xs);
         if (status == LP_OK) {
-            status = bits == 4 ? INT16_BY_GROUP(QGEMM_BYTES_CALL, 4)
-                               : (group == 16 ? INT16_BY_MIN(QGEMM_BYTES_CALL, 8, 16, 0)
-                                              : INT16_BY_MIN(QGEMM_BYTES_CALL, 8, 32, 0));
+            status = INT16_DISPATCH(QGEMM_BYTES_CALL);
             free(xs.high_sum);
         }
         lp_free_rows(&x);
