@@ -17,18 +17,21 @@
 #define LP_ABI_VERSION 12
 
 /* A decode step reads every weight once, from memory, a tile's bytes in order: a qgemm kernel asks for the bytes
- * `distance` past the group of a tile it is about to read (the groups that follow, then the next tile's), since
- * the hardware prefetcher alone kept too few lines in flight for a one-row product to reach the memory's bandwidth.
- * PREFETCH_BYTES suits the kernels that spend more instructions a weight; the int16 one-row kernel, with half of
- * them, goes further with PREFETCH_BYTES_FAST (each measured against its neighbours in one process). BITS 5
- * prefetches its nibbles only (its plane of fifth bits is a fifth of its bytes). */
+ * `near` past the group of a tile it is about to read (the groups that follow, then the next tile's), since the
+ * hardware prefetcher alone kept too few lines in flight for a one-row product to reach the memory's bandwidth, and
+ * where `far` is not 0 for those `far` past it into L2 as well. PREFETCH_BYTES suits the kernels that spend more
+ * instructions a weight; the int16 one-row kernel, with half of them, reads faster with PREFETCH_BYTES_FAST into L1
+ * and PREFETCH_BYTES into L2 (each measured against its neighbours in one process). BITS 5 prefetches its nibbles
+ * only (its plane of fifth bits is a fifth of its bytes). */
 #define PREFETCH_BYTES 4096
 #define PREFETCH_BYTES_FAST 1536
 static inline __attribute__((always_inline)) void prefetch_group(const void *qt, long g, int group, int bits,
-                                                                 long distance) {
+                                                                 long near, long far) {
     const long bytes = (long)group * TILE * (bits == 8 ? 8 : 4) / 8;
-    for (long line = 0; line < bytes; line += 64)
-        __builtin_prefetch((const char *)qt + g * bytes + distance + line);
+    for (long line = 0; line < bytes; line += 64) {
+        __builtin_prefetch((const char *)qt + g * bytes + near + line);
+        if (far) __builtin_prefetch((const char *)qt + g * bytes + far + line, 0, 2);
+    }
 }
 
 enum {

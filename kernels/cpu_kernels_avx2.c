@@ -122,7 +122,7 @@ static inline __attribute__((always_inline)) void rows_times_tile(
     for (long kb = 0; kb < K / GROUP; kb++) {
         __m256 g0[4], g1[4]; /* each row's sum of x q over the group */
         for (int i = 0; i < R; i++) g0[i] = g1[i] = _mm256_setzero_ps();
-        prefetch_group(q, kb, GROUP, BITS, PREFETCH_BYTES);
+        prefetch_group(q, kb, GROUP, BITS, PREFETCH_BYTES, 0);
         for (long k = kb * GROUP; k < (kb + 1) * GROUP; k += 2) {
             __m256 qc[2][2];
             load_columns(BITS, HAS_OFFSET, q, K, k, offset, qc);

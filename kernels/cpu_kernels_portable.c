@@ -169,7 +169,7 @@ static ALWAYS_INLINE void rows_times_tile(const int BITS, const int HAS_OFFSET, 
         floats16 g[4][2]; /* each row's sum of x q over the group, per chain */
         for (int i = 0; i < R; i++)
             for (int c = 0; c < CHAINS; c++) g[i][c] = (floats16){0};
-        prefetch_group(q, kb, GROUP, BITS, PREFETCH_BYTES);
+        prefetch_group(q, kb, GROUP, BITS, PREFETCH_BYTES, 0);
         for (long k = kb * GROUP; k < (kb + 1) * GROUP; k += 2) {
             floats16 w[2];
             load_columns(BITS, HAS_OFFSET, q, K, k, offset, w);

@@ -97,7 +97,7 @@ static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
         __m512i a[6][4];
         for (int i = 0; i < R; i++)
             for (int c = 0; c < C; c++) a[i][c] = _mm512_setzero_si512();
-        if (!PANEL) prefetch_group(qt, g, GROUP, BITS, PREFETCH_BYTES);
+        if (!PANEL) prefetch_group(qt, g, GROUP, BITS, PREFETCH_BYTES, 0);
         for (long p = g * GROUP / 2; p < (g + 1) * GROUP / 2; p += C)
             for (int c = 0; c < C; c++) {
                 const __m512i w = PANEL ? _mm512_load_si512(P + p + c) : pair_weights(BITS, qt, K, p + c);
@@ -204,7 +204,7 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
         __m512i a[BYTES_ROWS][4];
         for (int i = 0; i < R; i++)
             for (int c = 0; c < 4; c++) a[i][c] = _mm512_setzero_si512();
-        prefetch_group(qt, g, GROUP, BITS, PREFETCH_BYTES_FAST);
+        prefetch_group(qt, g, GROUP, BITS, PREFETCH_BYTES_FAST, PREFETCH_BYTES);
         if (BITS == 5) prefetch_fifth_bits(qt, g, GROUP, K);
         for (long b = g * GROUP; b < (g + 1) * GROUP; b += 8) {
             __m512i even_u, odd_u, even_s, odd_s;

@@ -87,7 +87,7 @@ static inline __attribute__((always_inline)) VNNI void tile_rows_vnni(
     for (long g = 0; g < groups; g++) {
         __m256i a_lo[4], a_hi[4];
         for (int i = 0; i < R; i++) a_lo[i] = a_hi[i] = _mm256_setzero_si256();
-        prefetch_group(qt, g, GROUP, BITS, PREFETCH_BYTES);
+        prefetch_group(qt, g, GROUP, BITS, PREFETCH_BYTES, 0);
         for (long c = g * GROUP / 4; c < (g + 1) * GROUP / 4; c++) {
             __m256i lo, hi;
             if (BITS == 4) {
