@@ -122,7 +122,7 @@ static inline __attribute__((always_inline)) VNNI16 void tile_rows_vnni16(
  * unsigned. Per 8 columns b .. b + 7 of a row, 16 bytes: h at the even columns (b, b + 2, b + 4, b + 6), h at the
  * odd ones, l at the even ones, l at the odd ones; per (row, group) the sum of h and the sum of l at odd columns. */
 typedef struct {
-    uint8_t *bytes;
+    int32_t *fours; /* the 16 bytes of 8 columns as 4 words: what vpdpbusd broadcasts */
     int32_t *high_sum, *odd_low_sum;
 } lp_split_rows;
 
@@ -132,12 +132,12 @@ static int split_rows(const lp_rounded_rows *x, long M, long K, long G, lp_split
     if (!memory) return LP_OUT_OF_MEMORY;
     s->high_sum = (int32_t *)memory;
     s->odd_low_sum = s->high_sum + groups;
-    s->bytes = (uint8_t *)(s->odd_low_sum + groups);
+    s->fours = s->odd_low_sum + groups;
     for (long g = 0; g < groups; g++) {
         int32_t high = 0, odd_low = 0;
         for (long k = g * G; k < (g + 1) * G; k++) {
             const int v = x->xq16[k], h = v >> 8, l = v & 255, odd = k % 2;
-            uint8_t *eight = s->bytes + k / 8 * 16 + k % 8 / 2;
+            uint8_t *eight = (uint8_t *)s->fours + k / 8 * 16 + k % 8 / 2;
             eight[4 * odd] = (uint8_t)h;
             eight[8 + 4 * odd] = (uint8_t)l;
             high += h;
@@ -192,7 +192,7 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
         uint16_t even[32], odd[32];
         uint8_t bit[64];
         for (int n = 0; n < 32; n++) even[n] = (uint16_t)(2 * (n % 4)), odd[n] = (uint16_t)(2 * (n % 4) + 1);
-        for (int n = 0; n < 64; n++) bit[n] = (uint8_t)(16 * (n % 4) + n / 4 % TILE);
+        for (int n = 0; n < 64; n++) bit[n] = (uint8_t)(16 * (n % 4) + n / 4);
         fifth[0] = _mm512_loadu_si512(even), fifth[1] = _mm512_loadu_si512(odd), fifth[2] = _mm512_loadu_si512(bit);
     }
     const __m512i sixteen = _mm512_set1_epi8(16);
@@ -208,13 +208,13 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
         if (BITS == 5) prefetch_fifth_bits(qt, g, GROUP, K);
         for (long b = g * GROUP; b < (g + 1) * GROUP; b += 8) {
             __m512i even_u, odd_u, even_s, odd_s;
+            const __m512i v = BITS == 8 ? _mm512_setzero_si512()
+                                        : _mm512_permutexvar_epi8(gather[0], _mm512_loadu_si512(qt + b * 8));
             if (BITS == 4) {
-                const __m512i v = _mm512_permutexvar_epi8(gather[0], _mm512_loadu_si512(qt + b * 8));
                 even_u = even_s = _mm512_and_si512(v, low4);
                 odd_u = _mm512_and_si512(v, high4);
                 odd_s = _mm512_ternarylogic_epi32(v, high4, top, 0x6A); /* (v & 0xF0) ^ 0x80 */
             } else if (BITS == 5) {
-                const __m512i v = _mm512_permutexvar_epi8(gather[0], _mm512_loadu_si512(qt + b * 8));
                 const __m512i words = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(qt + K * 8 + 2 * b)));
                 const __m512i even_words = _mm512_permutexvar_epi16(fifth[0], words);
                 const __m512i odd_words = _mm512_permutexvar_epi16(fifth[1], words);
@@ -232,7 +232,7 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
                 odd_u = _mm512_xor_si512(odd_s, top);
             }
             for (int i = 0; i < R; i++) {
-                const int32_t *four = (const int32_t *)(xs->bytes + (i * K + b) * 2);
+                const int32_t *four = xs->fours + (i * K + b) / 2;
                 a[i][0] = _mm512_dpbusd_epi32(a[i][0], even_u, _mm512_set1_epi32(four[0]));
                 a[i][1] = _mm512_dpbusd_epi32(a[i][1], odd_u, _mm512_set1_epi32(four[1]));
                 a[i][2] = _mm512_dpbusd_epi32(a[i][2], _mm512_set1_epi32(four[2]), even_s);
@@ -294,8 +294,8 @@ static int has_vbmi_bitalg(void) {
     return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bitalg");
 }
 
-/* Up to 4 rows take each pair straight from the packed bytes; more unpack the tile once into a panel of pairs (in
- * L1/L2, K * 32 bytes, one per thread) swept 6 rows at a time. One instance per (bits, group, offset or not, min or
+/* Up to 4 rows (those tile_rows_bytes does not take) read each pair straight from the packed bytes; more unpack the
+ * tile once into a panel of pairs (in L1/L2, K * 32 bytes, one per thread) swept 6 rows at a time. One instance per (bits, group, offset or not, min or
  * not), each with its OpenMP loop where those are literals (see cpu_qgemm.h's QGEMM_FN for why). */
 #define TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, PANEL, R) \
     tile_rows_vnni16(BITS, GROUP, HAS_OFFSET, HAS_MIN, PANEL, R, x, r, K, qt, panel, offset, st, mt, y, N_padded)
