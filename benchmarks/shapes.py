@@ -6,8 +6,8 @@ written once into the cache (``<cache>/shapes/``; random weights, since speed do
 the seconds it took are kept in the row of the run that wrote it) and one chat's decode (128 greedy tokens after
 a short chat prompt) is measured, ours (``LLM.generate``, default settings but speculation, which a random
 model's repeating text would flatter) against ``llama-batched-bench``'s decode-only figure, each also as a
-fraction of this machine's bound: its read bandwidth (measured in the same run) over the bytes a token reads (the
-weights as each engine holds them, and the KV of the context at mid-reply). Writes
+fraction of this machine's bound: its read bandwidth (measured just before each row, since it drifts over a run)
+over the bytes a token reads (the weights as each engine holds them, and the KV of the context at mid-reply). Writes
 benchmarks/results/shapes.json, which the README's table of real sizes is made from (``make docs``). Needs
 ``make bench-peers``'s binaries for the ratios.
 
@@ -75,8 +75,7 @@ def main() -> None:
     if bin_dir is None:
         print("no llama.cpp binaries (run `make bench-peers`): ours alone")
     threads = os.cpu_count() or 1
-    bandwidth = read_bandwidth()
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {threads} threads on {cpu_name()}")
+    print(f"{threads} threads on {cpu_name()}")
     rows = []
     for shape, mix in files:
         path, write_s = shape_file(shape, mix)
@@ -84,16 +83,20 @@ def main() -> None:
         row = {"shape": shape, "type": mix, "file_bytes": path.stat().st_size}
         if write_s is not None:
             row["write_s"] = write_s
-        row |= one_chat_bound(llm, bin_dir, path, threads, bandwidth)
+        # This machine's read rate drifts over a run's minutes, so each row is held to the rate just before it.
+        row["read_bytes_per_s"] = read_bandwidth()
+        row |= one_chat_bound(llm, bin_dir, path, threads, row["read_bytes_per_s"])
         llm.close()
         del llm
         peer = f", llama.cpp {row['llama_decode_only']:.1f} ({row['llama_bound']:.0%})" if bin_dir else ""
-        print(f"  {shape} {mix}: ours {row['localpaged']:.1f} tok/s ({row['localpaged_bound']:.0%}){peer}")
+        gbs = row["read_bytes_per_s"] / 1e9
+        print(
+            f"  {shape} {mix}: ours {row['localpaged']:.1f} tok/s ({row['localpaged_bound']:.0%}){peer}; {gbs:.1f} GB/s"
+        )
         rows.append(row)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": threads},
-        "read_bytes_per_s": bandwidth,
         "rows": rows,
     }
     RESULTS.parent.mkdir(exist_ok=True)
