@@ -288,15 +288,27 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
 INT16_INSTANCES(QGEMM_BYTES_FN)
 
 #define QGEMM_BYTES_CALL(BITS, GROUP, HAS_OFFSET, HAS_MIN) \
-    qgemm_bytes_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(&x, &xs, M, K, q, offset, scales, N_padded, Y)
+    qgemm_bytes_##BITS##_##GROUP##_##HAS_OFFSET##_##HAS_MIN(x, &xs, M, K, q, offset, scales, N_padded, Y)
 
 static int has_vbmi_bitalg(void) {
     return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bitalg");
 }
 
+/* X's rounded rows (at most BYTES_ROWS) split into bytes, then through tile_rows_bytes. */
+static int qgemm_bytes(const lp_rounded_rows *x, long M, long K, const int8_t *q, const lp_scales *scales,
+                       long N_padded, int bits, int offset, int group, float *Y) {
+    lp_split_rows xs;
+    int status = split_rows(x, M, K, group, &xs);
+    if (status != LP_OK) return status;
+    status = INT16_DISPATCH(QGEMM_BYTES_CALL);
+    free(xs.high_sum);
+    return status;
+}
+
 /* Up to 4 rows (those tile_rows_bytes does not take) read each pair straight from the packed bytes; more unpack the
- * tile once into a panel of pairs (in L1/L2, K * 32 bytes, one per thread) swept 6 rows at a time. One instance per (bits, group, offset or not, min or
- * not), each with its OpenMP loop where those are literals (see cpu_qgemm.h's QGEMM_FN for why). */
+ * tile once into a panel of pairs (in L1/L2, K * 32 bytes, one per thread) swept 6 rows at a time. One instance per
+ * (bits, group, offset or not, min or not), each with its OpenMP loop where those are literals (see cpu_qgemm.h's
+ * QGEMM_FN for why). */
 #define TILE_ROWS(BITS, GROUP, HAS_OFFSET, HAS_MIN, PANEL, R) \
     tile_rows_vnni16(BITS, GROUP, HAS_OFFSET, HAS_MIN, PANEL, R, x, r, K, qt, panel, offset, st, mt, y, N_padded)
 #define QGEMM_INT16_FN(BITS, GROUP, HAS_OFFSET, HAS_MIN)                                                              \
@@ -359,18 +371,10 @@ int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const 
     int status = lp_round_rows(X, M, K, group, 16, &x);
     if (status != LP_OK) return status;
 #if defined(__x86_64__)
-    if (lp_has_vnni() && M <= BYTES_ROWS && has_vbmi_bitalg()) {
-        lp_split_rows xs;
-        status = split_rows(&x, M, K, group, &xs);
-        if (status == LP_OK) {
-            status = INT16_DISPATCH(QGEMM_BYTES_CALL);
-            free(xs.high_sum);
-        }
-        lp_free_rows(&x);
-        return status;
-    }
     if (lp_has_vnni()) {
-        status = M >= AMX_INT16_ROWS && lp_amx_int8()
+        status = M <= BYTES_ROWS && has_vbmi_bitalg()
+                     ? qgemm_bytes(&x, M, K, q, scales, N_padded, bits, offset, group, Y)
+                 : M >= AMX_INT16_ROWS && lp_amx_int8()
                      ? lp_qgemm_int16_amx(&x, M, K, q, scales, N_padded, bits, offset, group, Y)
                  : INT16_DISPATCH(QGEMM_INT16_CALL);
         lp_free_rows(&x);
