@@ -52,7 +52,7 @@ ABI_VERSION = 12  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VE
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
-BITS = (4, 5, 8)  # packed widths of q (pack_blocks)
+BITS = (4, 5, 6, 8)  # packed widths of q (pack_blocks)
 # How a packed weight's input rows are taken, in cpu_kernels.h's LP_ACT_* order: as they are (the exact path),
 # rounded to int16 or to int8 per run (cpu_qgemm_int16.c, cpu_qgemm_int8.c).
 ACTIVATIONS = ("float32", "int16", "int8")
@@ -339,8 +339,8 @@ PACKED_TENSORS = ("q", "unit", "mult", "min_unit", "min_mult")  # PackedBlocks' 
 
 @dataclass(frozen=True)
 class PackedBlocks:
-    """A weight in the tile layout of cpu_qgemm.h: ``q`` in 8, 4 or 5 bits a value; per group a scale and a min, each
-    an fp16 unit (per ``unit_groups`` groups) times an int8 (cpu_scales.h).
+    """A weight in the tile layout of cpu_qgemm.h: ``q`` in 8, 4, 5 or 6 bits a value; per group a scale and a min,
+    each an fp16 unit (per ``unit_groups`` groups) times an int8 (cpu_scales.h).
 
     Checked once when made, so ``qgemm`` trusts its fields on every call.
     """
@@ -351,7 +351,7 @@ class PackedBlocks:
     min_unit: torch.Tensor | None  # as unit; None where every min is 0 (Q4_0, Q5_0, Q8_0, Q6_K): nothing to add
     min_mult: torch.Tensor | None  # as mult; None with min_unit
     rows: int  # the weight's rows before padding to whole tiles
-    bits: int  # 8 (int8 as is), 4 or 5 (unsigned, stored as q + offset); for int8 activations: 4 or 8, unsigned
+    bits: int  # 8 (int8 as is), 4, 5 or 6 (unsigned, stored as q + offset); for int8 activations: 4 or 8, unsigned
     offset: int
     group: int  # weights per scale/min run: one of GROUPS
     unit_groups: int  # groups per fp16 unit
@@ -360,7 +360,7 @@ class PackedBlocks:
     def __post_init__(self) -> None:
         if self.activations not in ACTIVATIONS:
             raise KernelArgumentError(f"packed weights for {self.activations!r} activations: need one of {ACTIVATIONS}")
-        widths = (4, 8) if self.activations == "int8" else BITS  # lp_pack_quads stores 5-bit values in 8 bits
+        widths = (4, 8) if self.activations == "int8" else BITS  # lp_pack_quads stores 5- and 6-bit values in 8 bits
         if self.bits not in widths or self.group not in GROUPS:
             raise KernelArgumentError(
                 f"packed weights of {self.bits} bits in groups of {self.group}: need {widths}, {GROUPS}"
@@ -494,10 +494,11 @@ def pack_blocks(
     ``min_unit`` times ``min_mult`` likewise: the factors a GGUF stores (models/gguf_weights.py).
     q is stored in as few bits as its range needs (shifted to start at 0): 4 for Q4_*'s 16 values (two
     columns share a byte: a row's value in column k in the low half, in column k+1 in the high), 5 for Q5_*'s 32 (the same
-    nibbles and a plane of high bits), else 8. A Q5_0 weight then costs 0.75 bytes with its scale
-    instead of 1.25 as int8 with a scale and a zero min: decode reads every weight once per step.
-    ``activations`` (one of ACTIVATIONS) says how ``qgemm`` takes X: float32 and int16 read this layout, int8
-    packs in cpu_qgemm_int8.c's quads, in 4 bits or else 8 (5-bit values too), every value shifted to start at 0.
+    nibbles and a plane of high bits), 6 for Q6_K's 64 (two planes), else 8. A Q5_0 weight then costs 0.75 bytes with
+    its scale instead of 1.25 as int8 with a scale and a zero min, a Q6_K one 0.81 instead of 1.06: decode reads every
+    weight once per step. ``activations`` (one of ACTIVATIONS) says how ``qgemm`` takes X: float32 and int16 read this
+    layout, int8 packs in cpu_qgemm_int8.c's quads, in 4 bits or else 8 (5- and 6-bit values too), every value shifted
+    to start at 0.
     """
     expect("q", q, torch.int8, 2)
     for name, value, dtype in (
@@ -533,7 +534,7 @@ def pack_blocks(
     if activations == "int8":
         bits = 4 if high + offset <= 15 else 8
     else:
-        bits = 4 if high + offset <= 15 else 5 if high + offset <= 31 else 8
+        bits = next((b for b in BITS[:-1] if high + offset < 1 << b), 8)
         offset = offset if bits < 8 else 0
     tiles = -(-n // TILE)
     q = q.contiguous()

@@ -21,8 +21,8 @@
  * hardware prefetcher alone kept too few lines in flight for a one-row product to reach the memory's bandwidth, and
  * where `far` is not 0 for those `far` past it into L2 as well. PREFETCH_BYTES suits the kernels that spend more
  * instructions a weight; the int16 one-row kernel, with half of them, reads faster with PREFETCH_BYTES_FAST into L1
- * and PREFETCH_BYTES into L2 (each measured against its neighbours in one process). BITS 5 prefetches its nibbles
- * only (its plane of fifth bits is a fifth of its bytes). */
+ * and PREFETCH_BYTES into L2 (each measured against its neighbours in one process). 5 and 6 bits prefetch their
+ * nibbles here (a plane of high bits is a stream of its own: the int16 one-row kernel prefetches those too). */
 #define PREFETCH_BYTES 4096
 #define PREFETCH_BYTES_FAST 1536
 static inline __attribute__((always_inline)) void prefetch_group(const void *qt, long g, int group, int bits,
@@ -33,6 +33,9 @@ static inline __attribute__((always_inline)) void prefetch_group(const void *qt,
         if (far) __builtin_prefetch((const char *)qt + g * bytes + far + line, 0, 2);
     }
 }
+
+/* The widths of a packed tile's values (cpu_qgemm.h's layout). */
+static inline int packed_bits(int bits) { return (bits >= 4 && bits <= 6) || bits == 8; }
 
 enum {
     LP_OK = 0,

@@ -24,7 +24,7 @@ static inline qgemm_offset qgemm_offset_of(int q_offset) { return _mm_set1_epi8(
 
 /* Columns k and k + 1 of a tile (k even): their 16 q values each as two vectors of 8 floats (rows 0-7 and 8-15),
  * w[c][0] and w[c][1] for column k + c. 4-bit values with no offset (Q4_1, Q4_K: 0..15) widen straight from their
- * nibbles. Otherwise each column's 16 values are first put together as bytes (the fifth bits spread by a byte
+ * nibbles. Otherwise each column's 16 values are first put together as bytes (the high bits spread by a byte
  * shuffle, the offset taken off), then widened the same way for every width. The 4-bit shortcut skips the generic
  * path's unpack and sign-widening, a large share of each column's cost in a one-row projection (the one-row qgemm
  * timings of benchmarks/cpu_kernel_bench.py). */
@@ -43,12 +43,15 @@ static inline __attribute__((always_inline)) void load_columns(
             }
             return;
         }
-        for (int c = 0; c < 2 && BITS == 5; c++) {
-            const __m128i word = _mm_set1_epi16(((const int16_t *)(q + K * TILE / 2))[k + c]);
-            const __m128i spread = _mm_shuffle_epi8(word, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-            const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-            v[c] = _mm_or_si128(v[c], _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(16)));
-        }
+        for (int plane = 0; plane < BITS - 4; plane++) /* bit 4 + plane of each value, from its column's word */
+            for (int c = 0; c < 2; c++) {
+                const __m128i word = _mm_set1_epi16(((const int16_t *)(q + K * TILE / 2 + plane * K * 2))[k + c]);
+                const __m128i spread =
+                    _mm_shuffle_epi8(word, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+                const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+                const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit);
+                v[c] = _mm_or_si128(v[c], _mm_and_si128(set, _mm_set1_epi8((char)(16 << plane))));
+            }
         for (int c = 0; c < 2 && HAS_OFFSET; c++) v[c] = _mm_sub_epi8(v[c], offset);
     }
     for (int c = 0; c < 2; c++) {

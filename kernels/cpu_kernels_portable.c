@@ -81,12 +81,13 @@ static ALWAYS_INLINE ints16 widen(bytes16 v) {
 }
 
 /* Columns k and k + 1 of a tile (k even): their 16 q values each, as floats in 32-bit lanes. 8 bits: a byte a
- * value, widened. 4 and 5 bits: row j's byte holds both columns' nibbles (k's low, k + 1's high), widened once and
- * shifted for the second column; a fifth bit comes from its column's 16-bit word, bit j for row j. No lane crosses
- * another. With AVX-512 each value's float (offset taken off) is looked up in a table of 16 or 32 floats by one
- * vpermps or vpermt2ps, which read only the low 4 or 5 bits of their index: no mask and no conversion where 4 bits
- * otherwise take a shift, a mask and a conversion a column, a large share of a one-row projection's time (the one-row
- * qgemm timings of benchmarks/cpu_kernel_bench.py); the same floats, so the same sums. */
+ * value, widened. 4, 5 and 6 bits: row j's byte holds both columns' nibbles (k's low, k + 1's high), widened once
+ * and shifted for the second column; bit 4 (and 5) comes from the column's 16-bit word in its plane, bit j for row j.
+ * No lane crosses another. With AVX-512 a 4- or 5-bit value's float (offset taken off) is looked up in a table of
+ * 16 or 32 floats by one vpermps or vpermt2ps, which read only the low 4 or 5 bits of their index: no mask and no
+ * conversion where 4 bits otherwise take a shift, a mask and a conversion a column, a large share of a one-row
+ * projection's time (the one-row qgemm timings of benchmarks/cpu_kernel_bench.py); the same floats, so the same
+ * sums. */
 static ALWAYS_INLINE void load_columns(const int BITS, const int HAS_OFFSET, const int8_t *q, long K, long k,
                                        int8_t offset, floats16 w[2]) {
     if (BITS == 8) {
@@ -101,25 +102,30 @@ static ALWAYS_INLINE void load_columns(const int BITS, const int HAS_OFFSET, con
     memcpy(&b, q + k * TILE / 2, sizeof b);
     const ints16 bytes = widen(b);
     ints16 v[2] = {bytes, bytes >> 4}; /* each column's value in the low four bits */
-    if (BITS == 5) {
+    if (BITS > 4) {
         const ints16 row = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        for (int c = 0; c < 2; c++) {
-            uint16_t word;
-            memcpy(&word, q + K * TILE / 2 + 2 * (k + c), sizeof word);
-            v[c] = (v[c] & 15) | (((ints16){0} + word) >> row & 1) << 4;
-        }
+        for (int c = 0; c < 2; c++) v[c] &= 15;
+        for (int plane = 0; plane < BITS - 4; plane++) /* bit 4 + plane, from its column's word */
+            for (int c = 0; c < 2; c++) {
+                uint16_t word;
+                memcpy(&word, q + K * TILE / 2 + plane * K * 2 + 2 * (k + c), sizeof word);
+                v[c] |= (((ints16){0} + word) >> row & 1) << (4 + plane);
+            }
     }
 #if defined(__AVX512F__)
-    const floats16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const floats16 low = HAS_OFFSET ? iota - (float)offset : iota, high = low + 16.0f;
-    for (int c = 0; c < 2; c++) w[c] = BITS == 4 ? __builtin_shuffle(low, v[c]) : __builtin_shuffle(low, high, v[c]);
-#else
+    if (BITS <= 5) { /* 6 bits would take a table of 64 floats: converted as below */
+        const floats16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        const floats16 low = HAS_OFFSET ? iota - (float)offset : iota, high = low + 16.0f;
+        for (int c = 0; c < 2; c++)
+            w[c] = BITS == 4 ? __builtin_shuffle(low, v[c]) : __builtin_shuffle(low, high, v[c]);
+        return;
+    }
+#endif
     for (int c = 0; c < 2; c++) {
         if (BITS == 4) v[c] &= 15;
         if (HAS_OFFSET) v[c] -= offset;
         w[c] = __builtin_convertvector(v[c], floats16);
     }
-#endif
 }
 
 /* The 16 weights of a column of q values: scale * q, then + min, each rounded (see the top). */

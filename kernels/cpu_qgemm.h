@@ -1,7 +1,7 @@
 /* lp_qgemm's scaffolding, the same for every path: Y[M, N] = X[M, K] @ W[N, K]^T where W is kept as a GGUF file
  * stores it, in runs ("groups") of 32 weights along each row (16 for Q6_K, whose sub-blocks are that short):
  * w = scale * q + min, q a small integer. Torch's fp32 GEMM reads 4 bytes per weight and reaches well under the
- * CPU's peak on 16-row batches; here q takes 4 bits (Q4_0, Q4_1, Q4_K), 5 (Q5_0, Q5_1, Q5_K) or 8 (Q8_0, Q6_K),
+ * CPU's peak on 16-row batches; here q takes 4 bits (Q4_0, Q4_1, Q4_K), 5 (Q5_0, Q5_1, Q5_K), 6 (Q6_K) or 8 (Q8_0),
  * plus a scale and a min per group, each a byte times an fp16 per K-quant block. For 5 or more rows of X each tile
  * of 16 weight rows is expanded once into an fp32 panel in L1/L2, then swept 6 rows at a time by a register kernel; for 1-4 rows each column is
  * expanded in registers instead. The expansion multiplies then adds in separate roundings, so the weights used are
@@ -14,6 +14,8 @@
  *   4 bits: q[t][k/2][j] for even k, a byte holding row j's value in column k in its low four bits and in
  *           column k + 1 in its high four (a tile column's 16 values in 8 bytes, read two columns at a time)
  *   5 bits: those K * 8 bytes, then K 16-bit words: bit j of word k is bit 4 of row j's value in column k
+ *   6 bits: the 5-bit tile, then K more words for bit 5 of each value (a plane per bit: the 5-bit kernels' reading
+ *           of their plane, done twice; Q6_K in 0.75 bytes a weight, where 8 bits cost it a third more)
  *   scales: lp_scales (cpu_kernels.h): per tile, group and row an fp16 unit times an int8, rebuilt as an fp32 table
  *           scale[k/G][j] and min[k/G][j] a tile at a time (cpu_scales.h; G: the group, 32 or 16; no min where
  *           every min is 0: Q4_0, Q5_0, Q8_0, Q6_K, whose weights are scale * q alone)
@@ -99,9 +101,11 @@ QGEMM_FNS(4, 0)
 QGEMM_FNS(4, 1)
 QGEMM_FNS(5, 0)
 QGEMM_FNS(5, 1)
+QGEMM_FNS(6, 0)
+QGEMM_FNS(6, 1)
 QGEMM_FNS(8, 0) /* 8-bit values are stored as they are: never an offset */
 
-/* X: [M, K] contiguous; N_padded a multiple of 16; Y: [M, N_padded] contiguous; bits (8, 4 or 5), offset, group
+/* X: [M, K] contiguous; N_padded a multiple of 16; Y: [M, N_padded] contiguous; bits (8, 4, 5 or 6), offset, group
  * (32 or 16, dividing K) and scales (with or without mins): the layout above. Each (bits, offset or not, group, min
  * or not) is its own instance, so the inner loops keep constant bounds and no dead work. */
 #define QGEMM_CALL(BITS, HAS_OFFSET, GROUP, HAS_MIN) \
@@ -112,10 +116,11 @@ QGEMM_FNS(8, 0) /* 8-bit values are stored as they are: never an offset */
     (group == 16 ? QGEMM_BY_MIN(BITS, HAS_OFFSET, 16) : QGEMM_BY_MIN(BITS, HAS_OFFSET, 32))
 int lp_qgemm(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded,
              int bits, int offset, int group, float *Y) {
-    if ((bits != 4 && bits != 5 && bits != 8) || (group != 16 && group != 32) || K % group || N_padded % TILE ||
+    if (!packed_bits(bits) || (group != 16 && group != 32) || K % group || N_padded % TILE ||
         M < 0 || K <= 0 || !scales_fit(scales, K, group))
         return LP_BAD_ARGUMENT;
     if (bits == 4) return offset ? QGEMM_BY_GROUP(4, 1) : QGEMM_BY_GROUP(4, 0);
     if (bits == 5) return offset ? QGEMM_BY_GROUP(5, 1) : QGEMM_BY_GROUP(5, 0);
+    if (bits == 6) return offset ? QGEMM_BY_GROUP(6, 1) : QGEMM_BY_GROUP(6, 0);
     return QGEMM_BY_GROUP(8, 0);
 }

@@ -191,6 +191,7 @@ INLINE_AMXQ void weight_block(const int BITS, const int GROUP, const int HAS_MIN
 #define AMX_FNS(BITS) AMX_FN(BITS, 32, 0) AMX_FN(BITS, 32, 1) AMX_FN(BITS, 16, 0) AMX_FN(BITS, 16, 1)
 AMX_FNS(4)
 AMX_FNS(5)
+AMX_FNS(6)
 AMX_FNS(8)
 
 #define AMX_CALL(BITS, GROUP, HAS_MIN) \
@@ -208,7 +209,10 @@ static int amx_qgemm(const float *X, long M, long K, const int8_t *q, const lp_s
     float *xsum = (float *)(xhi + 2 * Mp * K);
     split_rows(X, M, Mp, K, group, xhi, xlo, xsum);
     memset(Y, 0, (size_t)M * N_padded * sizeof(float));
-    const int status = bits == 4 ? AMX_BY_GROUP(4) : bits == 5 ? AMX_BY_GROUP(5) : AMX_BY_GROUP(8);
+    const int status = bits == 4   ? AMX_BY_GROUP(4)
+                       : bits == 5 ? AMX_BY_GROUP(5)
+                       : bits == 6 ? AMX_BY_GROUP(6)
+                                   : AMX_BY_GROUP(8);
     return status;
 }
 #endif
@@ -217,7 +221,7 @@ static int amx_qgemm(const float *X, long M, long K, const int8_t *q, const lp_s
  * 256 columns (GGUF's are 32 or 256), it is lp_qgemm_int16. */
 int lp_qgemm_amx(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded,
                  int bits, int offset, int group, float *Y) {
-    if ((bits != 4 && bits != 5 && bits != 8) || (bits == 8 && offset) || (group != 16 && group != 32) || K % group ||
+    if (!packed_bits(bits) || (bits == 8 && offset) || (group != 16 && group != 32) || K % group ||
         N_padded % TILE || M < 0 || K <= 0 || !scales_fit(scales, K, group))
         return LP_BAD_ARGUMENT;
 #if defined(__x86_64__)

@@ -48,9 +48,9 @@ static inline int stored16(const int8_t *qt, int bits, long K, long k, int j) {
     if (bits == 8) return qt[k * TILE + j];
     const uint8_t byte = (uint8_t)qt[k / 2 * TILE + j];
     int u = k % 2 ? byte >> 4 : byte & 15;
-    if (bits == 5) {
-        const uint8_t *words = (const uint8_t *)qt + K * TILE / 2;
-        u |= ((words[2 * k + j / 8] >> (j % 8)) & 1) << 4;
+    for (int bit = 4; bit < bits; bit++) {
+        const uint8_t *words = (const uint8_t *)qt + K * TILE / 2 + (bit - 4) * K * 2;
+        u |= ((words[2 * k + j / 8] >> (j % 8)) & 1) << bit;
     }
     return u;
 }
@@ -148,32 +148,36 @@ static int split_rows(const lp_rounded_rows *x, long M, long K, long G, lp_split
     return LP_OK;
 }
 
-/* A 5-bit tile's plane of fifth bits (K 16-bit words after its nibbles) is a stream of its own, which the hardware
- * prefetcher would pick up anew in every tile, so it is prefetched too: the words FIFTH_AHEAD groups on, or past the
- * tile's end the next tile's first ones (measured against 4 and 16 groups on, and none). */
-#define FIFTH_AHEAD 8
-static inline __attribute__((always_inline)) void prefetch_fifth_bits(const int8_t *qt, long g, int group, long K) {
-    const long at = (g + FIFTH_AHEAD) * group * 2; /* a byte of the plane */
-    const char *plane = (const char *)qt + K * 8;
-    __builtin_prefetch(at < K * 2 ? plane + at : plane + K * 10 + at - K * 2);
+/* Each plane of high bits of a 5- or 6-bit tile (K 16-bit words after its nibbles, or after the plane before) is a
+ * stream of its own, which the hardware prefetcher would pick up anew in every tile, so it is prefetched too: the words
+ * PLANE_AHEAD groups on, or past the tile's end the next tile's first ones (measured against 4 and 16 groups on, and
+ * none). */
+#define PLANE_AHEAD 8
+static inline __attribute__((always_inline)) void prefetch_planes(const int8_t *qt, long g, int group, int bits,
+                                                                  long K) {
+    const long at = (g + PLANE_AHEAD) * group * 2; /* a byte of a plane */
+    for (int p = 0; p < bits - 4; p++) {
+        const char *plane = (const char *)qt + K * 8 + p * K * 2;
+        __builtin_prefetch(at < K * 2 ? plane + at : plane + K * 2 * bits + at - K * 2);
+    }
 }
 
 #define VBMI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni,avx512vbmi,avx512bitalg")))
 
 /* R rows (<= BYTES_ROWS) of X against one tile, 8 columns a step, with vpdpbusd (64 byte products a
  * register): each row's dot product is its high bytes' times 256 plus its low bytes', the very integers of
- * tile_rows_vnni16, so the same bits, from half its vector instructions a weight. One vpermb (4 and 5 bits) or two
- * vpermt2b (8 bits) put each row's 4 even or 4 odd columns in its lane; 5 bits add each one's fifth bit, picked from
- * its column's word by vpshufbitqmb. A 4-bit tile's odd columns stay in their high nibble (16 w). vpdpbusd takes
- * one operand unsigned and one signed: h is signed, so the weights go unsigned against it (8 bits: w + 128), l is
- * unsigned, so the weights go signed (4 bits at odd columns: 16 w - 128), and each group takes back the sums those
- * shifts added. */
+ * tile_rows_vnni16, so the same bits, from half its vector instructions a weight. One vpermb (4 to 6 bits) or two
+ * vpermt2b (8 bits) put each row's 4 even or 4 odd columns in its lane; 5 and 6 bits add each one's bit 4 (and 5),
+ * picked from its column's word in the plane by vpshufbitqmb. A 4-bit tile's odd columns stay in their high nibble
+ * (16 w). vpdpbusd takes one operand unsigned and one signed: h is signed, so the weights go unsigned against it
+ * (8 bits: w + 128), l is unsigned, so the weights go signed (4 bits at odd columns: 16 w - 128), and each group
+ * takes back the sums those shifts added. */
 static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
     const int BITS, const int GROUP, const int HAS_OFFSET, const int HAS_MIN, const int R, const lp_rounded_rows *x,
     const lp_split_rows *xs, long K, const int8_t *qt, int offset, lp_tile_factors scale,
     lp_tile_factors min, float *y, long ldy) {
     const long groups = K / GROUP;
-    /* 4 and 5 bits: byte 4 j + i of the step's pairs (pair i, row j) from byte 16 i + j; 8 bits: row j's even columns
+    /* 4 to 6 bits: byte 4 j + i of the step's pairs (pair i, row j) from byte 16 i + j; 8 bits: row j's even columns
      * 0, 2, 4, 6 (of two registers of 4 columns) from byte 32 i + j, its odd ones from 32 i + 16 + j */
     __m512i gather[2];
     {
@@ -185,17 +189,16 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
             }
         gather[0] = _mm512_loadu_si512(even), gather[1] = _mm512_loadu_si512(odd);
     }
-    /* 5 bits: every 64-bit lane of the step's 8 words of fifth bits (word c: column b + c, bit j: row j) made the
+    /* 5 and 6 bits: every 64-bit lane of a plane's 8 words for the step (word c: column b + c, bit j: row j) made the
      * even columns' words, or the odd ones'; then byte 4 j + i takes bit j of word i */
-    __m512i fifth[3];
+    __m512i planes[3];
     {
         uint16_t even[32], odd[32];
         uint8_t bit[64];
         for (int n = 0; n < 32; n++) even[n] = (uint16_t)(2 * (n % 4)), odd[n] = (uint16_t)(2 * (n % 4) + 1);
         for (int n = 0; n < 64; n++) bit[n] = (uint8_t)(16 * (n % 4) + n / 4);
-        fifth[0] = _mm512_loadu_si512(even), fifth[1] = _mm512_loadu_si512(odd), fifth[2] = _mm512_loadu_si512(bit);
+        planes[0] = _mm512_loadu_si512(even), planes[1] = _mm512_loadu_si512(odd), planes[2] = _mm512_loadu_si512(bit);
     }
-    const __m512i sixteen = _mm512_set1_epi8(16);
     const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8((char)0xF0);
     const __m512i top = _mm512_set1_epi8((char)0x80);
     __m512 f[BYTES_ROWS];
@@ -205,7 +208,7 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
         for (int i = 0; i < R; i++)
             for (int c = 0; c < 4; c++) a[i][c] = _mm512_setzero_si512();
         prefetch_group(qt, g, GROUP, BITS, PREFETCH_BYTES_FAST, PREFETCH_BYTES);
-        if (BITS == 5) prefetch_fifth_bits(qt, g, GROUP, K);
+        prefetch_planes(qt, g, GROUP, BITS, K);
         for (long b = g * GROUP; b < (g + 1) * GROUP; b += 8) {
             __m512i even_u, odd_u, even_s, odd_s;
             const __m512i v = BITS == 8 ? _mm512_setzero_si512()
@@ -214,16 +217,20 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
                 even_u = even_s = _mm512_and_si512(v, low4);
                 odd_u = _mm512_and_si512(v, high4);
                 odd_s = _mm512_ternarylogic_epi32(v, high4, top, 0x6A); /* (v & 0xF0) ^ 0x80 */
-            } else if (BITS == 5) {
-                const __m512i words = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(qt + K * 8 + 2 * b)));
-                const __m512i even_words = _mm512_permutexvar_epi16(fifth[0], words);
-                const __m512i odd_words = _mm512_permutexvar_epi16(fifth[1], words);
-                const __mmask64 even5 = _mm512_bitshuffle_epi64_mask(even_words, fifth[2]);
-                const __mmask64 odd5 = _mm512_bitshuffle_epi64_mask(odd_words, fifth[2]);
+            } else if (BITS < 8) {
                 even_u = _mm512_and_si512(v, low4);
                 odd_u = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                even_u = even_s = _mm512_mask_add_epi8(even_u, even5, even_u, sixteen);
-                odd_u = odd_s = _mm512_mask_add_epi8(odd_u, odd5, odd_u, sixteen);
+                for (int p = 0; p < BITS - 4; p++) {
+                    const __m128i step = _mm_loadu_si128((const __m128i *)(qt + K * 8 + p * K * 2 + 2 * b));
+                    const __m512i words = _mm512_broadcast_i32x4(step), high = _mm512_set1_epi8((char)(16 << p));
+                    const __m512i even_words = _mm512_permutexvar_epi16(planes[0], words);
+                    const __m512i odd_words = _mm512_permutexvar_epi16(planes[1], words);
+                    const __mmask64 even_set = _mm512_bitshuffle_epi64_mask(even_words, planes[2]);
+                    const __mmask64 odd_set = _mm512_bitshuffle_epi64_mask(odd_words, planes[2]);
+                    even_u = _mm512_mask_add_epi8(even_u, even_set, even_u, high);
+                    odd_u = _mm512_mask_add_epi8(odd_u, odd_set, odd_u, high);
+                }
+                even_s = even_u, odd_s = odd_u;
             } else {
                 const __m512i v0 = _mm512_loadu_si512(qt + b * 16), v1 = _mm512_loadu_si512(qt + b * 16 + 64);
                 even_s = _mm512_permutex2var_epi8(v0, gather[0], v1);
@@ -249,7 +256,7 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
                 t = _mm512_add_epi32(_mm512_slli_epi32(t, 4), a[i][3]);
                 const int32_t back = 128 * xs->odd_low_sum[at] - (HAS_OFFSET ? 16 * offset * x->qsum[at] : 0);
                 dot = _mm512_srai_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(back)), 4);
-            } else if (BITS == 5) { /* dot = 256 (a0 + a1) + a2 + a3 - offset qsum */
+            } else if (BITS < 8) { /* dot = 256 (a0 + a1) + a2 + a3 - offset qsum */
                 dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a[i][0], a[i][1]), 8),
                                        _mm512_add_epi32(a[i][2], a[i][3]));
                 if (HAS_OFFSET) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * x->qsum[at]));
@@ -360,11 +367,11 @@ INT16_INSTANCES(QGEMM_INT16_FN)
 #endif
 
 
-/* X: [M, K] fp32; q, scales, bits (8, 4 or 5), offset and group (32 or 16, dividing K) as lp_qgemm takes them
+/* X: [M, K] fp32; q, scales, bits (8, 4, 5 or 6), offset and group (32 or 16, dividing K) as lp_qgemm takes them
  * (8-bit values never have an offset); Y: [M, N_padded]. */
 int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded,
                    int bits, int offset, int group, float *Y) {
-    if ((bits != 4 && bits != 5 && bits != 8) || (bits == 8 && offset) || (group != 16 && group != 32) || K % group ||
+    if (!packed_bits(bits) || (bits == 8 && offset) || (group != 16 && group != 32) || K % group ||
         N_padded % TILE || M < 0 || K <= 0 || !scales_fit(scales, K, group))
         return LP_BAD_ARGUMENT;
     lp_rounded_rows x;

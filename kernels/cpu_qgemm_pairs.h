@@ -11,9 +11,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-/* Columns 2p and 2p + 1 of a tile: lane j holds row j's two stored values as int16 (2p's in the low half). 4 and 5
- * bits: row j's byte holds both nibbles; 5 bits add each column's fifth bit from its 16-bit word. 8 bits: the two
- * columns' 16 bytes each, sign-widened, then interleaved. */
+/* Columns 2p and 2p + 1 of a tile: lane j holds row j's two stored values as int16 (2p's in the low half). 4, 5 and
+ * 6 bits: row j's byte holds both nibbles; 5 and 6 bits add bit 4 (and 5) from each column's word in its plane.
+ * 8 bits: the two columns' 16 bytes each, sign-widened, then interleaved. */
 static inline __attribute__((always_inline)) __attribute__((target("avx512f,avx512bw"))) __m512i pair_weights(const int BITS, const int8_t *qt, long K,
                                                                          long p) {
     if (BITS == 8) {
@@ -25,13 +25,13 @@ static inline __attribute__((always_inline)) __attribute__((target("avx512f,avx5
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qt + p * TILE)));
     /* (bytes | bytes << 12) & 0x000F000F: the low nibble stays, the high one moves to bit 16 */
     __m512i w = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
-    if (BITS == 5) {
+    for (int plane = 0; plane < BITS - 4; plane++) {
         uint32_t words;
-        memcpy(&words, qt + K * TILE / 2 + 4 * p, sizeof words); /* columns 2p and 2p + 1: bit j is row j's */
+        memcpy(&words, qt + K * TILE / 2 + plane * K * 2 + 4 * p, sizeof words); /* columns 2p, 2p + 1: bit j row j's */
         const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         const __m512i bits = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)words), lane),
                                               _mm512_set1_epi32(0x00010001));
-        w = _mm512_or_si512(w, _mm512_slli_epi32(bits, 4));
+        w = _mm512_or_si512(w, _mm512_slli_epi32(bits, 4 + plane));
     }
     return w;
 }
@@ -44,13 +44,15 @@ static inline __attribute__((always_inline)) __attribute__((target("avx512f,avx5
 #define INT16_INSTANCES(FN)                                                                                      \
     FN(4, 32, 0, 0) FN(4, 32, 0, 1) FN(4, 32, 1, 0) FN(4, 32, 1, 1) FN(4, 16, 0, 0) FN(4, 16, 0, 1) FN(4, 16, 1, 0) \
         FN(4, 16, 1, 1) FN(5, 32, 0, 0) FN(5, 32, 0, 1) FN(5, 32, 1, 0) FN(5, 32, 1, 1) FN(5, 16, 0, 0)             \
-            FN(5, 16, 0, 1) FN(5, 16, 1, 0) FN(5, 16, 1, 1) FN(8, 32, 0, 0) FN(8, 32, 0, 1) FN(8, 16, 0, 0)         \
-                FN(8, 16, 0, 1)
+            FN(5, 16, 0, 1) FN(5, 16, 1, 0) FN(5, 16, 1, 1) FN(6, 32, 0, 0) FN(6, 32, 0, 1) FN(6, 32, 1, 0)         \
+                FN(6, 32, 1, 1) FN(6, 16, 0, 0) FN(6, 16, 0, 1) FN(6, 16, 1, 0) FN(6, 16, 1, 1) FN(8, 32, 0, 0)     \
+                    FN(8, 32, 0, 1) FN(8, 16, 0, 0) FN(8, 16, 0, 1)
 
 /* CALL(BITS, GROUP, HAS_OFFSET, HAS_MIN) for the instance of the variables bits, group, offset and scales in scope. */
 #define INT16_DISPATCH(CALL)                 \
     (bits == 4   ? INT16_BY_GROUP(CALL, 4)   \
      : bits == 5 ? INT16_BY_GROUP(CALL, 5)   \
+     : bits == 6 ? INT16_BY_GROUP(CALL, 6)   \
                  : (group == 16 ? INT16_BY_MIN(CALL, 8, 16, 0) : INT16_BY_MIN(CALL, 8, 32, 0)))
 #define INT16_BY_GROUP(CALL, BITS) (group == 16 ? INT16_BY_OFFSET(CALL, BITS, 16) : INT16_BY_OFFSET(CALL, BITS, 32))
 #define INT16_BY_OFFSET(CALL, BITS, GROUP) \

@@ -46,8 +46,9 @@ def pack(weight: BlockQuantized, activations: str = "float32") -> cpu.PackedBloc
     return cpu.pack_blocks(weight.q, weight.unit, weight.mult, weight.min_unit, weight.min_mult, activations)
 
 
-Q4_1, Q4_0, Q5_1, Q5_0, Q8_0 = (0, 16), (-8, 8), (0, 32), (-16, 16), (-128, 128)
-BITS = {Q4_1: 4, Q4_0: 4, Q5_1: 5, Q5_0: 5, Q8_0: 8}
+Q4_1, Q4_0, Q5_1, Q5_0, Q6_K, Q8_0 = (0, 16), (-8, 8), (0, 32), (-16, 16), (-32, 32), (-128, 128)
+U6 = (0, 64)  # 6-bit values with a min and no offset (no GGUF type: its kernel instances all the same)
+BITS = {Q4_1: 4, Q4_0: 4, Q5_1: 5, Q5_0: 5, Q6_K: 6, U6: 6, Q8_0: 8}
 # Weights (rows, columns, q range, group) of every format and group, tails of tiles and groups of tiles.
 SHAPES = [
     (16, 32, Q4_1, 32),
@@ -60,6 +61,9 @@ SHAPES = [
     (24, 576, Q5_0, 32),
     (56, 64, Q5_1, 32),
     (16, 256, Q5_1, 16),
+    (40, 512, Q6_K, 16),
+    (24, 96, Q6_K, 32),
+    (16, 256, U6, 32),
 ]
 
 
@@ -91,7 +95,7 @@ def integer_reference(x: torch.Tensor, weight: BlockQuantized, group: int, large
 
 # Per width: the largest integer, the packed widths by q's, and how far from the exact path (measured: int16 under
 # 5e-5 of the largest output, int8 under 1%).
-INTEGERS = {"int16": (32767, BITS, 2e-4), "int8": (127, {**BITS, Q5_1: 8, Q5_0: 8}, 2e-2)}
+INTEGERS = {"int16": (32767, BITS, 2e-4), "int8": (127, {**BITS, Q5_1: 8, Q5_0: 8, Q6_K: 8, U6: 8}, 2e-2)}
 
 
 @pytest.mark.parametrize("activations", INTEGERS)
