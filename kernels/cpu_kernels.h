@@ -22,7 +22,7 @@
  * where `far` is not 0 for those `far` past it into L2 as well. PREFETCH_BYTES suits the kernels that spend more
  * instructions a weight; the int16 one-row kernel, with half of them, reads faster with PREFETCH_BYTES_FAST into L1
  * and PREFETCH_BYTES into L2 (each measured against its neighbours in one process). 5 and 6 bits prefetch their
- * nibbles here (a plane of high bits is a stream of its own: the int16 one-row kernel prefetches those too). */
+ * nibbles here (their high bits are a stream of their own: the int16 one-row kernel prefetches those too). */
 #define PREFETCH_BYTES 4096
 #define PREFETCH_BYTES_FAST 1536
 static inline __attribute__((always_inline)) void prefetch_group(const void *qt, long g, int group, int bits,

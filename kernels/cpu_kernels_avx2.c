@@ -43,15 +43,20 @@ static inline __attribute__((always_inline)) void load_columns(
             }
             return;
         }
-        for (int plane = 0; plane < BITS - 4; plane++) /* bit 4 + plane of each value, from its column's word */
-            for (int c = 0; c < 2; c++) {
-                const __m128i word = _mm_set1_epi16(((const int16_t *)(q + K * TILE / 2 + plane * K * 2))[k + c]);
-                const __m128i spread =
-                    _mm_shuffle_epi8(word, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-                const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-                const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit);
-                v[c] = _mm_or_si128(v[c], _mm_and_si128(set, _mm_set1_epi8((char)(16 << plane))));
-            }
+        for (int c = 0; c < 2 && BITS == 5; c++) {
+            const __m128i word = _mm_set1_epi16(((const int16_t *)(q + K * TILE / 2))[k + c]);
+            const __m128i spread = _mm_shuffle_epi8(word, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+            const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+            v[c] = _mm_or_si128(v[c], _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(16)));
+        }
+        if (BITS == 6) { /* each row's word for the 8 columns holding k: columns k and k + 1's bits 4-5 to its byte */
+            const __m256i words = _mm256_loadu_si256((const __m256i *)(q + K * TILE / 2 + k / 8 * 32));
+            const __m256i four = _mm256_and_si256(_mm256_srl_epi16(words, _mm_cvtsi32_si128(2 * (k % 8))),
+                                                  _mm256_set1_epi16(15));
+            const __m128i n = _mm_packus_epi16(_mm256_castsi256_si128(four), _mm256_extracti128_si256(four, 1));
+            v[0] = _mm_or_si128(v[0], _mm_slli_epi16(_mm_and_si128(n, _mm_set1_epi8(3)), 4));
+            v[1] = _mm_or_si128(v[1], _mm_slli_epi16(_mm_and_si128(n, _mm_set1_epi8(12)), 2));
+        }
         for (int c = 0; c < 2 && HAS_OFFSET; c++) v[c] = _mm_sub_epi8(v[c], offset);
     }
     for (int c = 0; c < 2; c++) {

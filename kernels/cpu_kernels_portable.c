@@ -82,7 +82,8 @@ static ALWAYS_INLINE ints16 widen(bytes16 v) {
 
 /* Columns k and k + 1 of a tile (k even): their 16 q values each, as floats in 32-bit lanes. 8 bits: a byte a
  * value, widened. 4, 5 and 6 bits: row j's byte holds both columns' nibbles (k's low, k + 1's high), widened once
- * and shifted for the second column; bit 4 (and 5) comes from the column's 16-bit word in its plane, bit j for row j.
+ * and shifted for the second column; 5 bits add bit 4 from the column's 16-bit word (bit j for row j), 6 bits bits
+ * 4 and 5 from row j's word for the column's 8.
  * No lane crosses another. With AVX-512 a 4- or 5-bit value's float (offset taken off) is looked up in a table of
  * 16 or 32 floats by one vpermps or vpermt2ps, which read only the low 4 or 5 bits of their index: no mask and no
  * conversion where 4 bits otherwise take a shift, a mask and a conversion a column, a large share of a one-row
@@ -102,15 +103,20 @@ static ALWAYS_INLINE void load_columns(const int BITS, const int HAS_OFFSET, con
     memcpy(&b, q + k * TILE / 2, sizeof b);
     const ints16 bytes = widen(b);
     ints16 v[2] = {bytes, bytes >> 4}; /* each column's value in the low four bits */
-    if (BITS > 4) {
+    if (BITS == 5) {
         const ints16 row = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        for (int c = 0; c < 2; c++) v[c] &= 15;
-        for (int plane = 0; plane < BITS - 4; plane++) /* bit 4 + plane, from its column's word */
-            for (int c = 0; c < 2; c++) {
-                uint16_t word;
-                memcpy(&word, q + K * TILE / 2 + plane * K * 2 + 2 * (k + c), sizeof word);
-                v[c] |= (((ints16){0} + word) >> row & 1) << (4 + plane);
-            }
+        for (int c = 0; c < 2; c++) {
+            uint16_t word;
+            memcpy(&word, q + K * TILE / 2 + 2 * (k + c), sizeof word);
+            v[c] = (v[c] & 15) | (((ints16){0} + word) >> row & 1) << 4;
+        }
+    }
+    if (BITS == 6) { /* each row's word for the 8 columns holding k: bits 2 (k % 8) .. + 3 are k and k + 1's 4-5 */
+        shorts16 words;
+        memcpy(&words, q + K * TILE / 2 + k / 8 * 32, sizeof words);
+        const ints16 n = __builtin_convertvector(words, ints16) >> 2 * (k % 8);
+        v[0] = (v[0] & 15) | (n & 3) << 4;
+        v[1] = (v[1] & 15) | (n >> 2 & 3) << 4;
     }
 #if defined(__AVX512F__)
     if (BITS <= 5) { /* 6 bits would take a table of 64 floats: converted as below */

@@ -12,10 +12,10 @@ static inline int value(const int8_t *q, int64_t N, int64_t K, long t, long k, i
 
 /* q [N, K] int8, row-major (a GGUF tensor's rows, unpacked) -> out: the tiles of the layout in cpu_qgemm.h, 2 * bits
  * bytes per tile column. One pass, in place of a dozen torch ops over the whole weight, which made packing a large
- * share of a model's load (benchmarks/gguf_load.py times a start). 4, 5 and 6 bits need an even K (columns go in
- * pairs). */
+ * share of a model's load (benchmarks/gguf_load.py times a start). 4 and 5 bits need an even K (columns go in
+ * pairs), 6 bits a multiple of 8. */
 int lp_pack_q(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out) {
-    if (!packed_bits(bits) || N < 0 || K < 0 || (bits != 8 && K % 2)) return LP_BAD_ARGUMENT;
+    if (!packed_bits(bits) || N < 0 || K < 0 || (bits != 8 && K % 2) || (bits == 6 && K % 8)) return LP_BAD_ARGUMENT;
     const long tiles = (N + TILE - 1) / TILE;
 #pragma omp parallel for schedule(static)
     for (long t = 0; t < tiles; t++) {
@@ -29,13 +29,20 @@ int lp_pack_q(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8
                 for (int j = 0; j < TILE; j++)
                     o[k * TILE / 2 + j] = (uint8_t)((value(q, N, K, t, k, j, offset) & 15) |
                                                     (value(q, N, K, t, k + 1, j, offset) & 15) << 4);
-            for (int bit = 4; bit < bits; bit++) { /* a plane of K words per bit past the nibble */
+            if (bits == 5) {
                 unsigned word = 0;
-                for (int j = 0; j < TILE; j++) word |= (unsigned)((value(q, N, K, t, k, j, offset) >> bit) & 1) << j;
-                uint8_t *plane = o + K * TILE / 2 + (bit - 4) * K * 2;
-                plane[2 * k] = (uint8_t)word;
-                plane[2 * k + 1] = (uint8_t)(word >> 8);
+                for (int j = 0; j < TILE; j++) word |= (unsigned)((value(q, N, K, t, k, j, offset) >> 4) & 1) << j;
+                o[K * TILE / 2 + 2 * k] = (uint8_t)word;
+                o[K * TILE / 2 + 2 * k + 1] = (uint8_t)(word >> 8);
             }
+            if (bits == 6 && k % 8 == 0)
+                for (int j = 0; j < TILE; j++) {
+                    unsigned word = 0;
+                    for (int c = 0; c < 8; c++)
+                        word |= (unsigned)((value(q, N, K, t, k + c, j, offset) >> 4) & 3) << 2 * c;
+                    uint8_t *at = o + K * TILE / 2 + (k / 8 * TILE + j) * 2;
+                    at[0] = (uint8_t)word, at[1] = (uint8_t)(word >> 8);
+                }
         }
     }
     return LP_OK;

@@ -14,8 +14,9 @@
  *   4 bits: q[t][k/2][j] for even k, a byte holding row j's value in column k in its low four bits and in
  *           column k + 1 in its high four (a tile column's 16 values in 8 bytes, read two columns at a time)
  *   5 bits: those K * 8 bytes, then K 16-bit words: bit j of word k is bit 4 of row j's value in column k
- *   6 bits: the 5-bit tile, then K more words for bit 5 of each value (a plane per bit: the 5-bit kernels' reading
- *           of their plane, done twice; Q6_K in 0.75 bytes a weight, where 8 bits cost it a third more)
+ *   6 bits: those K * 8 bytes, then per 8 columns 8s .. 8s + 7 sixteen 16-bit words, one a row: bits 2c and 2c + 1
+ *           of row j's word are bits 4 and 5 of its value in column 8s + c (the one-row int16 kernel spreads a step's
+ *           over its lanes with one vpmultishiftqb; Q6_K in 0.75 bytes a weight, where 8 bits cost it a third more)
  *   scales: lp_scales (cpu_kernels.h): per tile, group and row an fp16 unit times an int8, rebuilt as an fp32 table
  *           scale[k/G][j] and min[k/G][j] a tile at a time (cpu_scales.h; G: the group, 32 or 16; no min where
  *           every min is 0: Q4_0, Q5_0, Q8_0, Q6_K, whose weights are scale * q alone)

@@ -48,9 +48,11 @@ static inline int stored16(const int8_t *qt, int bits, long K, long k, int j) {
     if (bits == 8) return qt[k * TILE + j];
     const uint8_t byte = (uint8_t)qt[k / 2 * TILE + j];
     int u = k % 2 ? byte >> 4 : byte & 15;
-    for (int bit = 4; bit < bits; bit++) {
-        const uint8_t *words = (const uint8_t *)qt + K * TILE / 2 + (bit - 4) * K * 2;
-        u |= ((words[2 * k + j / 8] >> (j % 8)) & 1) << bit;
+    const uint8_t *high = (const uint8_t *)qt + K * TILE / 2;
+    if (bits == 5) u |= ((high[2 * k + j / 8] >> (j % 8)) & 1) << 4;
+    if (bits == 6) {
+        const uint8_t *word = high + (k / 8 * TILE + j) * 2;
+        u |= (((word[0] | word[1] << 8) >> 2 * (k % 8)) & 3) << 4;
     }
     return u;
 }
@@ -148,18 +150,16 @@ static int split_rows(const lp_rounded_rows *x, long M, long K, long G, lp_split
     return LP_OK;
 }
 
-/* Each plane of high bits of a 5- or 6-bit tile (K 16-bit words after its nibbles, or after the plane before) is a
- * stream of its own, which the hardware prefetcher would pick up anew in every tile, so it is prefetched too: the words
- * PLANE_AHEAD groups on, or past the tile's end the next tile's first ones (measured against 4 and 16 groups on, and
- * none). */
-#define PLANE_AHEAD 8
-static inline __attribute__((always_inline)) void prefetch_planes(const int8_t *qt, long g, int group, int bits,
-                                                                  long K) {
-    const long at = (g + PLANE_AHEAD) * group * 2; /* a byte of a plane */
-    for (int p = 0; p < bits - 4; p++) {
-        const char *plane = (const char *)qt + K * 8 + p * K * 2;
-        __builtin_prefetch(at < K * 2 ? plane + at : plane + K * 2 * bits + at - K * 2);
-    }
+/* A 5- or 6-bit tile's high bits (2 or 4 bytes a column after its nibbles) are a stream of their own, which the
+ * hardware prefetcher would pick up anew in every tile, so they are prefetched too: HIGH_AHEAD groups on, or past the
+ * tile's end the next tile's first ones (measured against 4 and 16 groups on, and none). */
+#define HIGH_AHEAD 8
+static inline __attribute__((always_inline)) void prefetch_high_bits(const int8_t *qt, long g, int group, int bits,
+                                                                     long K) {
+    const long width = 2 * (bits - 4), at = (g + HIGH_AHEAD) * group * width; /* a byte of the high bits */
+    const char *high = (const char *)qt + K * 8;
+    for (long line = 0; line < group * width; line += 64)
+        __builtin_prefetch(at < K * width ? high + at + line : high + K * 2 * bits + at - K * width + line);
 }
 
 #define VBMI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni,avx512vbmi,avx512bitalg")))
@@ -167,11 +167,11 @@ static inline __attribute__((always_inline)) void prefetch_planes(const int8_t *
 /* R rows (<= BYTES_ROWS) of X against one tile, 8 columns a step, with vpdpbusd (64 byte products a
  * register): each row's dot product is its high bytes' times 256 plus its low bytes', the very integers of
  * tile_rows_vnni16, so the same bits, from half its vector instructions a weight. One vpermb (4 to 6 bits) or two
- * vpermt2b (8 bits) put each row's 4 even or 4 odd columns in its lane; 5 and 6 bits add each one's bit 4 (and 5),
- * picked from its column's word in the plane by vpshufbitqmb. A 4-bit tile's odd columns stay in their high nibble
- * (16 w). vpdpbusd takes one operand unsigned and one signed: h is signed, so the weights go unsigned against it
- * (8 bits: w + 128), l is unsigned, so the weights go signed (4 bits at odd columns: 16 w - 128), and each group
- * takes back the sums those shifts added. */
+ * vpermt2b (8 bits) put each row's 4 even or 4 odd columns in its lane; 5 bits add each one's fifth bit, picked from
+ * its column's word by vpshufbitqmb, 6 bits its bits 4-5 from its row's word by vpmultishiftqb. A 4-bit tile's odd
+ * columns stay in their high nibble (16 w). vpdpbusd takes one operand unsigned and one signed: h is signed, so the
+ * weights go unsigned against it (8 bits: w + 128), l is unsigned, so the weights go signed (4 bits at odd columns:
+ * 16 w - 128), and each group takes back the sums those shifts added. */
 static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
     const int BITS, const int GROUP, const int HAS_OFFSET, const int HAS_MIN, const int R, const lp_rounded_rows *x,
     const lp_split_rows *xs, long K, const int8_t *qt, int offset, lp_tile_factors scale,
@@ -189,16 +189,28 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
             }
         gather[0] = _mm512_loadu_si512(even), gather[1] = _mm512_loadu_si512(odd);
     }
-    /* 5 and 6 bits: every 64-bit lane of a plane's 8 words for the step (word c: column b + c, bit j: row j) made the
+    /* 5 bits: every 64-bit lane of the step's 8 words of fifth bits (word c: column b + c, bit j: row j) made the
      * even columns' words, or the odd ones'; then byte 4 j + i takes bit j of word i */
-    __m512i planes[3];
+    __m512i fifth[3];
     {
         uint16_t even[32], odd[32];
         uint8_t bit[64];
         for (int n = 0; n < 32; n++) even[n] = (uint16_t)(2 * (n % 4)), odd[n] = (uint16_t)(2 * (n % 4) + 1);
         for (int n = 0; n < 64; n++) bit[n] = (uint8_t)(16 * (n % 4) + n / 4);
-        planes[0] = _mm512_loadu_si512(even), planes[1] = _mm512_loadu_si512(odd), planes[2] = _mm512_loadu_si512(bit);
+        fifth[0] = _mm512_loadu_si512(even), fifth[1] = _mm512_loadu_si512(odd), fifth[2] = _mm512_loadu_si512(bit);
     }
+    /* 6 bits: byte 4 j + i (row j, pair i) of a lane holding rows j and j + 1's words (j even) takes the 8 bits that
+     * put the even (odd) column's bits 4-5 at its bits 4-5: those start at bit 16 (j % 2) + 4 i (+ 2) */
+    __m512i sixth[2];
+    {
+        uint8_t even[64], odd[64];
+        for (int n = 0; n < 64; n++) {
+            const int at = 16 * (n % 8 / 4) + 4 * (n % 4);
+            even[n] = (uint8_t)((at - 4) & 63), odd[n] = (uint8_t)((at - 2) & 63);
+        }
+        sixth[0] = _mm512_loadu_si512(even), sixth[1] = _mm512_loadu_si512(odd);
+    }
+    const __m512i sixteen = _mm512_set1_epi8(16), bits45 = _mm512_set1_epi8(0x30);
     const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8((char)0xF0);
     const __m512i top = _mm512_set1_epi8((char)0x80);
     __m512 f[BYTES_ROWS];
@@ -208,7 +220,7 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
         for (int i = 0; i < R; i++)
             for (int c = 0; c < 4; c++) a[i][c] = _mm512_setzero_si512();
         prefetch_group(qt, g, GROUP, BITS, PREFETCH_BYTES_FAST, PREFETCH_BYTES);
-        prefetch_planes(qt, g, GROUP, BITS, K);
+        if (BITS == 5 || BITS == 6) prefetch_high_bits(qt, g, GROUP, BITS, K);
         for (long b = g * GROUP; b < (g + 1) * GROUP; b += 8) {
             __m512i even_u, odd_u, even_s, odd_s;
             const __m512i v = BITS == 8 ? _mm512_setzero_si512()
@@ -217,20 +229,25 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
                 even_u = even_s = _mm512_and_si512(v, low4);
                 odd_u = _mm512_and_si512(v, high4);
                 odd_s = _mm512_ternarylogic_epi32(v, high4, top, 0x6A); /* (v & 0xF0) ^ 0x80 */
-            } else if (BITS < 8) {
+            } else if (BITS == 5) {
+                const __m512i words = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(qt + K * 8 + 2 * b)));
+                const __m512i even_words = _mm512_permutexvar_epi16(fifth[0], words);
+                const __m512i odd_words = _mm512_permutexvar_epi16(fifth[1], words);
+                const __mmask64 even5 = _mm512_bitshuffle_epi64_mask(even_words, fifth[2]);
+                const __mmask64 odd5 = _mm512_bitshuffle_epi64_mask(odd_words, fifth[2]);
                 even_u = _mm512_and_si512(v, low4);
                 odd_u = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                for (int p = 0; p < BITS - 4; p++) {
-                    const __m128i step = _mm_loadu_si128((const __m128i *)(qt + K * 8 + p * K * 2 + 2 * b));
-                    const __m512i words = _mm512_broadcast_i32x4(step), high = _mm512_set1_epi8((char)(16 << p));
-                    const __m512i even_words = _mm512_permutexvar_epi16(planes[0], words);
-                    const __m512i odd_words = _mm512_permutexvar_epi16(planes[1], words);
-                    const __mmask64 even_set = _mm512_bitshuffle_epi64_mask(even_words, planes[2]);
-                    const __mmask64 odd_set = _mm512_bitshuffle_epi64_mask(odd_words, planes[2]);
-                    even_u = _mm512_mask_add_epi8(even_u, even_set, even_u, high);
-                    odd_u = _mm512_mask_add_epi8(odd_u, odd_set, odd_u, high);
-                }
-                even_s = even_u, odd_s = odd_u;
+                even_u = even_s = _mm512_mask_add_epi8(even_u, even5, even_u, sixteen);
+                odd_u = odd_s = _mm512_mask_add_epi8(odd_u, odd5, odd_u, sixteen);
+            } else if (BITS == 6) { /* lane L: rows 2L and 2L + 1's words; each byte's bits 4-5 picked into place */
+                const __m256i step = _mm256_loadu_si256((const __m256i *)(qt + K * 8 + 4 * b));
+                const __m512i words = _mm512_cvtepu32_epi64(step);
+                const __m512i even = _mm512_multishift_epi64_epi8(sixth[0], words);
+                const __m512i odd = _mm512_multishift_epi64_epi8(sixth[1], words);
+                /* nibble | (high & 0x30) */
+                even_u = even_s = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low4), even, bits45, 0xF8);
+                odd_u = odd_s = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), odd, bits45,
+                                                          0xF8);
             } else {
                 const __m512i v0 = _mm512_loadu_si512(qt + b * 16), v1 = _mm512_loadu_si512(qt + b * 16 + 64);
                 even_s = _mm512_permutex2var_epi8(v0, gather[0], v1);
@@ -256,7 +273,7 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
                 t = _mm512_add_epi32(_mm512_slli_epi32(t, 4), a[i][3]);
                 const int32_t back = 128 * xs->odd_low_sum[at] - (HAS_OFFSET ? 16 * offset * x->qsum[at] : 0);
                 dot = _mm512_srai_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(back)), 4);
-            } else if (BITS < 8) { /* dot = 256 (a0 + a1) + a2 + a3 - offset qsum */
+            } else if (BITS < 8) { /* 5 and 6 bits: dot = 256 (a0 + a1) + a2 + a3 - offset qsum */
                 dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a[i][0], a[i][1]), 8),
                                        _mm512_add_epi32(a[i][2], a[i][3]));
                 if (HAS_OFFSET) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * x->qsum[at]));

@@ -12,8 +12,9 @@
 #include <immintrin.h>
 
 /* Columns 2p and 2p + 1 of a tile: lane j holds row j's two stored values as int16 (2p's in the low half). 4, 5 and
- * 6 bits: row j's byte holds both nibbles; 5 and 6 bits add bit 4 (and 5) from each column's word in its plane.
- * 8 bits: the two columns' 16 bytes each, sign-widened, then interleaved. */
+ * 6 bits: row j's byte holds both nibbles; 5 bits add each column's fifth bit from its 16-bit word, 6 bits bits 4
+ * and 5 from row j's word for the columns' 8. 8 bits: the two columns' 16 bytes each, sign-widened, then
+ * interleaved. */
 static inline __attribute__((always_inline)) __attribute__((target("avx512f,avx512bw"))) __m512i pair_weights(const int BITS, const int8_t *qt, long K,
                                                                          long p) {
     if (BITS == 8) {
@@ -25,13 +26,20 @@ static inline __attribute__((always_inline)) __attribute__((target("avx512f,avx5
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qt + p * TILE)));
     /* (bytes | bytes << 12) & 0x000F000F: the low nibble stays, the high one moves to bit 16 */
     __m512i w = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
-    for (int plane = 0; plane < BITS - 4; plane++) {
+    if (BITS == 5) {
         uint32_t words;
-        memcpy(&words, qt + K * TILE / 2 + plane * K * 2 + 4 * p, sizeof words); /* columns 2p, 2p + 1: bit j row j's */
+        memcpy(&words, qt + K * TILE / 2 + 4 * p, sizeof words); /* columns 2p and 2p + 1: bit j is row j's */
         const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         const __m512i bits = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)words), lane),
                                               _mm512_set1_epi32(0x00010001));
-        w = _mm512_or_si512(w, _mm512_slli_epi32(bits, 4 + plane));
+        w = _mm512_or_si512(w, _mm512_slli_epi32(bits, 4));
+    }
+    if (BITS == 6) { /* lane j: row j's word for the 8 columns holding 2p, shifted to put 2p's bits 4-5 lowest */
+        const __m256i words = _mm256_loadu_si256((const __m256i *)(qt + K * TILE / 2 + p / 4 * 32));
+        const __m512i n = _mm512_srl_epi32(_mm512_cvtepu16_epi32(words), _mm_cvtsi32_si128(4 * (p % 4)));
+        const __m512i even = _mm512_slli_epi32(_mm512_and_si512(n, _mm512_set1_epi32(3)), 4);
+        const __m512i odd = _mm512_slli_epi32(_mm512_and_si512(n, _mm512_set1_epi32(12)), 18);
+        w = _mm512_ternarylogic_epi32(w, even, odd, 0xFE); /* w | even | odd */
     }
     return w;
 }
