@@ -14,7 +14,8 @@
  * the tile, u as above:
  *   4 bits: 32 bytes a quad; byte 4j + i (j < 8) holds row j's u at column 4c + i in its low half, row j + 8's
  *           in its high half;
- *   8 bits: 64 bytes a quad; byte 4j + i holds row j's u at column 4c + i (5-bit values are stored this way too).
+ *   8 bits: 64 bytes a quad; byte 4j + i holds row j's u at column 4c + i (5- and 6-bit values are stored this
+ *           way too).
  * Each 32-bit lane then holds one row's four columns: one vpdpbusd against four int8 values of X broadcast to
  * every lane adds 4 columns x 8 rows. Scales and mins are as lp_qgemm takes them (cpu_scales.h).
  */
