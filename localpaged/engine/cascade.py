@@ -19,16 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-# Below these a group does not pay on the CPU kernels: its shared pass computes the same products as its members'
-# own decode would (a 2-core CPU's decode attention is bound by arithmetic as much as by memory), in tiles of 16
-# query rows (a member brings one row for each query head of a KV head, G), so it gains only where reading the
-# shared blocks once saves more than a tile's padding and the merge cost. Timing the default model's decode
-# attention with and without groups over shared lengths and member counts, two members never paid, and groups
-# paid from about eight members (24 query rows; ModelRunner turns rows into members for its model) over 1,024
-# shared keys (64 blocks). benchmarks/shared_prompt.py measures the whole engine on and off.
-MIN_BLOCKS = 64
-MIN_MEMBERS = 2
-MIN_ROWS = 24
+# Where a group pays on the CPU kernels, as (shared blocks, members) tiers: its shared pass computes the same
+# products as its members' own decode would, in tiles of 16 query rows, so it gains only where reading the shared
+# blocks once saves more than the tiles' padding and the merge. Timing one layer's decode attention with and without
+# the group (a float16 cache in distinct caches a layer, so read cold as in a step) over 256-1,024 shared keys, 2-32
+# members and 1-6 query heads a KV head: 8 members paid from 256 keys (16 blocks) and 4 from 1,024 at every head
+# count; 2 never paid, nor 4 over 256. benchmarks/shared_prompt.py measures the whole engine on and off.
+TIERS = ((16, 8), (64, 4))
 
 
 @dataclass(frozen=True)
@@ -61,47 +58,46 @@ def _common(a: bytes, b: bytes) -> int:
 
 
 def find_groups(
-    tables: Sequence[Sequence[int]],
-    limits: Sequence[int],
-    min_blocks: int = MIN_BLOCKS,
-    min_members: int = MIN_MEMBERS,
+    tables: Sequence[Sequence[int]], limits: Sequence[int], tiers: Sequence[tuple[int, int]] = TIERS
 ) -> list[Group]:
-    """Disjoint groups of at least ``min_members`` sequences whose ``tables`` begin with the same ``shared_blocks``
-    (>= ``min_blocks``) block ids. ``limits[i]`` caps sequence i's shared blocks: the whole blocks of its tokens
-    computed before this step (``num_computed_tokens // block_size``), so that no query of the step is masked
-    from any shared key."""
+    """Disjoint groups of sequences whose ``tables`` begin with the same ``shared_blocks`` block ids, each at least
+    one of ``tiers``' ``(blocks, members)``: that many members sharing at least that many blocks. ``limits[i]`` caps
+    sequence i's shared blocks: the whole blocks of its tokens computed before this step (``num_computed_tokens //
+    block_size``), so that no query of the step is masked from any shared key."""
+    least_blocks, least_members = max(min(b for b, _ in tiers), 1), min(m for _, m in tiers)
     buckets: dict[int, list[int]] = {}
     for i, (table, limit) in enumerate(zip(tables, limits)):
-        if min(limit, len(table)) >= max(min_blocks, 1):
+        if min(limit, len(table)) >= least_blocks:
             buckets.setdefault(table[0], []).append(i)
     groups: list[Group] = []
     for bucket in buckets.values():
-        if len(bucket) < min_members:
+        if len(bucket) < least_members:
             continue
         prefix = {i: _packed(tables[i][: min(limits[i], len(tables[i]))]) for i in bucket}
         order = sorted(bucket, key=prefix.__getitem__)
         runs = [_common(prefix[a], prefix[b]) for a, b in pairwise(order)]
-        for positions, shared in _best(runs, 0, len(order) - 1, min_blocks, min_members)[1]:
+        for positions, shared in _best(runs, 0, len(order) - 1, tiers)[1]:
             groups.append(Group(shared, tuple(sorted(order[p] for p in positions))))
     return groups
 
 
 def _best(
-    runs: list[int], lo: int, hi: int, min_blocks: int, min_members: int
+    runs: list[int], lo: int, hi: int, tiers: Sequence[tuple[int, int]]
 ) -> tuple[int, list[tuple[list[int], int]]]:
     """The grouping of the sorted members lo .. hi (``runs[j]``: the blocks members j and j + 1 share) that saves the
     most block reads (a group of n sharing s blocks saves (n - 1) x s), and its saving; each group as its members'
     positions and shared blocks. The least run L among them cuts them into parts that each share more; each part
     either joins one group at L (its members then save L each) or keeps its own best grouping, whichever saves more
     (so a deep fork of two stays in its prompt's group unless its extra blocks outweigh its users' share of L)."""
-    if hi - lo + 1 < max(min_members, 2):
+    if hi - lo + 1 < max(min(m for _, m in tiers), 2):
         return 0, []
     level = min(runs[lo:hi])
     cuts = [j for j in range(lo, hi) if runs[j] == level]
     parts = list(zip([lo] + [j + 1 for j in cuts], cuts + [hi]))
-    bests = [_best(runs, a, b, min_blocks, min_members) for a, b in parts]
+    bests = [_best(runs, a, b, tiers) for a, b in parts]
     apart = (sum(v for v, _ in bests), [g for _, groups in bests for g in groups])
-    if level < min_blocks:
+    min_members = min((m for b, m in tiers if level >= b), default=None)  # a group at this level needs as many
+    if min_members is None or hi - lo + 1 < min_members:
         return apart
     size = [b - a + 1 for a, b in parts]
     joined = {i for i in range(len(parts)) if size[i] * level >= bests[i][0]}

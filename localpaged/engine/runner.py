@@ -68,11 +68,7 @@ class ModelRunner:
         self.model = model
         self.attention = attention
         self.cascade = cascade and getattr(attention, "takes_cascade", False)
-        heads = model.config.num_attention_heads
-        heads_a_kv_head = heads // (getattr(model.config, "num_key_value_heads", None) or heads)
-        # the least group that pays (engine/cascade.py); attributes, so a test can group small batches
-        self.cascade_min_members = max(cascade_groups.MIN_MEMBERS, -(-cascade_groups.MIN_ROWS // heads_a_kv_head))
-        self.cascade_min_blocks = cascade_groups.MIN_BLOCKS
+        self.cascade_tiers = cascade_groups.TIERS  # the groups that pay; an attribute, so a test can group small ones
         self.block_size = block_size
         self.device = device
         cfg = model.config
@@ -219,7 +215,7 @@ class ModelRunner:
         """The step's shared-prefix groups as the kernels take them, or None where there is none. A member shares
         only whole blocks of what it computed before this step (``limits``), so no query of the step is masked
         from them."""
-        groups = cascade_groups.find_groups(tables, limits, self.cascade_min_blocks, self.cascade_min_members)
+        groups = cascade_groups.find_groups(tables, limits, self.cascade_tiers)
         if not groups:
             return None
         starts = [0]

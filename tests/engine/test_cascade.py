@@ -17,7 +17,7 @@ QUESTIONS = [[5000 + 13 * j + i for i in range(3 + 5 * j)] for j in range(5)]
 
 def small_groups(llm: LLM) -> LLM:
     """Groups of two sequences and 4 blocks count (the engine's thresholds are for speed, not for correctness)."""
-    llm.runner.cascade_min_members, llm.runner.cascade_min_blocks = 2, 4
+    llm.runner.cascade_tiers = ((4, 2),)
     return llm
 
 

@@ -31,13 +31,13 @@ def batches(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(batch=batches(), min_blocks=st.integers(1, 4), min_members=st.integers(2, 3))
-def test_groups_are_real_disjoint_and_large_enough(batch, min_blocks, min_members):
+@given(batch=batches(), tiers=st.lists(st.tuples(st.integers(1, 4), st.integers(2, 4)), min_size=1, max_size=2))
+def test_groups_are_real_disjoint_and_large_enough(batch, tiers):
     tables, limits = batch
-    groups = find_groups(tables, limits, min_blocks, min_members)
+    groups = find_groups(tables, limits, tiers)
     seen: set[int] = set()
     for group in groups:
-        assert len(group.members) >= min_members and group.shared_blocks >= min_blocks
+        assert any(len(group.members) >= members and group.shared_blocks >= blocks for blocks, members in tiers)
         assert list(group.members) == sorted(set(group.members))
         assert not seen & set(group.members), "a sequence in two groups"
         seen |= set(group.members)
@@ -55,7 +55,7 @@ def test_two_sequences_that_could_share_are_grouped(batch):
     if len(tables) < 2:
         return
     a, b = tables[0][: limits[0]], tables[1][: limits[1]]
-    groups = find_groups([a, b], [len(a), len(b)], 1, 2)
+    groups = find_groups([a, b], [len(a), len(b)], ((1, 2),))
     run = common_blocks(a, b)
     assert groups == ([] if run == 0 else [type(groups[0])(run, (0, 1))])
 
@@ -67,7 +67,7 @@ def test_two_system_prompts_whose_first_block_agrees_are_two_groups():
     coding, writing = header + list(range(100, 140)), header + list(range(200, 260))
     tables = [coding + [1000 + i] for i in range(3)] + [writing + [2000 + i] for i in range(2)] + [header + [3000]]
     limits = [len(t) - 1 for t in tables]
-    groups = find_groups(tables, limits, 4, 2)
+    groups = find_groups(tables, limits, ((4, 2),))
     assert sorted((g.shared_blocks, g.members) for g in groups) == [(41, (0, 1, 2)), (61, (3, 4))]
 
 
@@ -79,11 +79,11 @@ def test_forks_deep_in_one_chat_share_more_than_the_rest():
     chat = prompt + list(range(100, 102))
     tables = [prompt + [1000 + i] for i in range(4)] + [chat + [2000], chat + [2001]]
     limits = [len(t) - 1 for t in tables]
-    assert [(g.shared_blocks, g.members) for g in find_groups(tables, limits, 4, 2)] == [(20, (0, 1, 2, 3, 4, 5))]
+    assert [(g.shared_blocks, g.members) for g in find_groups(tables, limits, ((4, 2),))] == [(20, (0, 1, 2, 3, 4, 5))]
     chat = prompt + list(range(100, 1000))
     tables[4:] = [chat + [2000], chat + [2001]]
     limits = [len(t) - 1 for t in tables]
-    assert sorted((g.shared_blocks, g.members) for g in find_groups(tables, limits, 4, 2)) == [
+    assert sorted((g.shared_blocks, g.members) for g in find_groups(tables, limits, ((4, 2),))) == [
         (20, (0, 1, 2, 3)),
         (920, (4, 5)),
     ]
@@ -91,8 +91,8 @@ def test_forks_deep_in_one_chat_share_more_than_the_rest():
 
 def test_a_sequence_shares_only_what_it_computed_before_the_step():
     tables = [list(range(10)), list(range(10))]
-    assert [(g.shared_blocks, g.members) for g in find_groups(tables, [9, 5], 4, 2)] == [(5, (0, 1))]
-    assert find_groups(tables, [9, 3], 4, 2) == []  # a new prompt's first chunk computed nothing yet
+    assert [(g.shared_blocks, g.members) for g in find_groups(tables, [9, 5], ((4, 2),))] == [(5, (0, 1))]
+    assert find_groups(tables, [9, 3], ((4, 2),)) == []  # a new prompt's first chunk computed nothing yet
 
 
 def test_admission_prefers_a_request_that_joins_a_running_group_but_starves_none():
@@ -122,3 +122,16 @@ def test_admission_prefers_a_request_that_joins_a_running_group_but_starves_none
         scheduler.on_step_done(scheduler.schedule())
         admitted += [s.request_id for s in scheduler.running if s.request_id not in before]
     assert admitted == [f"user{i}" for i in range(MAX_PASSES)] + ["other"]
+
+
+def test_the_default_tiers_group_eight_members_from_16_blocks_and_four_from_64():
+    """engine/cascade.py's TIERS: where a group paid in the decode attention's timing at every head count."""
+
+    def group_of(members: int, shared: int) -> list[tuple[int, int]]:
+        tables = [list(range(shared)) + [1000 + 10 * i, 1001 + 10 * i] for i in range(members)]
+        return [(g.shared_blocks, len(g.members)) for g in find_groups(tables, [len(t) for t in tables])]
+
+    assert group_of(8, 16) == [(16, 8)]
+    assert group_of(7, 16) == [] and group_of(8, 15) == []
+    assert group_of(4, 64) == [(64, 4)]
+    assert group_of(4, 63) == [] and group_of(3, 64) == []

@@ -34,7 +34,7 @@ def test_cascade_through_triton_gives_the_tokens_of_the_plain_kernels(tiny_llm):
     steps and chunks) and without it: the same greedy tokens, and every block back."""
     llm = tiny_llm(attention="triton", max_num_batched_tokens=48, kv_disk=False)
     assert llm.runner.cascade
-    llm.runner.cascade_min_members, llm.runner.cascade_min_blocks = 2, 4  # group this small batch
+    llm.runner.cascade_tiers = ((4, 2),)  # group this small batch
     prompt = [(37 * i) % 900 + 10 for i in range(80)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=1))
