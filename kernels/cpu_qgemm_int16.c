@@ -199,8 +199,9 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
         for (int n = 0; n < 64; n++) bit[n] = (uint8_t)(16 * (n % 4) + n / 4);
         fifth[0] = _mm512_loadu_si512(even), fifth[1] = _mm512_loadu_si512(odd), fifth[2] = _mm512_loadu_si512(bit);
     }
-    /* 6 bits: byte 4 j + i (row j, pair i) of a lane holding rows j and j + 1's words (j even) takes the 8 bits that
-     * put the even (odd) column's bits 4-5 at its bits 4-5: those start at bit 16 (j % 2) + 4 i (+ 2) */
+    /* 6 bits: in a lane holding rows 2L and 2L + 1's words, row j's pair i has its even column's bits 4-5 at bit
+     * 16 (j % 2) + 4 i (the odd column's 2 above); byte 4 j + i takes the 8 bits from 4 below, putting them at its
+     * bits 4-5 */
     __m512i sixth[2];
     {
         uint8_t even[64], odd[64];
