@@ -494,7 +494,7 @@ def pack_blocks(
     ``min_unit`` times ``min_mult`` likewise: the factors a GGUF stores (models/gguf_weights.py).
     q is stored in as few bits as its range needs (shifted to start at 0): 4 for Q4_*'s 16 values (two
     columns share a byte: a row's value in column k in the low half, in column k+1 in the high), 5 for Q5_*'s 32 (the same
-    nibbles and a plane of high bits), 6 for Q6_K's 64 (two planes), else 8. A Q5_0 weight then costs 0.75 bytes with
+    nibbles and a plane of high bits), 6 for Q6_K's 64 (the nibbles and two high bits a column), else 8. A Q5_0 weight then costs 0.75 bytes with
     its scale instead of 1.25 as int8 with a scale and a zero min, a Q6_K one 0.81 instead of 1.06: decode reads every
     weight once per step. ``activations`` (one of ACTIVATIONS) says how ``qgemm`` takes X: float32 and int16 read this
     layout, int8 packs in cpu_qgemm_int8.c's quads, in 4 bits or else 8 (5- and 6-bit values too), every value shifted

@@ -117,9 +117,7 @@ QGEMM_FNS(8, 0) /* 8-bit values are stored as they are: never an offset */
     (group == 16 ? QGEMM_BY_MIN(BITS, HAS_OFFSET, 16) : QGEMM_BY_MIN(BITS, HAS_OFFSET, 32))
 int lp_qgemm(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded,
              int bits, int offset, int group, float *Y) {
-    if (!packed_bits(bits) || (group != 16 && group != 32) || K % group || N_padded % TILE ||
-        M < 0 || K <= 0 || !scales_fit(scales, K, group))
-        return LP_BAD_ARGUMENT;
+    if (!packed_bits(bits) || !qgemm_sizes_fit(M, K, N_padded, group, scales)) return LP_BAD_ARGUMENT;
     if (bits == 4) return offset ? QGEMM_BY_GROUP(4, 1) : QGEMM_BY_GROUP(4, 0);
     if (bits == 5) return offset ? QGEMM_BY_GROUP(5, 1) : QGEMM_BY_GROUP(5, 0);
     if (bits == 6) return offset ? QGEMM_BY_GROUP(6, 1) : QGEMM_BY_GROUP(6, 0);

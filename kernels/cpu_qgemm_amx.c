@@ -221,8 +221,7 @@ static int amx_qgemm(const float *X, long M, long K, const int8_t *q, const lp_s
  * 256 columns (GGUF's are 32 or 256), it is lp_qgemm_int16. */
 int lp_qgemm_amx(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded,
                  int bits, int offset, int group, float *Y) {
-    if (!packed_bits(bits) || (bits == 8 && offset) || (group != 16 && group != 32) || K % group ||
-        N_padded % TILE || M < 0 || K <= 0 || !scales_fit(scales, K, group))
+    if (!packed_bits(bits) || (bits == 8 && offset) || !qgemm_sizes_fit(M, K, N_padded, group, scales))
         return LP_BAD_ARGUMENT;
 #if defined(__x86_64__)
     const long span = group * scales->unit_groups;

@@ -389,8 +389,7 @@ INT16_INSTANCES(QGEMM_INT16_FN)
  * (8-bit values never have an offset); Y: [M, N_padded]. */
 int lp_qgemm_int16(const float *X, int64_t M, int64_t K, const int8_t *q, const lp_scales *scales, int64_t N_padded,
                    int bits, int offset, int group, float *Y) {
-    if (!packed_bits(bits) || (bits == 8 && offset) || (group != 16 && group != 32) || K % group ||
-        N_padded % TILE || M < 0 || K <= 0 || !scales_fit(scales, K, group))
+    if (!packed_bits(bits) || (bits == 8 && offset) || !qgemm_sizes_fit(M, K, N_padded, group, scales))
         return LP_BAD_ARGUMENT;
     lp_rounded_rows x;
     int status = lp_round_rows(X, M, K, group, 16, &x);

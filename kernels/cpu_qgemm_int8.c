@@ -176,9 +176,7 @@ QGEMM_INT8_FNS(8, 16)
  * of `group` (32 or 16, dividing K); Y: [M, N_padded]. */
 int lp_qgemm_int8(const float *X, int64_t M, int64_t K, const int8_t *q_signed, const lp_scales *scales,
                   int64_t N_padded, int bits, int offset, int group, float *Y) {
-    if ((bits != 4 && bits != 8) || (group != 16 && group != 32) || K % group || N_padded % TILE || M < 0 || K <= 0 ||
-        !scales_fit(scales, K, group))
-        return LP_BAD_ARGUMENT;
+    if ((bits != 4 && bits != 8) || !qgemm_sizes_fit(M, K, N_padded, group, scales)) return LP_BAD_ARGUMENT;
     const uint8_t *q = (const uint8_t *)q_signed;
     lp_rounded_rows x;
     int status = lp_round_rows(X, M, K, group, 8, &x);

@@ -132,4 +132,11 @@ static inline int scales_fit(const lp_scales *s, long K, long G) {
            !s->min_unit == !s->min_mult;
 }
 
+/* What every qgemm checks besides its weights' widths: M >= 0 rows of K > 0 columns, groups of 16 or 32 that divide
+ * K, whole tiles of output rows and scales that fit. */
+static inline int qgemm_sizes_fit(long M, long K, long N_padded, long group, const lp_scales *s) {
+    return (group == 16 || group == 32) && K > 0 && K % group == 0 && N_padded % TILE == 0 && M >= 0 &&
+           scales_fit(s, K, group);
+}
+
 #endif
