@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #define F16_TO_F32(h) ((floats8)_mm256_cvtph_ps((__m128i)(h)))
+#define F16_TO_F32_16(h) ((floats16)_mm512_cvtph_ps((__m256i)(h)))
 #define F32_TO_F16(x) ((halves8)_mm256_cvtps_ph((__m256)(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
 
 #include "cpu_kernels_portable.c"

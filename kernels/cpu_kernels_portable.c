@@ -317,7 +317,7 @@ static ALWAYS_INLINE void store_kv8(const int KV, void *p, long i, floats8 x) {
 
 /* How many query heads of a KV head one walk over its keys serves: each K and V row is widened once for all of them,
  * and each 8 keys' dot products are summed across lanes together (sum8x8) instead of one by one. Three heads'
- * accumulators (3 x 8 vectors of 8) fit AVX-512's 32 registers; elsewhere one head a walk (cpu_kernels_avx2.c does three
+ * accumulators (3 x 8 vectors) fit AVX-512's 32 registers; elsewhere one head a walk (cpu_kernels_avx2.c does three
  * heads with 4 keys at a time in AVX2's 16). Against one head a walk it decodes a batch of sequences faster
  * (benchmarks/cpu_kernel_bench.py's paged_decode timings of 16 sequences, avx512 column). */
 #if defined(__AVX512F__)
@@ -339,28 +339,74 @@ static ALWAYS_INLINE floats8 sum8x8(const floats8 a[8]) {
            __builtin_shufflevector(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+/* The decode attention's vector: on the AVX-512 build (cpu_kernels_avx512.c, which gives F16_TO_F32_16) a whole
+ * register, half the conversions and multiply-adds a key of 8-float vectors; elsewhere 8 floats (NEON's or SSE's
+ * registers would spill GB x 8 accumulators of 16). A head_dim that is not a multiple of 16 ends in an 8-float
+ * step. */
+#if defined(__AVX512F__) && defined(F16_TO_F32_16)
+typedef floats16 kvvec;
+#define KV_LANES 16
+typedef uint16_t halves16 __attribute__((vector_size(32)));
+typedef uint32_t uints16 __attribute__((vector_size(64)));
+static ALWAYS_INLINE kvvec load_kvvec(const int KV, const void *p, long i) {
+    if (KV == LP_KV_F32) return load16((const float *)p + i);
+    halves16 h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    if (KV == LP_KV_F16) return F16_TO_F32_16(h);
+    const uints16 w = {h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9], h[10], h[11], h[12], h[13], h[14],
+                       h[15]};
+    return (kvvec)(w << 16);
+}
+static ALWAYS_INLINE kvvec load_vec(const float *p) { return load16(p); }
+static ALWAYS_INLINE void store_vec(float *p, kvvec v) { store16(p, v); }
+static ALWAYS_INLINE floats8 fold8(kvvec v) {
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#else
+typedef floats8 kvvec;
+#define KV_LANES 8
+static ALWAYS_INLINE kvvec load_kvvec(const int KV, const void *p, long i) { return load_kv8(KV, p, i); }
+static ALWAYS_INLINE kvvec load_vec(const float *p) { return load8(p); }
+static ALWAYS_INLINE void store_vec(float *p, kvvec v) { store8(p, v); }
+static ALWAYS_INLINE floats8 fold8(kvvec v) { return v; }
+#endif
+
 /* scores[g][j] (rows n apart) = scale * q_g . K row of key first + j, for GB heads (q_g at qh + g D) and every key
- * first .. first + n - 1: 8 keys at a time, each K row widened once and multiplied into GB x 8 independent chains. */
+ * first .. first + n - 1: 8 keys at a time, each K row widened once and multiplied into GB x 8 independent chains
+ * (a D that is not a multiple of KV_LANES ends in 8-float ones). */
 static ALWAYS_INLINE void keys_times_heads(const int KV, const int GB, const float *qh, const void *k_cache,
                                            const int32_t *table, long first, long n, long kvh, long KVH, long D,
                                            float scale, float *scores) {
 #define KROW(j) ((((long)table[(j) / 16] * 16 + (j) % 16) * KVH + kvh) * D) /* where token j's K starts */
+    const long whole = D / KV_LANES * KV_LANES;
     long j = 0;
     for (; j + 8 <= n; j += 8) {
         long k[8];
-        floats8 acc[3][8];
+        kvvec acc[3][8];
+        floats8 sums[3][8];
         for (int t = 0; t < 8; t++) k[t] = KROW(first + j + t);
         for (int g = 0; g < GB; g++)
-            for (int t = 0; t < 8; t++) acc[g][t] = (floats8){0};
-        for (long d = 0; d < D; d += 8) {
-            floats8 qd[3];
-            for (int g = 0; g < GB; g++) qd[g] = load8(qh + g * D + d);
+            for (int t = 0; t < 8; t++) acc[g][t] = (kvvec){0};
+        for (long d = 0; d < whole; d += KV_LANES) {
+            kvvec qd[3];
+            for (int g = 0; g < GB; g++) qd[g] = load_vec(qh + g * D + d);
             for (int t = 0; t < 8; t++) {
-                const floats8 key = load_kv8(KV, k_cache, k[t] + d);
+                const kvvec key = load_kvvec(KV, k_cache, k[t] + d);
                 for (int g = 0; g < GB; g++) acc[g][t] += qd[g] * key;
             }
         }
-        for (int g = 0; g < GB; g++) store8(scores + g * n + j, sum8x8(acc[g]) * scale);
+        for (int g = 0; g < GB; g++)
+            for (int t = 0; t < 8; t++) sums[g][t] = fold8(acc[g][t]);
+        if (whole < D) {
+            floats8 qd[3];
+            for (int g = 0; g < GB; g++) qd[g] = load8(qh + g * D + whole);
+            for (int t = 0; t < 8; t++) {
+                const floats8 key = load_kv8(KV, k_cache, k[t] + whole);
+                for (int g = 0; g < GB; g++) sums[g][t] += qd[g] * key;
+            }
+        }
+        for (int g = 0; g < GB; g++) store8(scores + g * n + j, sum8x8(sums[g]) * scale);
     }
     for (; j < n; j++) {
         const long k = KROW(first + j);
@@ -376,27 +422,36 @@ static ALWAYS_INLINE void keys_times_heads(const int KV, const int GB, const flo
 }
 
 /* o_g[0 : 8*VECS] (rows D apart) = inv[g] * sum over keys first .. first + n - 1 (first a multiple of 16) of p_g[t]
- * * V row t (p_g rows n apart), from column col of each row on, for GB heads: each V row widened once. */
+ * * V row t (p_g rows n apart), from column col of each row on, for GB heads: each V row widened once, in vectors
+ * of KV_LANES (and an 8-float one where VECS is odd on AVX-512). */
 static ALWAYS_INLINE void weighted_rows(const int KV, const int GB, const int VECS, const float *p, long first, long n,
                                         const int32_t *table, const void *v, long col, long stride, const float *inv,
                                         long D, float *o) {
-    floats8 a[3][8];
+    const int WIDE = VECS * 8 / KV_LANES, TAIL = VECS * 8 % KV_LANES != 0; /* constants after inlining */
+    kvvec a[3][8];
+    floats8 tail[3] = {{0}};
     for (int g = 0; g < GB; g++)
-        for (int i = 0; i < VECS; i++) a[g][i] = (floats8){0};
+        for (int i = 0; i < WIDE; i++) a[g][i] = (kvvec){0};
     for (long blk = 0; blk * 16 < n; blk++) {
         const long vb = (long)table[first / 16 + blk] * 16 * stride + col;
         const long count = n - blk * 16 < 16 ? n - blk * 16 : 16;
         for (long t = 0; t < count; t++) {
             float w[3];
             for (int g = 0; g < GB; g++) w[g] = p[g * n + blk * 16 + t];
-            for (int i = 0; i < VECS; i++) {
-                const floats8 value = load_kv8(KV, v, vb + t * stride + 8 * i);
+            for (int i = 0; i < WIDE; i++) {
+                const kvvec value = load_kvvec(KV, v, vb + t * stride + KV_LANES * i);
                 for (int g = 0; g < GB; g++) a[g][i] += w[g] * value;
+            }
+            if (TAIL) {
+                const floats8 value = load_kv8(KV, v, vb + t * stride + KV_LANES * WIDE);
+                for (int g = 0; g < GB; g++) tail[g] += w[g] * value;
             }
         }
     }
-    for (int g = 0; g < GB; g++)
-        for (int i = 0; i < VECS; i++) store8(o + g * D + 8 * i, a[g][i] * inv[g]);
+    for (int g = 0; g < GB; g++) {
+        for (int i = 0; i < WIDE; i++) store_vec(o + g * D + KV_LANES * i, a[g][i] * inv[g]);
+        if (TAIL) store8(o + g * D + KV_LANES * WIDE, tail[g] * inv[g]);
+    }
 }
 
 #define COLUMNS_A_WALK(GB) 64 /* columns of V one walk takes for GB heads */
