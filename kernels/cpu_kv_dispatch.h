@@ -15,20 +15,29 @@
 
 #include "cpu_cascade.h"
 
-/* How many parts sequence b's context is split into, a task each, combined after: enough tasks for four a thread
- * where the batch has few (sequences x KV heads), parts of at least 64 keys, and of at most DECODE_SPAN keys however
- * many tasks there are. With one task per (sequence, KV head), one chat's few KV heads left threads idle wherever
- * the thread count does not divide them. A context of one part is computed as it always was. */
+/* How a decode call's work is cut into tasks: each sequence's context into parts (combined after), and a part's KV
+ * heads into runs, a task each. A task asks for its heads' slice of each of its keys' rows (prefetch_rows): with
+ * every KV head, whole blocks in address order, where one task per KV head (as this was) asked for 256 bytes of
+ * every 2 KiB and its step's attention took longer. Parts: enough for four tasks a thread, of at least 64 keys and
+ * at most DECODE_SPAN; where they are fewer than two a thread, the heads are split into runs so that every thread
+ * has work. A context of one part is computed as it always was. */
 #define DECODE_SPAN 512
 
-static inline long decode_span(long ctx, long B, long KVH, long threads) {
-    const long wanted = (4 * threads + B * KVH - 1) / (B * KVH); /* parts a sequence for 4 tasks a thread */
+static inline long decode_span(long ctx, long B, long threads) {
+    const long wanted = (4 * threads + B - 1) / B; /* parts a sequence for 4 tasks a thread */
     long span = (ctx + wanted - 1) / wanted;
     span = (span + 15) / 16 * 16; /* whole blocks: weighted_rows walks a part's blocks from its first */
     return span < 64 ? 64 : span > DECODE_SPAN ? DECODE_SPAN : span;
 }
 
 static inline long decode_parts(long ctx, long span) { return ctx > span ? (ctx + span - 1) / span : 1; }
+
+/* KV heads a task takes: all of them where there are parts enough for two tasks a thread */
+static inline long decode_heads(long parts, long KVH, long threads) {
+    if (parts >= 2 * threads) return KVH;
+    const long runs = (2 * threads + parts - 1) / parts;
+    return (KVH + runs - 1) / runs;
+}
 
 /* weighted_rows for GB heads (a constant) over the next columns, width of them left, as many as one walk takes (its
  * VECS picked so). The columns the walk took. */
@@ -100,37 +109,57 @@ static inline __attribute__((always_inline)) int decode_task(const int KV, long 
     return LP_OK;
 }
 
-/* Asks for the K and V rows of keys first .. end - 1 of KV head kvh (each D values of size bytes) to be brought
- * into this core's L2. A decode step's KV comes from memory (the layer's weights, streamed in between, push it out of
- * every cache), its rows 16 at a time from blocks anywhere in the pool, and without this each part waited out one
- * miss after another: inside a decode step the paged decode took several times as long as with its KV already in
- * cache. Prefetching wins back part of that and speeds up one chat's decode (benchmarks/cpu_kernel_bench.py
- * --engine). */
+/* The cache line at p asked for into L2. An asm statement, not __builtin_prefetch: GCC 12 deleted prefetch_rows'
+ * loops, which do nothing else, as having no effect (no prefetch was left in the built library). */
+static inline void prefetch_l2(const void *p) {
+#if defined(__x86_64__)
+    __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)p));
+#elif defined(__aarch64__)
+    __asm__ volatile("prfm pldl2keep, %0" : : "Q"(*(const char *)p));
+#else
+    __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+/* Asks for the K and V rows of keys first .. end - 1 of KV heads kvh0 .. kvh1 - 1 (each D values of size bytes)
+ * to be brought into this core's L2, in address order. A decode step's KV comes from memory (the layer's weights,
+ * streamed in between, push it out of every cache), its rows 16 at a time from blocks anywhere in the pool: without
+ * this a part waited out one miss after another. */
 static inline void prefetch_rows(const void *k_cache, const void *v_cache, long size, const int32_t *table, long first,
-                                 long end, long kvh, long KVH, long D) {
+                                 long end, long kvh0, long kvh1, long KVH, long D) {
     for (long j = first; j < end; j++) {
-        const long row = (((long)table[j / 16] * 16 + j % 16) * KVH + kvh) * D * size;
-        for (long byte = 0; byte < D * size; byte += 64) {
-            __builtin_prefetch((const char *)k_cache + row + byte, 0, 2);
-            __builtin_prefetch((const char *)v_cache + row + byte, 0, 2);
+        const long row = (((long)table[j / 16] * 16 + j % 16) * KVH + kvh0) * D * size;
+        for (long byte = 0; byte < (kvh1 - kvh0) * D * size; byte += 64) {
+            prefetch_l2((const char *)k_cache + row + byte);
+            prefetch_l2((const char *)v_cache + row + byte);
         }
     }
 }
 
-static inline __attribute__((always_inline)) int decode_part(const int KV, long b, long kvh, long first, long end,
-                                                             const float *q, const void *k_cache,
+/* A task: sequence b's keys first .. end - 1, KV heads kvh0 .. kvh1 - 1, into the rows of o_rows [H][D] (and stats
+ * [H][2]) of their query heads. */
+static inline __attribute__((always_inline)) int decode_part(const int KV, long b, long kvh0, long kvh1, long first,
+                                                             long end, const float *q, const void *k_cache,
                                                              const void *v_cache, const int32_t *block_tables,
                                                              const int32_t *context_lens, long H, long KVH, long D,
                                                              long max_blocks, long num_blocks, float scale,
                                                              float *o_rows, float *stats) {
     const int32_t *table = block_tables + b * max_blocks;
     if (!context_fits(table, context_lens[b], max_blocks, num_blocks)) return LP_BAD_INDEX;
-    prefetch_rows(k_cache, v_cache, KV == LP_KV_F32 ? 4 : 2, table, first, end, kvh, KVH, D);
-    if (KV == LP_KV_BF16)
-        return decode_task(LP_KV_BF16, b, kvh, first, end, q, k_cache, v_cache, table, H, KVH, D, scale, o_rows, stats);
-    if (KV == LP_KV_F16)
-        return decode_task(LP_KV_F16, b, kvh, first, end, q, k_cache, v_cache, table, H, KVH, D, scale, o_rows, stats);
-    return decode_task(LP_KV_F32, b, kvh, first, end, q, k_cache, v_cache, table, H, KVH, D, scale, o_rows, stats);
+    prefetch_rows(k_cache, v_cache, KV == LP_KV_F32 ? 4 : 2, table, first, end, kvh0, kvh1, KVH, D);
+    const long G = H / KVH;
+    for (long kvh = kvh0; kvh < kvh1; kvh++) {
+        float *o = o_rows + kvh * G * D, *st = stats ? stats + kvh * G * 2 : NULL;
+        int s;
+        if (KV == LP_KV_BF16)
+            s = decode_task(LP_KV_BF16, b, kvh, first, end, q, k_cache, v_cache, table, H, KVH, D, scale, o, st);
+        else if (KV == LP_KV_F16)
+            s = decode_task(LP_KV_F16, b, kvh, first, end, q, k_cache, v_cache, table, H, KVH, D, scale, o, st);
+        else
+            s = decode_task(LP_KV_F32, b, kvh, first, end, q, k_cache, v_cache, table, H, KVH, D, scale, o, st);
+        if (s != LP_OK) return s;
+    }
+    return LP_OK;
 }
 
 /* RoPE (halves layout) on the first R dimensions of the q and k heads of qkv [N, (H + 2 KVH) * D] (the rest
@@ -400,10 +429,11 @@ int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, in
     first_part[0] = 0;
     for (long b = 0; b < B; b++) {
         const long own = context_lens[b] - (cas ? w.shared[b] : 0);
-        span[b] = decode_span(own, B, KVH, threads);
+        span[b] = decode_span(own, B, threads);
         first_part[b + 1] = first_part[b] + decode_parts(own, span[b]);
     }
     const long parts = first_part[B], shared_tasks = cas ? w.tasks * KVH : 0;
+    const long heads = decode_heads(parts, KVH, threads), runs = (KVH + heads - 1) / heads;
     const int amx = cas && lp_amx_runs(kv_dtype, D);
     long *part_seq = malloc(parts * sizeof(long)); /* each part's sequence */
     /* split sequences' and members' rows, stats; then the shared pass's */
@@ -422,7 +452,7 @@ int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, in
     float *spart = cas ? partial + own_rows * H * D : NULL, *sstats = cas ? partial_stats + own_rows * H * 2 : NULL;
     int status = LP_OK, shared_failed = 0;
 #pragma omp parallel for schedule(dynamic)
-    for (long task = 0; task < shared_tasks + parts * KVH; task++) {
+    for (long task = 0; task < shared_tasks + parts * runs; task++) {
         if (task < shared_tasks) {
             const int s =
                 shared_task(kv_dtype, amx, task, &w, cascade, q, k_cache, v_cache, H, KVH, D, scale, spart, sstats);
@@ -434,15 +464,16 @@ int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, in
             }
             continue;
         }
-        const long p = (task - shared_tasks) / KVH, b = part_seq[p], kvh = task % KVH, head = kvh * (H / KVH);
+        const long p = (task - shared_tasks) / runs, b = part_seq[p], kvh0 = (task - shared_tasks) % runs * heads;
+        const long kvh1 = kvh0 + heads < KVH ? kvh0 + heads : KVH;
         const long ctx = context_lens[b], own_first = cas ? w.shared[b] : 0;
         const long first = own_first + (p - first_part[b]) * span[b];
         const long end = first + span[b] < ctx ? first + span[b] : ctx;
         const int split = first_part[b + 1] - first_part[b] > 1 || own_first > 0;
-        float *o_rows = split ? partial + (p * H + head) * D : out + (b * H + head) * D;
-        float *stats = split ? partial_stats + (p * H + head) * 2 : NULL;
-        const int s = decode_part(kv_dtype, b, kvh, first, end, q, k_cache, v_cache, block_tables, context_lens, H,
-                                  KVH, D, max_blocks, num_blocks, scale, o_rows, stats);
+        float *o_rows = split ? partial + p * H * D : out + b * H * D;
+        float *stats = split ? partial_stats + p * H * 2 : NULL;
+        const int s = decode_part(kv_dtype, b, kvh0, kvh1, first, end, q, k_cache, v_cache, block_tables, context_lens,
+                                  H, KVH, D, max_blocks, num_blocks, scale, o_rows, stats);
         if (s != LP_OK) {
 #pragma omp atomic write
             failed[b] = 1;
