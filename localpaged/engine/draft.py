@@ -122,4 +122,4 @@ class DraftModel:
         ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
         hidden = self.runner.forward(ids_t, torch.tensor(positions, dtype=torch.int64, device=dev), meta)
         logits = self.runner.model.compute_logits(hidden[last_rows])
-        return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+        return logits[:, : self.vocab_size].max(dim=-1).indices.tolist()  # as the sampler's greedy rows

@@ -177,6 +177,20 @@ def test_rows_without_features_take_the_plain_path_bit_for_bit():
         assert got[i] == SampledToken(want), f"row {i}: {p}"
 
 
+def test_a_greedy_row_takes_the_first_of_tied_largest_as_argmax_does():
+    """Greedy rows take max's indices (faster than argmax on the CPU): the first of tied largest logits, and a
+    NaN's index where a row has one, as argmax gives, in float32 and in the half types a GPU hands over."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits = torch.zeros(3, 50, dtype=dtype)
+        logits[0, [7, 3, 40]] = 2.0
+        logits[1, 9] = float("nan")
+        logits[1, 12] = 5.0
+        logits[2] = -1.0
+        got = sample(logits.clone(), [_seq(SamplingParams(temperature=0), [1]) for _ in range(3)])
+        assert got == [SampledToken(3), SampledToken(9), SampledToken(0)]
+        assert [t.token_id for t in got] == logits.float().argmax(dim=-1).tolist()
+
+
 def test_logprobs_are_the_raw_distribution_whatever_changes_the_choice():
     logits, _ = _random(5, 120, seed=4)
     params = [
