@@ -651,9 +651,10 @@ KNOWN: dict[str, Spec] = {
     "shapes": Spec(
         "Real sizes: one chat on popular models' shapes",
         "Random-weight GGUFs of real models' shapes (speed does not depend on the weights' values), each file read "
-        "by both engines in one run: our one-chat decode against `llama-batched-bench`'s decode-only figure, each "
-        "as a fraction of this machine's bound (its read bandwidth, measured in the same run, over the bytes a "
-        "token reads: the weights as each engine holds them and the KV at mid-reply).",
+        "by both engines in one run: our one-chat decode (the best of 3 replies of 128 tokens) against "
+        "`llama-batched-bench`'s decode-only figure (the better of its two attention settings), each as a fraction "
+        "of this machine's bound (its read bandwidth, the best pass of a streaming read just before the row, over "
+        "the bytes a token reads: the weights as each engine holds them and the KV at mid-reply).",
         "`make bench-peers` once, then `python benchmarks/shapes.py [--shapes ...] [--types Q4_K_M,...]` (the files "
         "are written into the cache on first use).",
         render_shapes,
