@@ -29,6 +29,7 @@ from localpaged.engine.structured import apply_grammar_bitmask
 from localpaged.kernels.torch_attention import CascadePlan
 from localpaged.layers.attention import Attention, AttentionMetadata
 from localpaged.layers.linear import TILE_PROMPT_MIN, PromptRows
+from localpaged.models.huge_pages import HugePageMove
 from localpaged.models.llama_cpu_decode import NativeDecode
 
 if TYPE_CHECKING:
@@ -85,6 +86,8 @@ class ModelRunner:
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(model, attention, graph_batch_sizes, max_blocks, block_size, device)
         self.native_decode = NativeDecode.build(model, attention)  # None where the model's modules must run
+        # packed weights on their way onto huge pages, swapped in between steps once copied (models.huge_pages)
+        self.huge_pages = HugePageMove.start(model) if device.type == "cpu" else None
         self.drafter: DraftModel | None = None  # a draft model, which fills the drafts it owes (engine.draft)
 
     @property
@@ -246,6 +249,11 @@ class ModelRunner:
         A sequence whose own sampling failed gets the exception instead of tokens (see ``sample``);
         a failure of the batch as a whole (the forward pass) raises.
         """
+        if self.huge_pages is not None and self.huge_pages.ready():
+            self.huge_pages.swap_in()
+            self.huge_pages = None
+            if self.native_decode is not None:
+                self.native_decode.rebind()  # its pointers, to the copies
         if self.drafter is not None:
             self.drafter.propose(batch)
         ids, pos, meta, to_sample, logit_rows = self.prepare(batch)

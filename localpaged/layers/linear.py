@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,14 @@ class BlockLinear(nn.Module):
             self.register_buffer(name, getattr(packed, name))
         self.bias = bias
 
+    def move_to(self, packed: cpu.PackedBlocks) -> None:
+        """The same weight in other storage (``models.huge_pages``): every field and tensor shape as they were."""
+        if _layout(packed) != _layout(self.packed):
+            raise ValueError("move_to takes this projection's packed weight in other memory, not another weight")
+        self.packed = packed
+        for name in cpu.PACKED_TENSORS:
+            setattr(self, name, getattr(packed, name))
+
     def forward(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
         if prompt_rows is None or self.packed.activations != "int16":  # only int16 weights have a prompt path
             out = cpu.qgemm(x, self.packed)
@@ -90,3 +99,10 @@ class BlockLinear(nn.Module):
             out[prompt_rows.index] = cpu.qgemm(x[prompt_rows.index], self.packed, prompt=True)
             out[prompt_rows.rest] = cpu.qgemm(x[prompt_rows.rest], self.packed)
         return out + self.bias if self.bias is not None else out
+
+
+def _layout(packed: cpu.PackedBlocks) -> tuple:
+    """What a packed weight is, apart from where its tensors lie: its fields, its tensors' shapes and types."""
+    fields = tuple(getattr(packed, f.name) for f in dataclasses.fields(packed) if f.name not in cpu.PACKED_TENSORS)
+    tensors = (getattr(packed, n) for n in cpu.PACKED_TENSORS)
+    return fields + tuple(None if t is None else (t.shape, t.dtype) for t in tensors)

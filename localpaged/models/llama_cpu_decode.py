@@ -168,17 +168,14 @@ class NativeDecode:
         first = model.layers[0].self_attn
         layers = (LpDecoderLayer * len(model.layers))()
         for entry, layer in zip(layers, model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
             entry.post_attention_norm = layer.post_attention_layernorm.weight.data_ptr()
             entry.qkv_bias = attn.qkv_proj.bias.data_ptr() if attn.qkv_proj.bias is not None else None
             if attn.q_norm is not None:
                 entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
-            entry.qkv = LpProjection.of(attn.qkv_proj.packed)
-            entry.o = LpProjection.of(attn.o_proj.packed)
-            entry.gate_up = LpProjection.of(mlp.gate_up_proj.packed)
-            entry.down = LpProjection.of(mlp.down_proj.packed)
             entry.k_cache, entry.v_cache = attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr()
+        _bind_projections(layers, model)
         weights = LpLlama(
             num_layers=len(model.layers),
             hidden=config.hidden_size,
@@ -195,6 +192,10 @@ class NativeDecode:
             final_norm=model.norm.weight.data_ptr(),
         )
         return cls(model, weights, layers)
+
+    def rebind(self) -> None:
+        """Point the step at the projections' packed weights again, after they moved (``models.huge_pages``)."""
+        _bind_projections(self._layers, self.model)
 
     @staticmethod
     def applies(model: torch.nn.Module, attention: object) -> bool:
@@ -236,3 +237,12 @@ class NativeDecode:
         x = self.model.embed_tokens(input_ids)
         tables, lens = meta.block_tables, meta.context_lens
         return llama_decode(self.weights, x, cos, sin, meta.slot_mapping, tables, lens, meta.cascade)
+
+
+def _bind_projections(layers: ctypes.Array, model: torch.nn.Module) -> None:
+    for entry, layer in zip(layers, model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        entry.qkv = LpProjection.of(attn.qkv_proj.packed)
+        entry.o = LpProjection.of(attn.o_proj.packed)
+        entry.gate_up = LpProjection.of(mlp.gate_up_proj.packed)
+        entry.down = LpProjection.of(mlp.down_proj.packed)

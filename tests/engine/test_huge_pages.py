@@ -1,0 +1,100 @@
+"""Packed weights copied onto huge pages in the background and swapped in between steps: the same weights, the same
+tokens, nothing moved where Linux gives no huge pages or memory cannot hold the copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localpaged import SamplingParams
+from localpaged.kernels import cpu
+from localpaged.layers.linear import BlockLinear
+from localpaged.models import huge_pages
+from localpaged.models.huge_pages import HUGE_PAGE, HugePageMove, onto_huge_pages
+from tests.gguf_models import NATIVE_TYPES, tiny_hf_model, write_gguf
+from tests.kernels.test_cpu_kernels import Q4_1, Q6_K, Q8_0, pack, random_blocks
+
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason="the native CPU kernels are not built here")
+NEEDS_HUGE_PAGES = pytest.mark.skipif(
+    not huge_pages.huge_pages_available(), reason="this kernel gives no transparent huge pages"
+)
+
+
+@NEEDS_HUGE_PAGES
+def test_the_copies_are_the_same_weights_in_one_mapping_from_a_huge_page_boundary():
+    gen = torch.Generator().manual_seed(0)
+    packs = [
+        pack(random_blocks(rows, cols, q, gen, group))
+        for rows, cols, q, group in ((48, 512, Q4_1, 32), (32, 256, Q6_K, 16), (16, 96, Q8_0, 32))
+    ]
+    copies = onto_huge_pages(packs)
+    x = torch.randn(3, 512, generator=gen)
+    for original, copy in zip(packs, copies):
+        for name in cpu.PACKED_TENSORS:
+            a, b = getattr(original, name), getattr(copy, name)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+        assert torch.equal(cpu.qgemm(x[:, : original.cols], original), cpu.qgemm(x[:, : copy.cols], copy))
+    first = copies[0].q.data_ptr()
+    assert first % HUGE_PAGE == 0
+    last = copies[-1]
+    end = max(t.data_ptr() + t.nbytes for t in (last.q, last.unit, last.mult))
+    assert end - first <= huge_pages.packed_bytes(packs)
+
+
+def test_a_projection_moves_only_to_its_own_weight():
+    gen = torch.Generator().manual_seed(1)
+    weight = random_blocks(32, 256, Q4_1, gen)
+    linear = BlockLinear(pack(weight), None)
+    with pytest.raises(ValueError, match="not another weight"):
+        linear.move_to(pack(random_blocks(48, 256, Q4_1, gen)))
+    same = pack(weight)
+    linear.move_to(same)
+    assert linear.packed is same and linear.q is same.q
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, gguf_tokenizer):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    return write_gguf(path, tiny_hf_model("llama"), "llama", NATIVE_TYPES, gguf_tokenizer)
+
+
+def _greedy(llm) -> list[int]:
+    out = llm.generate([list(range(3, 60))], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    return out[0].token_ids
+
+
+@NEEDS_HUGE_PAGES
+def test_an_engine_swaps_its_weights_in_between_steps_and_decodes_the_same(tiny, monkeypatch):
+    from localpaged import LLM
+
+    monkeypatch.setattr(huge_pages, "available_memory", lambda: 1 << 40)  # whatever the machine has free now
+    llm = LLM(str(tiny), kv_cache_memory="16MiB", max_model_len=256, speculative="off")
+    move = llm.runner.huge_pages
+    assert move is not None
+    projections = [m for m in llm.runner.model.modules() if isinstance(m, BlockLinear)]
+    before = [m.q.data_ptr() for m in projections]
+    move.thread.join()
+    tokens = _greedy(llm)  # its first step swaps the copies in
+    assert llm.runner.huge_pages is None
+    after = [m.q.data_ptr() for m in projections]
+    assert all(a != b for a, b in zip(before, after)) and after[0] % HUGE_PAGE == 0
+    layer = llm.runner.native_decode._layers[0]
+    assert layer.qkv.q == llm.runner.model.layers[0].self_attn.qkv_proj.q.data_ptr()  # the native step's too
+    monkeypatch.setattr(HugePageMove, "start", classmethod(lambda cls, model: None))
+    stay = LLM(str(tiny), kv_cache_memory="16MiB", max_model_len=256, speculative="off")
+    assert stay.runner.huge_pages is None
+    assert _greedy(stay) == tokens
+
+
+def test_nothing_moves_without_huge_pages_or_memory_for_a_copy(tiny, monkeypatch):
+    from localpaged import LLM
+
+    llm = LLM(str(tiny), kv_cache_memory="16MiB", max_model_len=256, speculative="off")
+    monkeypatch.setattr(huge_pages, "available_memory", lambda: 1 << 40)
+    monkeypatch.setattr(huge_pages, "huge_pages_available", lambda: False)
+    assert HugePageMove.start(llm.runner.model) is None
+    monkeypatch.setattr(huge_pages, "huge_pages_available", lambda: True)
+    monkeypatch.setattr(huge_pages, "available_memory", lambda: huge_pages.SPARE_BYTES)  # no room for a copy
+    assert HugePageMove.start(llm.runner.model) is None
