@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "shapes.json"
 sys.path.insert(0, str(HERE))
-from peers import RANDOM_WEIGHTS, cpu_name, llama_bin_dir, one_chat_bound, read_bandwidth
+from peers import RANDOM_WEIGHTS, cpu_name, llama_bin_dir, one_chat_bound, read_bandwidth, settled
 from random_gguf import MIXES, SHAPES, write_shaped_gguf
 
 
@@ -79,7 +79,7 @@ def main() -> None:
     rows = []
     for shape, mix in files:
         path, write_s = shape_file(shape, mix)
-        llm = LLM(str(path), max_model_len=1024, kv_cache_memory="512MiB", **RANDOM_WEIGHTS)
+        llm = settled(LLM(str(path), max_model_len=1024, kv_cache_memory="512MiB", **RANDOM_WEIGHTS))
         row = {"shape": shape, "type": mix, "file_bytes": path.stat().st_size}
         if write_s is not None:
             row["write_s"] = write_s
