@@ -234,6 +234,11 @@ class ModelRunner:
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's final hidden states over the rows of ``meta``, on the fastest path that takes them."""
+        if self.huge_pages is not None and self.huge_pages.ready():  # every pass comes here, a draft model's too
+            self.huge_pages.swap_in()
+            self.huge_pages = None
+            if self.native_decode is not None:
+                self.native_decode.rebind()  # its pointers, to the copies
         if self.graphs is not None and meta.cascade is None and self.graphs.can_run(meta, len(meta.context_lens)):
             return self.graphs.run(ids, pos, meta)
         if self.native_decode is not None and meta.max_q_len == 1 and meta.prompt_rows is None:
@@ -249,11 +254,6 @@ class ModelRunner:
         A sequence whose own sampling failed gets the exception instead of tokens (see ``sample``);
         a failure of the batch as a whole (the forward pass) raises.
         """
-        if self.huge_pages is not None and self.huge_pages.ready():
-            self.huge_pages.swap_in()
-            self.huge_pages = None
-            if self.native_decode is not None:
-                self.native_decode.rebind()  # its pointers, to the copies
         if self.drafter is not None:
             self.drafter.propose(batch)
         ids, pos, meta, to_sample, logit_rows = self.prepare(batch)

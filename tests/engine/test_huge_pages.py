@@ -88,6 +88,24 @@ def test_an_engine_swaps_its_weights_in_between_steps_and_decodes_the_same(tiny,
     assert _greedy(stay) == tokens
 
 
+@NEEDS_HUGE_PAGES
+def test_a_draft_model_swaps_its_own_weights_in_at_its_first_pass(tiny, monkeypatch):
+    """The draft's runner is never ``run``: its passes are ``forward`` calls, where the swap is made."""
+    from localpaged import LLM
+
+    monkeypatch.setattr(huge_pages, "available_memory", lambda: 1 << 40)
+    llm = LLM(str(tiny), kv_cache_memory="16MiB", max_model_len=256, speculative={"draft": str(tiny), "k": 2})
+    draft = llm.runner.drafter.runner
+    projections = [m for m in draft.model.modules() if isinstance(m, BlockLinear)]
+    before = [m.q.data_ptr() for m in projections]
+    for move in (llm.runner.huge_pages, draft.huge_pages):
+        move.thread.join()
+    _greedy(llm)
+    assert llm.runner.huge_pages is None and draft.huge_pages is None
+    after = [m.q.data_ptr() for m in projections]
+    assert all(a != b for a, b in zip(before, after)) and after[0] % HUGE_PAGE == 0
+
+
 def test_nothing_moves_without_huge_pages_or_memory_for_a_copy(tiny, monkeypatch):
     from localpaged import LLM
 
