@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import re
 import socket
@@ -252,13 +251,9 @@ def read_bandwidth(seconds: float = 3.0) -> float:
     the engine reaches."""
     import torch
 
-    from localpaged.models.huge_pages import huge_pages_available
+    from localpaged.models.huge_pages import huge_page_buffer
 
-    size = 2**30
-    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages_available():
-        pages.madvise(mmap.MADV_HUGEPAGE)
-    data = torch.frombuffer(pages, dtype=torch.float32)
+    data = huge_page_buffer(2**30).view(torch.float32)
     data.fill_(1.0)
     data.sum()
     best, end = float("inf"), time.perf_counter() + seconds

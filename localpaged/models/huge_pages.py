@@ -68,16 +68,23 @@ def packed_bytes(packs: list[cpu.PackedBlocks]) -> int:
     return sum(_aligned(t.nbytes) for p in packs for t in _tensors(p))
 
 
-def onto_huge_pages(packs: list[cpu.PackedBlocks]) -> list[cpu.PackedBlocks]:
-    """Each of ``packs`` with its tensors copied, in order, into one mapping advised for 2 MiB pages: the same
-    weights in new storage."""
-    size = packed_bytes(packs)
-    # One huge page of slack: the mapping starts on a 4 KiB boundary, the copies on the next 2 MiB one, so that
-    # huge pages cover them from their first byte.
+def huge_page_buffer(size: int) -> torch.Tensor:
+    """``size`` zeroed bytes of an anonymous mapping, from a 2 MiB boundary, advised ``MADV_HUGEPAGE`` where Linux
+    gives huge pages (the tensor keeps the mapping alive)."""
+    # One huge page of slack: the mapping starts on a 4 KiB boundary, the buffer on the next 2 MiB one, so that huge
+    # pages cover it from its first byte.
     area = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    area.madvise(mmap.MADV_HUGEPAGE)
+    if huge_pages_available():
+        area.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(area, dtype=torch.uint8)
     at = -whole.data_ptr() % HUGE_PAGE
+    return whole[at : at + size]
+
+
+def onto_huge_pages(packs: list[cpu.PackedBlocks]) -> list[cpu.PackedBlocks]:
+    """Each of ``packs`` with its tensors copied, in order, into one ``huge_page_buffer``: the same weights in new
+    storage."""
+    whole, at = huge_page_buffer(packed_bytes(packs)), 0
     moved = []
     for pack in packs:
         copies = {}
