@@ -147,7 +147,8 @@ CASES = [  # (context_lens, num_kv_heads, gqa ratio, head_dim)
     ([15, 16, 17, 100], 2, 3, 128),
     ([7, 1, 300, 33, 64, 65], 3, 3, 64),
     ([1100, 17], 1, 4, 128),
-    ([512, 513, 1030, 3], 3, 3, 64),  # contexts of one part (DECODE_SPAN), two (the second of one key), three
+    ([512, 513, 1030, 3], 3, 3, 64),  # parts of up to DECODE_SPAN keys; 513: a last part of one key
+    ([700, 9], 8, 2, 128),  # 8 KV heads of 128: 64-key parts, as many as DECODE_PREFETCH holds
     ([5, 40], 2, 2, 24),  # a head_dim that is not a multiple of 32
     ([9], 1, 8, 16),
 ]
