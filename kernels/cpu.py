@@ -48,7 +48,7 @@ from localpaged.kernels.cpu_isa import KernelPath, choose_path
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
-ABI_VERSION = 12  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
+ABI_VERSION = 13  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
@@ -420,26 +420,44 @@ GGUF_MULTIPLIERS = {"Q4_0": 1, "Q4_1": 1, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1, "Q4_K
 _lp_unpack_gguf = Kernel("lp_unpack_gguf", [INT, POINTER, SIZE, POINTER, POINTER, POINTER, POINTER, POINTER])
 
 
+def _gguf_blocks(raw: np.ndarray, kind: str, reader: str) -> int:
+    """How many blocks of ``kind`` the rows of ``raw`` hold, once checked for ``reader``."""
+    if not (isinstance(raw, np.ndarray) and raw.dtype == np.uint8 and raw.ndim == 2 and raw.flags.c_contiguous):
+        raise KernelArgumentError(f"raw must be a C-ordered uint8 numpy array [rows, bytes a row], not {raw!r:.80}")
+    if kind not in GGUF_MULTIPLIERS:
+        raise KernelArgumentError(f"kind {kind!r}: {reader} reads {', '.join(GGUF_MULTIPLIERS)}")
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
+    if raw.shape[1] % size:
+        raise KernelArgumentError(f"raw rows of {raw.shape[1]} bytes are not whole {kind} blocks of {size} bytes")
+    return raw.shape[1] // size
+
+
 def unpack_gguf(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, ...]:
     """A GGUF tensor's bytes ``raw`` (uint8 [rows, bytes a row], C order) of type ``kind`` (a GGUF_MULTIPLIERS key) ->
     ``(q, unit, mult, min_unit, min_mult)``, each [rows, ...]: the factors of models/gguf_weights.py's BlockQuantized,
     read in one native pass (``raw`` may be a view of the mapped file; it is only read)."""
-    if not (isinstance(raw, np.ndarray) and raw.dtype == np.uint8 and raw.ndim == 2 and raw.flags.c_contiguous):
-        raise KernelArgumentError(f"raw must be a C-ordered uint8 numpy array [rows, bytes a row], not {raw!r:.80}")
-    if kind not in GGUF_MULTIPLIERS:
-        raise KernelArgumentError(f"kind {kind!r}: lp_unpack_gguf reads {', '.join(GGUF_MULTIPLIERS)}")
-    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    blocks = _gguf_blocks(raw, kind, "lp_unpack_gguf")
+    weights = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
     multipliers = GGUF_MULTIPLIERS[kind]
-    rows, row_bytes = raw.shape
-    if row_bytes % size:
-        raise KernelArgumentError(f"raw rows of {row_bytes} bytes are not whole {kind} blocks of {size} bytes")
-    blocks = row_bytes // size
+    rows = raw.shape[0]
     q = torch.empty(rows, blocks * weights, dtype=torch.int8)
     unit, min_unit = (torch.empty(rows, blocks, dtype=torch.float16) for _ in range(2))
     mult, min_mult = (torch.empty(rows, blocks * multipliers, dtype=torch.int8) for _ in range(2))
     pointers = (t.data_ptr() for t in (q, unit, mult, min_unit, min_mult))
     _lp_unpack_gguf(GGMLQuantizationType[kind].value, raw.ctypes.data, rows * blocks, *pointers)
     return q, unit, mult, min_unit, min_mult
+
+
+_lp_dequantize_gguf = Kernel("lp_dequantize_gguf", [INT, POINTER, SIZE, POINTER])
+
+
+def dequantize_gguf(raw: np.ndarray, kind: str) -> torch.Tensor:
+    """``raw`` as ``unpack_gguf`` takes it -> its weights, float32 [rows, weights a row]: BlockQuantized.dequantize of
+    its factors, to the bit, in one native call (a step's token embeddings: a few rows)."""
+    blocks = _gguf_blocks(raw, kind, "lp_dequantize_gguf")
+    out = torch.empty(raw.shape[0], blocks * GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0])
+    _lp_dequantize_gguf(GGMLQuantizationType[kind].value, raw.ctypes.data, raw.shape[0] * blocks, out.data_ptr())
+    return out
 
 
 def vnni_is_fast() -> bool:

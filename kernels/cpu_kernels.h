@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define TILE 16 /* weight rows per packed tile */
-#define LP_ABI_VERSION 12
+#define LP_ABI_VERSION 13
 
 /* A decode step reads every weight once, from memory, a tile's bytes in order: a qgemm kernel asks for the bytes
  * `near` past the group of a tile it is about to read (the groups that follow, then the next tile's), since the
@@ -88,6 +88,7 @@ int lp_qgemm_amx(const float *X, int64_t M, int64_t K, const int8_t *q, const lp
 int lp_pack_quads(const int8_t *q, int64_t N, int64_t K, int bits, int offset, uint8_t *out);
 int lp_unpack_gguf(int type, const uint8_t *raw, int64_t blocks, int8_t *q, uint16_t *unit, int8_t *mult,
                    uint16_t *min_unit, int8_t *min_mult);
+int lp_dequantize_gguf(int type, const uint8_t *raw, int64_t blocks, float *out);
 int lp_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                     const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t H, int64_t KVH,
                     int64_t D, int64_t max_blocks, int64_t num_blocks, float scale, const lp_cascade *cascade,

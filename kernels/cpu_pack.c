@@ -2,6 +2,7 @@
  * tile layout lp_pack_q writes (described in cpu_qgemm.h) is what all their qgemm kernels read, and unpacking a
  * file's blocks is a load's work, not a step's. */
 #include <stdint.h>
+#include <string.h>
 
 #include "cpu_kernels.h"
 
@@ -64,6 +65,64 @@ static void k_scales(const uint8_t *s, int8_t *sc, int8_t *mn) {
     }
 }
 
+/* The sizes of a GGUF block of ``type``: its bytes, its weights and its scale multipliers (0: a type not read here). */
+static int block_sizes(int type, int *size, int *weights, int *subs) {
+    switch (type) {
+    case GGUF_Q4_0: *size = 18, *weights = 32, *subs = 1; return 1;
+    case GGUF_Q4_1: *size = 20, *weights = 32, *subs = 1; return 1;
+    case GGUF_Q5_0: *size = 22, *weights = 32, *subs = 1; return 1;
+    case GGUF_Q5_1: *size = 24, *weights = 32, *subs = 1; return 1;
+    case GGUF_Q8_0: *size = 34, *weights = 32, *subs = 1; return 1;
+    case GGUF_Q4_K: *size = 144, *weights = 256, *subs = 8; return 1;
+    case GGUF_Q5_K: *size = 176, *weights = 256, *subs = 8; return 1;
+    case GGUF_Q6_K: *size = 210, *weights = 256, *subs = 16; return 1;
+    default: return 0;
+    }
+}
+
+/* One block x of ``type`` (size bytes) -> its weights' integers w, fp16 unit and min_unit, multipliers m and mm. */
+static void unpack_block(int type, const uint8_t *x, int size, int8_t *w, uint16_t *unit, int8_t *m,
+                         uint16_t *min_unit, int8_t *mm) {
+    if (type == GGUF_Q4_K || type == GGUF_Q5_K) {
+        /* dmin negated: its sign bit flipped, as numpy's negation of a float16 gives it (-0 included) */
+        *unit = half_bits(x), *min_unit = half_bits(x + 2) ^ 0x8000;
+        k_scales(x + 4, m, mm);
+        const uint8_t *nib = x + size - 128, *high = x + 16; /* Q5_K: bit r of high[j] is run r's weight j */
+        for (int run = 0; run < 8; run++)
+            for (int j = 0; j < 32; j++) {
+                int v = (nib[run / 2 * 32 + j] >> (run % 2 * 4)) & 15;
+                if (type == GGUF_Q5_K) v |= ((high[j] >> run) & 1) << 4;
+                w[run * 32 + j] = (int8_t)v;
+            }
+    } else if (type == GGUF_Q6_K) {
+        const uint8_t *low = x, *high = x + 128;
+        *unit = half_bits(x + 208), *min_unit = 0;
+        for (int s = 0; s < 16; s++) m[s] = (int8_t)x[192 + s], mm[s] = 0;
+        for (int half = 0; half < 2; half++)
+            for (int r = 0; r < 128; r++) { /* 128 weights a half: 4 runs of 32, ggml's dequantize_row_q6_K */
+                int nibble = (low[half * 64 + r % 64] >> (r / 64 * 4)) & 15;
+                int crumb = (high[half * 32 + r % 32] >> (r / 32 * 2)) & 3;
+                w[half * 128 + r] = (int8_t)((nibble | crumb << 4) - 32);
+            }
+    } else {
+        const int with_min = type == GGUF_Q4_1 || type == GGUF_Q5_1;
+        *unit = half_bits(x), *min_unit = with_min ? half_bits(x + 2) : 0;
+        m[0] = 1, mm[0] = (int8_t)with_min;
+        const uint8_t *body = x + (with_min ? 4 : 2);
+        if (type == GGUF_Q8_0) {
+            for (int j = 0; j < 32; j++) w[j] = (int8_t)body[j];
+        } else if (type == GGUF_Q4_0 || type == GGUF_Q4_1) {
+            const int centre = type == GGUF_Q4_0 ? 8 : 0;
+            for (int j = 0; j < 32; j++) w[j] = (int8_t)(((body[j % 16] >> (j / 16 * 4)) & 15) - centre);
+        } else { /* Q5_0, Q5_1: 32 high bits as a little-endian word, then the nibbles */
+            const uint32_t bits = body[0] | body[1] << 8 | body[2] << 16 | (uint32_t)body[3] << 24;
+            const int centre = type == GGUF_Q5_0 ? 16 : 0;
+            for (int j = 0; j < 32; j++)
+                w[j] = (int8_t)((((body[4 + j % 16] >> (j / 16 * 4)) & 15) | ((bits >> j) & 1) << 4) - centre);
+        }
+    }
+}
+
 /* ``blocks`` consecutive GGUF blocks of ``type`` -> their weights' integers and scale factors, as
  * models/gguf_weights.py's numpy ``unpack`` gives them (the reference, and the path where this library is absent):
  * q [blocks * W] (W = 256 for a K type, 32 otherwise), one fp16 unit and min_unit per block, and S multipliers
@@ -73,59 +132,50 @@ static void k_scales(const uint8_t *s, int8_t *sc, int8_t *mn) {
 int lp_unpack_gguf(int type, const uint8_t *raw, int64_t blocks, int8_t *q, uint16_t *unit, int8_t *mult,
                    uint16_t *min_unit, int8_t *min_mult) {
     int size, weights, subs;
-    switch (type) {
-    case GGUF_Q4_0: size = 18, weights = 32, subs = 1; break;
-    case GGUF_Q4_1: size = 20, weights = 32, subs = 1; break;
-    case GGUF_Q5_0: size = 22, weights = 32, subs = 1; break;
-    case GGUF_Q5_1: size = 24, weights = 32, subs = 1; break;
-    case GGUF_Q8_0: size = 34, weights = 32, subs = 1; break;
-    case GGUF_Q4_K: size = 144, weights = 256, subs = 8; break;
-    case GGUF_Q5_K: size = 176, weights = 256, subs = 8; break;
-    case GGUF_Q6_K: size = 210, weights = 256, subs = 16; break;
-    default: return LP_BAD_ARGUMENT;
-    }
-    if (blocks < 0) return LP_BAD_ARGUMENT;
+    if (!block_sizes(type, &size, &weights, &subs) || blocks < 0) return LP_BAD_ARGUMENT;
 #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        unpack_block(type, raw + b * size, size, q + b * weights, unit + b, mult + b * subs, min_unit + b,
+                     min_mult + b * subs);
+    return LP_OK;
+}
+
+/* An fp16 value's bits as the float32 it is (subnormals, infinities and NaNs too: a NaN quieted, its payload kept, as
+ * the hardware's conversion gives it), in plain C for every path. */
+static float half_value(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = h >> 10 & 31, mantissa = h & 1023;
+    uint32_t bits = sign | (exponent == 31 ? 0x7F800000 | mantissa << 13 : (exponent + 112) << 23 | mantissa << 13);
+    if (exponent == 31 && mantissa != 0) bits |= 0x400000;
+    if (exponent == 0 && mantissa == 0) bits = sign;
+    if (exponent == 0 && mantissa != 0) { /* a subnormal: its leading 1 shifted up to the implicit bit */
+        uint32_t m = mantissa, shifts = 0;
+        while (!(m & 1024)) m <<= 1, shifts++;
+        bits = sign | (113 - shifts) << 23 | (m & 1023) << 13;
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* ``blocks`` consecutive GGUF blocks of ``type`` -> their weights in float32, out [blocks * W]: BlockQuantized's
+ * dequantize of lp_unpack_gguf's factors to the bit (scale = unit * mult and min = min_unit * min_mult, each a
+ * float32 product; a weight is scale * q, rounded, plus min). For a step's token embeddings: a few rows in one call,
+ * where the same in torch was a dozen small ops, each slower than this whole pass. */
+int lp_dequantize_gguf(int type, const uint8_t *raw, int64_t blocks, float *out) {
+    int size, weights, subs;
+    if (!block_sizes(type, &size, &weights, &subs) || blocks < 0) return LP_BAD_ARGUMENT;
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *x = raw + b * size;
-        int8_t *w = q + b * weights, *m = mult + b * subs, *mm = min_mult + b * subs;
-        if (type == GGUF_Q4_K || type == GGUF_Q5_K) {
-            /* dmin negated: its sign bit flipped, as numpy's negation of a float16 gives it (-0 included) */
-            unit[b] = half_bits(x), min_unit[b] = half_bits(x + 2) ^ 0x8000;
-            k_scales(x + 4, m, mm);
-            const uint8_t *nib = x + size - 128, *high = x + 16; /* Q5_K: bit r of high[j] is run r's weight j */
-            for (int run = 0; run < 8; run++)
-                for (int j = 0; j < 32; j++) {
-                    int v = (nib[run / 2 * 32 + j] >> (run % 2 * 4)) & 15;
-                    if (type == GGUF_Q5_K) v |= ((high[j] >> run) & 1) << 4;
-                    w[run * 32 + j] = (int8_t)v;
-                }
-        } else if (type == GGUF_Q6_K) {
-            const uint8_t *low = x, *high = x + 128;
-            unit[b] = half_bits(x + 208), min_unit[b] = 0;
-            for (int s = 0; s < 16; s++) m[s] = (int8_t)x[192 + s], mm[s] = 0;
-            for (int half = 0; half < 2; half++)
-                for (int r = 0; r < 128; r++) { /* 128 weights a half: 4 runs of 32, ggml's dequantize_row_q6_K */
-                    int nibble = (low[half * 64 + r % 64] >> (r / 64 * 4)) & 15;
-                    int crumb = (high[half * 32 + r % 32] >> (r / 32 * 2)) & 3;
-                    w[half * 128 + r] = (int8_t)((nibble | crumb << 4) - 32);
-                }
-        } else {
-            const int with_min = type == GGUF_Q4_1 || type == GGUF_Q5_1;
-            unit[b] = half_bits(x), min_unit[b] = with_min ? half_bits(x + 2) : 0;
-            m[0] = 1, mm[0] = (int8_t)with_min;
-            const uint8_t *body = x + (with_min ? 4 : 2);
-            if (type == GGUF_Q8_0) {
-                for (int j = 0; j < 32; j++) w[j] = (int8_t)body[j];
-            } else if (type == GGUF_Q4_0 || type == GGUF_Q4_1) {
-                const int centre = type == GGUF_Q4_0 ? 8 : 0;
-                for (int j = 0; j < 32; j++) w[j] = (int8_t)(((body[j % 16] >> (j / 16 * 4)) & 15) - centre);
-            } else { /* Q5_0, Q5_1: 32 high bits as a little-endian word, then the nibbles */
-                const uint32_t bits = body[0] | body[1] << 8 | body[2] << 16 | (uint32_t)body[3] << 24;
-                const int centre = type == GGUF_Q5_0 ? 16 : 0;
-                for (int j = 0; j < 32; j++)
-                    w[j] = (int8_t)((((body[4 + j % 16] >> (j / 16 * 4)) & 15) | ((bits >> j) & 1) << 4) - centre);
-            }
+        int8_t w[256], m[16], mm[16];
+        uint16_t unit, min_unit;
+        unpack_block(type, raw + b * size, size, w, &unit, m, &min_unit, mm);
+        const float u = half_value(unit), mu = half_value(min_unit);
+        float scale[16], minimum[16];
+        for (int s = 0; s < subs; s++) scale[s] = u * (float)m[s], minimum[s] = mu * (float)mm[s];
+        for (int i = 0; i < weights; i++) {
+            const int s = i / (weights / subs);
+            /* volatile: the product rounded before the sum, as torch computes it, whatever the build's contraction */
+            volatile float product = scale[s] * (float)w[i];
+            out[b * weights + i] = product + minimum[s];
         }
     }
     return LP_OK;

@@ -33,7 +33,10 @@ class BlockEmbedding(nn.Module):
         self.kind = kind
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return unpack(self.rows[ids.numpy()], self.kind).dequantize()
+        rows = self.rows[ids.numpy()]
+        if cpu.library() is not None:  # one native call, not a dozen torch ops on a few rows
+            return cpu.dequantize_gguf(rows, self.kind)
+        return unpack(rows, self.kind).dequantize()
 
 
 def swap_in_blocks(

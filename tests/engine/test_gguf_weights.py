@@ -206,3 +206,21 @@ def test_a_truncated_tensor_is_named(mixed_llama, tmp_path):
     with pytest.raises(InvalidModelError, match=r"tensor \S+ runs past the end of the file .* truncated") as info:
         resolve_model(cut)
     assert str(cut) in str(info.value)
+
+
+@pytest.mark.parametrize("kind", NATIVE_TYPES)
+def test_native_dequantizing_gives_the_unpacked_weights_bits(kind):
+    """lp_dequantize_gguf (a step's embedding rows) is BlockQuantized.dequantize to the bit, for any bytes: subnormal
+    and infinite fp16 factors, negative zeros, every multiplier; a NaN where it has a NaN (torch writes its own)."""
+    if cpu.library() is None:
+        pytest.skip("the native CPU kernels are not built here")
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
+    raw = np.random.default_rng(3).integers(0, 256, size=(37, 4 * size), dtype=np.uint8)
+    want = BlockQuantized(*cpu.unpack_gguf(raw, kind)).dequantize()
+    got = cpu.dequantize_gguf(raw, kind)
+    assert got.shape == want.shape
+    number = ~want.isnan()
+    assert torch.equal(got.isnan(), ~number)
+    assert torch.equal(got[number].view(torch.int32), want[number].view(torch.int32))
+    with pytest.raises(KernelArgumentError, match="lp_dequantize_gguf reads"):
+        cpu.dequantize_gguf(raw, "IQ4_NL")
