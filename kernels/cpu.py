@@ -390,6 +390,10 @@ class PackedBlocks:
             if value.shape != (tiles, width, TILE):
                 raise KernelArgumentError(f"{name} has shape {tuple(value.shape)}, not {(tiles, width, TILE)}")
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that hold this weight, by field name: PACKED_TENSORS less an absent min."""
+        return {name: t for name in PACKED_TENSORS if (t := getattr(self, name)) is not None}
+
     @property
     def cols(self) -> int:
         """The weight's columns (the input features)."""

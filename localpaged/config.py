@@ -190,6 +190,7 @@ class ResolvedConfig:
     enable_prefix_caching: bool
     kv_disk: bool  # the disk tier is open
     cascade_attention: bool
+    huge_pages: bool = False  # packed weights copied onto 2 MiB pages once the engine runs (models/huge_pages.py)
     speculative: str = "off"  # the draft proposer: "off", "ngram", "suffix" or "draft" (a draft model)
     speculative_max_rows: int | None = None  # a step's decode rows at most, drafts included; None: no limit
     speculative_draft: str | None = None  # the draft model's name, with "draft"

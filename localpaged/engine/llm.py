@@ -108,6 +108,7 @@ class LLM:
             graph_batch_sizes=min(resolved.max_num_seqs, 512) if use_graphs else 0,
             max_model_len=resolved.max_model_len,
             cascade=resolved.cascade_attention,
+            huge_pages=resolved.huge_pages,
         )
         if parts.draft is not None:  # its K/V over the same blocks, on the same paths, without CUDA graphs
             draft = ModelRunner(
@@ -117,6 +118,7 @@ class LLM:
                 resolved.block_size,
                 self.device,
                 parts.kv_dtype,
+                huge_pages=resolved.huge_pages,
             )
             self.runner.drafter = DraftModel(draft, parts.model.config.vocab_size, resolved.max_num_batched_tokens)
         self.kv_disk = parts.kv_disk

@@ -62,10 +62,12 @@ class ModelRunner:
         graph_batch_sizes: int = 0,
         max_model_len: int = 0,
         cascade: bool = False,
+        huge_pages: bool = False,
     ) -> None:
         """``graph_batch_sizes`` > 0 captures CUDA graphs of decode steps up to that many sequences. ``cascade``:
         find the step's groups of sequences sharing leading blocks (``engine.cascade``) for the attention
-        kernels, where the path takes them; a plain attribute, so a benchmark can time both in one process."""
+        kernels, where the path takes them; a plain attribute, so a benchmark can time both in one process.
+        ``huge_pages``: copy the packed weights onto 2 MiB pages and swap them in once copied (setup decides)."""
         self.model = model
         self.attention = attention
         self.cascade = cascade and getattr(attention, "takes_cascade", False)
@@ -87,7 +89,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, attention, graph_batch_sizes, max_blocks, block_size, device)
         self.native_decode = NativeDecode.build(model, attention)  # None where the model's modules must run
         # packed weights on their way onto huge pages, swapped in between steps once copied (models.huge_pages)
-        self.huge_pages = HugePageMove.start(model) if device.type == "cpu" else None
+        self.huge_pages = HugePageMove.start(model) if huge_pages else None
         self.drafter: DraftModel | None = None  # a draft model, which fills the drafts it owes (engine.draft)
 
     @property

@@ -26,7 +26,7 @@ from localpaged.kernels import cpu
 from localpaged.layers.attention import AttentionPath, select_attention
 from localpaged.layers.rotary_embedding import rope_frequencies
 from localpaged.locations import kv_cache_dir
-from localpaged.models import Progress
+from localpaged.models import Progress, huge_pages
 from localpaged.models.gguf_file import GGUFFile
 from localpaged.models.gguf_weights import BlockQuantized, GGUFWeights
 from localpaged.models.llama import LlamaForCausalLM, head_dim_of
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 MAX_DEFAULT_CONTEXT = 8192
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
 GiB = 1 << 30
+HUGE_PAGES_SPARE = GiB  # memory left to the rest of the machine while the packed weights exist twice
 
 
 @dataclass
@@ -174,6 +175,19 @@ def available_memory() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def move_to_huge_pages(models: list[torch.nn.Module], device: torch.device) -> bool:
+    """Whether the packed weights of ``models`` are copied onto 2 MiB pages once the engine runs
+    (models/huge_pages.py): on the CPU, where Linux gives transparent huge pages and memory holds the copy with
+    HUGE_PAGES_SPARE to spare while both exist."""
+    if device.type != "cpu" or not huge_pages.huge_pages_available():
+        return False
+    size = huge_pages.packed_bytes([p for model in models for p in huge_pages.packed_weights(model)])
+    if size and available_memory() < size + HUGE_PAGES_SPARE:
+        log.info("packed weights stay on 4 KiB pages: too little free memory for a copy on huge pages")
+        return False
+    return size > 0
 
 
 def default_kv_memory(device: torch.device, one_sequence: int) -> int:
@@ -401,6 +415,7 @@ def build_engine_parts(
         enable_prefix_caching=config.enable_prefix_caching,
         kv_disk=config.kv_disk and config.enable_prefix_caching,
         cascade_attention=config.cascade_attention,
+        huge_pages=move_to_huge_pages([model] + ([draft.model] if draft is not None else []), device),
         speculative="draft" if draft is not None else "suffix" if config.speculative == "auto" else config.speculative,
         # "auto" and a draft model keep a step within the rows drafts pay for: a draft model also runs its own
         # passes for every chat that drafts, which many chats at once do not win back

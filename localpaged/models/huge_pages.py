@@ -8,8 +8,9 @@ torch's tensors are on them too, so the weights are copied into one anonymous ma
 Not at load: Linux takes its time to find 2 MiB pages (seconds for a 1-4 GB model where memory is fragmented), and
 a start waiting on them would answer its first token that much later. So a thread of its own copies them while the
 engine runs on the mapped weights, and the engine swaps the copies in at its next step. The cost: memory for both
-while it copies (it is not tried without that much to spare), and weights that two engine processes no longer share
-through the page cache. Where Linux will not give transparent huge pages (``never``, or another OS) nothing moves.
+while it copies, and weights that two engine processes no longer share through the page cache. Whether a model
+moves is the engine's decision (``engine/setup.py``'s ``move_to_huge_pages``: where Linux gives transparent huge
+pages and memory holds the copy).
 """
 
 from __future__ import annotations
@@ -28,10 +29,8 @@ from localpaged.layers.linear import BlockLinear
 
 log = logging.getLogger(__name__)
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-MEMINFO = Path("/proc/meminfo")
 ALIGN = 64  # bytes: each tensor starts on a cache line, as torch's own allocations do
 HUGE_PAGE = 2 << 20
-SPARE_BYTES = 1 << 30  # memory left to the rest of the machine while both copies exist
 
 
 def huge_pages_available() -> bool:
@@ -45,27 +44,18 @@ def huge_pages_available() -> bool:
         return False
 
 
-def available_memory() -> int:
-    """Bytes Linux says it can give without swapping (``MemAvailable``); 0 where it does not say."""
-    try:
-        for line in MEMINFO.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _tensors(pack: cpu.PackedBlocks) -> list[torch.Tensor]:
-    return [t for name in cpu.PACKED_TENSORS if (t := getattr(pack, name)) is not None]
+def packed_weights(model: nn.Module) -> list[cpu.PackedBlocks]:
+    """The packed weight of each of ``model``'s BlockLinear projections, in module order."""
+    return [m.packed for m in model.modules() if isinstance(m, BlockLinear)]
 
 
 def packed_bytes(packs: list[cpu.PackedBlocks]) -> int:
-    return sum(_aligned(t.nbytes) for p in packs for t in _tensors(p))
+    """The bytes ``onto_huge_pages`` copies ``packs`` into."""
+    return sum(_aligned(t.nbytes) for p in packs for t in p.tensors().values())
 
 
 def huge_page_buffer(size: int) -> torch.Tensor:
@@ -88,10 +78,7 @@ def onto_huge_pages(packs: list[cpu.PackedBlocks]) -> list[cpu.PackedBlocks]:
     moved = []
     for pack in packs:
         copies = {}
-        for name in cpu.PACKED_TENSORS:
-            t = getattr(pack, name)
-            if t is None:
-                continue
+        for name, t in pack.tensors().items():
             copies[name] = whole[at : at + t.nbytes].view(t.dtype).view(t.shape)
             copies[name].copy_(t)
             at += _aligned(t.nbytes)
@@ -110,13 +97,9 @@ class HugePageMove:
 
     @classmethod
     def start(cls, model: nn.Module) -> HugePageMove | None:
-        """The move of ``model``'s BlockLinear weights, under way; None where there are none, Linux gives no
-        transparent huge pages, or memory cannot hold a second copy with SPARE_BYTES to spare."""
+        """The move of ``model``'s BlockLinear weights, under way; None where it has none."""
         modules = [m for m in model.modules() if isinstance(m, BlockLinear)]
-        if not modules or not huge_pages_available():
-            return None
-        if available_memory() < packed_bytes([m.packed for m in modules]) + SPARE_BYTES:
-            log.info("packed weights stay on 4 KiB pages: too little free memory for a copy on huge pages")
+        if not modules:
             return None
         move = cls(modules)
         move.thread.start()

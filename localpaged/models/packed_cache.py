@@ -61,7 +61,7 @@ class PackedCache:
 
     def save(self, packs: dict[str, cpu.PackedBlocks]) -> None:
         """Write ``packs`` for later starts, where the disk has room; a cache, so failing to write costs only time."""
-        size = sum(t.nbytes for p in packs.values() for t in _tensors(p).values())
+        size = sum(t.nbytes for p in packs.values() for t in p.tensors().values())
         try:
             free = shutil.disk_usage(self.folder.parent).free
             if free < size + SPARE_BYTES:
@@ -93,16 +93,12 @@ def _map_in(packs: list[cpu.PackedBlocks]) -> None:
     """Read a byte of every page of the mapped weights, so the first step does not stop at each (a 1.2 GB model is
     300,000 page faults): on a thread of its own while the engine finishes starting (torch lets go of the GIL)."""
     for pack in packs:
-        for t in _tensors(pack).values():
+        for t in pack.tensors().values():
             t.view(-1)[:: PAGE_BYTES // t.element_size()].sum()
 
 
-def _tensors(pack: cpu.PackedBlocks) -> dict:
-    return {name: getattr(pack, name) for name in cpu.PACKED_TENSORS if getattr(pack, name) is not None}
-
-
 def _write(path: Path, packs: dict[str, cpu.PackedBlocks]) -> None:
-    tensors = {f"{module}.{name}": t for module, pack in packs.items() for name, t in _tensors(pack).items()}
+    tensors = {f"{module}.{name}": t for module, pack in packs.items() for name, t in pack.tensors().items()}
     fields = {module: {name: getattr(pack, name) for name in FIELDS} for module, pack in packs.items()}
     save_file(tensors, str(path), metadata={"fields": json.dumps(fields)})
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from localpaged import SamplingParams
+from localpaged.engine import setup
 from localpaged.kernels import cpu
 from localpaged.layers.linear import BlockLinear
 from localpaged.models import huge_pages
@@ -69,10 +70,10 @@ def _greedy(llm) -> list[int]:
 def test_an_engine_swaps_its_weights_in_between_steps_and_decodes_the_same(tiny, monkeypatch):
     from localpaged import LLM
 
-    monkeypatch.setattr(huge_pages, "available_memory", lambda: 1 << 40)  # whatever the machine has free now
+    monkeypatch.setattr(setup, "available_memory", lambda: 1 << 40)  # whatever the machine has free now
     llm = LLM(str(tiny), kv_cache_memory="16MiB", max_model_len=256, speculative="off")
     move = llm.runner.huge_pages
-    assert move is not None
+    assert move is not None and llm.resolved.huge_pages
     projections = [m for m in llm.runner.model.modules() if isinstance(m, BlockLinear)]
     before = [m.q.data_ptr() for m in projections]
     move.thread.join()
@@ -93,7 +94,7 @@ def test_a_draft_model_swaps_its_own_weights_in_at_its_first_pass(tiny, monkeypa
     """The draft's runner is never ``run``: its passes are ``forward`` calls, where the swap is made."""
     from localpaged import LLM
 
-    monkeypatch.setattr(huge_pages, "available_memory", lambda: 1 << 40)
+    monkeypatch.setattr(setup, "available_memory", lambda: 1 << 40)
     llm = LLM(str(tiny), kv_cache_memory="16MiB", max_model_len=256, speculative={"draft": str(tiny), "k": 2})
     draft = llm.runner.drafter.runner
     projections = [m for m in draft.model.modules() if isinstance(m, BlockLinear)]
@@ -107,12 +108,16 @@ def test_a_draft_model_swaps_its_own_weights_in_at_its_first_pass(tiny, monkeypa
 
 
 def test_nothing_moves_without_huge_pages_or_memory_for_a_copy(tiny, monkeypatch):
+    """The engine's decision (setup.move_to_huge_pages), which its settled configuration reports."""
     from localpaged import LLM
 
-    llm = LLM(str(tiny), kv_cache_memory="16MiB", max_model_len=256, speculative="off")
-    monkeypatch.setattr(huge_pages, "available_memory", lambda: 1 << 40)
     monkeypatch.setattr(huge_pages, "huge_pages_available", lambda: False)
-    assert HugePageMove.start(llm.runner.model) is None
+    llm = LLM(str(tiny), kv_cache_memory="16MiB", max_model_len=256, speculative="off")
+    assert not llm.resolved.huge_pages and llm.runner.huge_pages is None
+    model, cpu_device = llm.runner.model, torch.device("cpu")
     monkeypatch.setattr(huge_pages, "huge_pages_available", lambda: True)
-    monkeypatch.setattr(huge_pages, "available_memory", lambda: huge_pages.SPARE_BYTES)  # no room for a copy
-    assert HugePageMove.start(llm.runner.model) is None
+    monkeypatch.setattr(setup, "available_memory", lambda: 1 << 40)
+    assert setup.move_to_huge_pages([model], cpu_device)
+    assert not setup.move_to_huge_pages([model], torch.device("meta"))  # a GPU's weights are not packed blocks
+    monkeypatch.setattr(setup, "available_memory", lambda: setup.HUGE_PAGES_SPARE)  # no room for a copy
+    assert not setup.move_to_huge_pages([model], cpu_device)
