@@ -262,7 +262,8 @@ class ModelRunner:
         hidden = self.forward(ids, pos, meta)
         if not logit_rows:
             return [None] * len(batch.seqs)
-        logits = self.model.compute_logits(hidden[logit_rows])
+        # every row's logits in a decode step: the rows as they are, not an indexed copy of them
+        logits = self.model.compute_logits(hidden if len(logit_rows) == len(hidden) else hidden[logit_rows])
         rows = [batch.seqs[i] for i in to_sample]
         # The grammar masks constrained rows only (the others sample as they would alone), after the raw logprobs.
         tokens: list[list[SampledToken | Exception] | None] = [None] * len(batch.seqs)
