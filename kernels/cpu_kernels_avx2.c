@@ -288,9 +288,8 @@ static inline __attribute__((always_inline)) void weighted_rows(const int KV, co
 #define COLUMNS_A_WALK(GB) ((GB) == 1 ? 64 : 32)
 
 /* s[0 .. n - 1] (n >= 1) into exp(s - their max) in place; their max and the sum of the exps. */
-static inline void exp_scores(float *s, long n, float *max, float *sum) {
-    float mx = s[0], total = 0.0f;
-    for (long j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+static inline void exp_scores(float *s, long n, float mx, float *sum) {
+    float total = 0.0f;
     long j = 0;
     __m256 acc = _mm256_setzero_ps();
     for (; j + 8 <= n; j += 8) {
@@ -306,7 +305,7 @@ static inline void exp_scores(float *s, long n, float *max, float *sum) {
         _mm256_storeu_ps(tail, e);
         for (long t = j; t < n; t++) { s[t] = tail[t - j]; total += tail[t - j]; }
     }
-    *max = mx, *sum = total;
+    *sum = total;
 }
 
 /* The small per-layer steps of a decode batch, each one pass over a few KiB instead of several torch

@@ -456,10 +456,9 @@ static ALWAYS_INLINE void weighted_rows(const int KV, const int GB, const int VE
 
 #define COLUMNS_A_WALK(GB) 64 /* columns of V one walk takes for GB heads */
 
-/* s[0 .. n - 1] (n >= 1) into exp(s - their max) in place; their max and the sum of the exps. */
-static ALWAYS_INLINE void exp_scores(float *s, long n, float *max, float *sum) {
-    float mx = s[0], total = 0.0f;
-    for (long j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+/* s[0 .. n - 1] (n >= 1) into exp(s - mx) in place (mx: their max, scores_max); the sum of the exps. */
+static ALWAYS_INLINE void exp_scores(float *s, long n, float mx, float *sum) {
+    float total = 0.0f;
     long j = 0;
     floats8 acc = {0};
     for (; j + 8 <= n; j += 8) {
@@ -474,7 +473,7 @@ static ALWAYS_INLINE void exp_scores(float *s, long n, float *max, float *sum) {
         const floats8 e = exp8(load8(tail));
         for (long t = j; t < n; t++) s[t] = e[t - j], total += e[t - j];
     }
-    *max = mx, *sum = total;
+    *sum = total;
 }
 
 /* The small per-layer steps' rows, as in cpu_kernels_avx2.c; the row loop in cpu_rows.h. */

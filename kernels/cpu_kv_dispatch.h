@@ -4,7 +4,7 @@
  *   HEADS_A_WALK: how many query heads of a KV head one walk over its keys serves (each K and V row widened once);
  *   keys_times_heads(KV, GB, qh, k_cache, table, first, n, kvh, KVH, D, scale, scores): scores[g][j] (rows n apart)
  *     = scale * q_g . K row of key first + j for GB <= HEADS_A_WALK heads, q_g at qh + g D;
- *   exp_scores(s, n, &max, &sum): s[0 .. n - 1] into exp(s - their max) in place, their max and the exps' sum;
+ *   exp_scores(s, n, max, &sum): s[0 .. n - 1] into exp(s - max) in place (max: scores_max's), the exps' sum;
  *   weighted_rows(KV, GB, VECS, p, first, n, table, v_cache, col, stride, inv, D, o): o_g[0 : 8 VECS] (rows D
  *     apart) = inv[g] * sum over keys first .. first + n - 1 of p_g[t] * V row t (p_g rows n apart), from column col
  *     of each row on, VECS <= 8, and COLUMNS_A_WALK(GB), how many columns one such walk may take for GB heads;
@@ -66,6 +66,21 @@ static inline __attribute__((always_inline)) long weighted_rows_walk(const int K
     return taken;
 }
 
+/* The largest of s[0 .. n - 1] (n >= 1), as one walk `mx = s[j] > mx ? s[j] : mx` from s[0] gives it (a NaN only
+ * where s[0] is one), in 8 independent chains: one chain of compares waited out each one's latency, a tenth of a
+ * decode step's attention on contexts of a few hundred keys. */
+static inline float scores_max(const float *s, long n) {
+    float m[8];
+    for (int c = 0; c < 8; c++) m[c] = s[0];
+    long j = 1;
+    for (; j + 8 <= n; j += 8)
+        for (int c = 0; c < 8; c++) m[c] = s[j + c] > m[c] ? s[j + c] : m[c];
+    for (; j < n; j++) m[0] = s[j] > m[0] ? s[j] : m[0];
+    float mx = m[0];
+    for (int c = 1; c < 8; c++) mx = m[c] > mx ? m[c] : mx;
+    return mx;
+}
+
 static __thread float *scores = NULL; /* [G, keys] per OpenMP thread */
 static __thread long scores_floats = 0;
 
@@ -96,8 +111,9 @@ static inline __attribute__((always_inline)) int decode_task(const int KV, long 
     }
     float inv[G]; /* each head's 1 / sum of weights, or 1 for a part of the keys: its sum goes with it, unapplied */
     for (long g = 0; g < G; g++) {
-        float max, sum;
-        exp_scores(scores + g * n, n, &max, &sum);
+        const float max = scores_max(scores + g * n, n);
+        float sum;
+        exp_scores(scores + g * n, n, max, &sum);
         inv[g] = stats ? 1.0f : 1.0f / sum;
         if (stats) stats[2 * g] = max, stats[2 * g + 1] = sum;
     }
