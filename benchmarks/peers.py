@@ -281,12 +281,17 @@ def weight_bytes(llm) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def one_chat_bound(llm, bin_dir: Path | None, gguf: Path, threads: int, bandwidth: float) -> dict:
+def one_chat_bound(
+    llm, bin_dir: Path | None, gguf: Path, threads: int, bandwidth: float, context: int | None = None
+) -> dict:
     """One chat's decode (128 tokens) as a fraction of this machine's bound, bandwidth / bytes read a token (the
     weights, and the KV of the context at mid-reply), ours against llama-batched-bench's decode-only figure, the
     better of its defaults and ``-fa on`` (on some CPUs one, on others the other). Ours is the best of
-    ONE_CHAT_ROUNDS replies, as the bandwidth is the best of its passes: the machine drifts within a minute."""
+    ONE_CHAT_ROUNDS replies, as the bandwidth is the best of its passes: the machine drifts within a minute.
+    ``context``: a chat with that many tokens before the reply (the chat prompt's tokens repeated), a long history."""
     prompt = llm.encode_chat(conversations(1)[0])
+    if context is not None:
+        prompt = (prompt * (context // len(prompt) + 1))[:context]
     llm.generate([prompt], greedy(2))
     decode = max(llm.generate([prompt], greedy(128))[0].metrics.decode_tokens_per_s for _ in range(ONE_CHAT_ROUNDS))
     kv = llm.block_bytes / llm.resolved.block_size * (len(prompt) + 64)

@@ -9,9 +9,10 @@ model's repeating text would flatter) against ``llama-batched-bench``'s decode-o
 fraction of this machine's bound: its read bandwidth (measured just before each row, since it drifts over a run)
 over the bytes a token reads (the weights as each engine holds them, and the KV of the context at mid-reply). Writes
 benchmarks/results/shapes.json, which the README's table of real sizes is made from (``make docs``). Needs
-``make bench-peers``'s binaries for the ratios.
+``make bench-peers``'s binaries for the ratios. ``--context N`` measures a chat with an N-token history instead (a
+long conversation, whose KV a step reads beside the weights), into benchmarks/results/shapes-context-N.json.
 
-    python benchmarks/shapes.py [--shapes qwen2.5-0.5b,llama-3.2-1b,...] [--types Q4_K_M,Q6_K,...]
+    python benchmarks/shapes.py [--shapes qwen2.5-0.5b,llama-3.2-1b,...] [--types Q4_K_M,Q6_K,...] [--context 3000]
 """
 
 from __future__ import annotations
@@ -60,14 +61,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", help=f"comma-separated, of {', '.join(SHAPES)} (default: all)")
     ap.add_argument("--types", help=f"comma-separated, of {', '.join(MIXES)} (default: Q4_K_M)")
+    ap.add_argument("--context", type=int, help="tokens of history before the reply (default: a short chat prompt)")
     args = ap.parse_args()
+    if args.context is not None and args.context < 1:  # above a shape's own context, LLM says so
+        ap.error(f"--context {args.context}: a history of at least 1 token")
     shapes = args.shapes.split(",") if args.shapes else list(SHAPES)
     mixes = args.types.split(",") if args.types else ["Q4_K_M"]
     for name, asked, known in (("shape", shapes, SHAPES), ("type", mixes, MIXES)):
         if unknown := [v for v in asked if v not in known]:
             ap.error(f"unknown {name} {', '.join(unknown)}: choose from {', '.join(known)}")
     files = [(shape, mix) for shape in shapes for mix in mixes]
-    if not args.shapes and not args.types:
+    if not args.shapes and not args.types and args.context is None:
         files += [(TYPES_SHAPE, mix) for mix in OTHER_TYPES]
     from localpaged import LLM
 
@@ -79,13 +83,17 @@ def main() -> None:
     rows = []
     for shape, mix in files:
         path, write_s = shape_file(shape, mix)
-        llm = settled(LLM(str(path), max_model_len=1024, kv_cache_memory="512MiB", **RANDOM_WEIGHTS))
+        context = args.context or 0  # the room the chat needs beyond the short prompt's 1,024 tokens
+        kv = "512MiB" if args.context is None else "2GiB"
+        llm = settled(LLM(str(path), max_model_len=max(1024, context + 256), kv_cache_memory=kv, **RANDOM_WEIGHTS))
         row = {"shape": shape, "type": mix, "file_bytes": path.stat().st_size}
+        if args.context is not None:
+            row["context"] = args.context
         if write_s is not None:
             row["write_s"] = write_s
         # This machine's read rate drifts over a run's minutes, so each row is held to the rate just before it.
         row["read_bytes_per_s"] = read_bandwidth()
-        row |= one_chat_bound(llm, bin_dir, path, threads, row["read_bytes_per_s"])
+        row |= one_chat_bound(llm, bin_dir, path, threads, row["read_bytes_per_s"], args.context)
         llm.close()
         del llm
         peer = f", llama.cpp {row['llama_decode_only']:.1f} ({row['llama_bound']:.0%})" if bin_dir else ""
@@ -99,9 +107,10 @@ def main() -> None:
         "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": threads},
         "rows": rows,
     }
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results: {RESULTS.relative_to(HERE.parent)}")
+    results = RESULTS if args.context is None else RESULTS.with_name(f"shapes-context-{args.context}.json")
+    results.parent.mkdir(exist_ok=True)
+    results.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results: {results.relative_to(HERE.parent)}")
 
 
 if __name__ == "__main__":

@@ -764,6 +764,16 @@ def spec_for(stem: str) -> Spec:
             else "`python benchmarks/peers.py --only prefill`",
             render_peers,
         )
+    if stem.startswith("shapes-context-"):  # shapes.py --context N: a chat with a long history
+        tokens = stem.removeprefix("shapes-context-")
+        return Spec(
+            f"Real sizes: one chat with a {int(tokens):,}-token history",
+            "The one chat of the section above after a long conversation: the chat prompt's tokens repeated to "
+            f"{int(tokens):,} before the reply, so that each step reads that history's KV beside the weights; "
+            "llama.cpp's decode-only figure at the same depth (`llama-batched-bench -npp`).",
+            f"`python benchmarks/shapes.py --shapes ... --context {tokens}`",
+            render_shapes,
+        )
     if stem.startswith("shared_prompt-"):  # shared_prompt.py --model FILE: a longer context
         return Spec(
             f"One long system prompt, many users: {stem.removeprefix('shared_prompt-')}",
