@@ -1,10 +1,10 @@
-/* lp_pack_q and lp_unpack_gguf, plain C: every path's library (AVX2, AVX-512, portable) is built with them, since the
- * tile layout lp_pack_q writes (described in cpu_qgemm.h) is what all their qgemm kernels read, and unpacking a
- * file's blocks is a load's work, not a step's. */
+/* lp_pack_q, lp_unpack_gguf and lp_dequantize_gguf, plain C: every path's library (AVX2, AVX-512, portable) is built
+ * with them, since the tile layout lp_pack_q writes (described in cpu_qgemm.h) is what all their qgemm kernels read,
+ * and unpacking a file's blocks is a load's work (and a step's few embedding rows), not a hot loop's. */
 #include <stdint.h>
-#include <string.h>
 
 #include "cpu_kernels.h"
+#include "cpu_scales.h" /* half_to_float */
 
 /* Row j's value in column k of tile t, plus offset; rows past N (padding up to a whole tile) hold 0 + offset. */
 static inline int value(const int8_t *q, int64_t N, int64_t K, long t, long k, int j, int offset) {
@@ -140,23 +140,6 @@ int lp_unpack_gguf(int type, const uint8_t *raw, int64_t blocks, int8_t *q, uint
     return LP_OK;
 }
 
-/* An fp16 value's bits as the float32 it is (subnormals, infinities and NaNs too: a NaN quieted, its payload kept, as
- * the hardware's conversion gives it), in plain C for every path. */
-static float half_value(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = h >> 10 & 31, mantissa = h & 1023;
-    uint32_t bits = sign | (exponent == 31 ? 0x7F800000 | mantissa << 13 : (exponent + 112) << 23 | mantissa << 13);
-    if (exponent == 31 && mantissa != 0) bits |= 0x400000;
-    if (exponent == 0 && mantissa == 0) bits = sign;
-    if (exponent == 0 && mantissa != 0) { /* a subnormal: its leading 1 shifted up to the implicit bit */
-        uint32_t m = mantissa, shifts = 0;
-        while (!(m & 1024)) m <<= 1, shifts++;
-        bits = sign | (113 - shifts) << 23 | (m & 1023) << 13;
-    }
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
 /* ``blocks`` consecutive GGUF blocks of ``type`` -> their weights in float32, out [blocks * W]: BlockQuantized's
  * dequantize of lp_unpack_gguf's factors to the bit (scale = unit * mult and min = min_unit * min_mult, each a
  * float32 product; a weight is scale * q, rounded, plus min). For a step's token embeddings: a few rows in one call,
@@ -168,7 +151,7 @@ int lp_dequantize_gguf(int type, const uint8_t *raw, int64_t blocks, float *out)
         int8_t w[256], m[16], mm[16];
         uint16_t unit, min_unit;
         unpack_block(type, raw + b * size, size, w, &unit, m, &min_unit, mm);
-        const float u = half_value(unit), mu = half_value(min_unit);
+        const float u = half_to_float(unit), mu = half_to_float(min_unit);
         float scale[16], minimum[16];
         for (int s = 0; s < subs; s++) scale[s] = u * (float)m[s], minimum[s] = mu * (float)mm[s];
         for (int i = 0; i < weights; i++) {

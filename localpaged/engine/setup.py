@@ -183,11 +183,13 @@ def move_to_huge_pages(models: list[torch.nn.Module], device: torch.device) -> b
     HUGE_PAGES_SPARE to spare while both exist."""
     if device.type != "cpu" or not huge_pages.huge_pages_available():
         return False
-    size = huge_pages.packed_bytes([p for model in models for p in huge_pages.packed_weights(model)])
-    if size and available_memory() < size + HUGE_PAGES_SPARE:
+    size = huge_pages.packed_bytes([m.packed for model in models for m in huge_pages.projections(model)])
+    if not size:
+        return False
+    if available_memory() < size + HUGE_PAGES_SPARE:
         log.info("packed weights stay on 4 KiB pages: too little free memory for a copy on huge pages")
         return False
-    return size > 0
+    return True
 
 
 def default_kv_memory(device: torch.device, one_sequence: int) -> int:

@@ -48,9 +48,9 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def packed_weights(model: nn.Module) -> list[cpu.PackedBlocks]:
-    """The packed weight of each of ``model``'s BlockLinear projections, in module order."""
-    return [m.packed for m in model.modules() if isinstance(m, BlockLinear)]
+def projections(model: nn.Module) -> list[BlockLinear]:
+    """``model``'s BlockLinear projections, in module order: what a move copies."""
+    return [m for m in model.modules() if isinstance(m, BlockLinear)]
 
 
 def packed_bytes(packs: list[cpu.PackedBlocks]) -> int:
@@ -98,7 +98,7 @@ class HugePageMove:
     @classmethod
     def start(cls, model: nn.Module) -> HugePageMove | None:
         """The move of ``model``'s BlockLinear weights, under way; None where it has none."""
-        modules = [m for m in model.modules() if isinstance(m, BlockLinear)]
+        modules = projections(model)
         if not modules:
             return None
         move = cls(modules)
