@@ -21,9 +21,8 @@
  * every 2 KiB and its step's attention took longer. Parts: enough for four tasks a thread, of at least 64 keys and
  * at most DECODE_SPAN, and no more keys than DECODE_PREFETCH bytes of K and V rows of every KV head hold: a task
  * asks for all its rows before it reads them, and rows past what the core's L2 keeps are evicted before they are
- * read (512-key parts of 8 KV heads of 128 16-bit values, 2 MiB, attended at two-thirds the speed of 64- or
- * 128-key ones). Where parts are fewer than two a thread, the heads are split into runs so that every thread has
- * work. A context of one part is computed as it always was. */
+ * read (a 512-key part of 8 KV heads of 128 16-bit values is 2 MiB). Where parts are fewer than two a thread, the
+ * heads are split into runs so that every thread has work. A context of one part is computed as it always was. */
 #define DECODE_SPAN 512
 #define DECODE_PREFETCH (256 * 1024) /* half the smallest L2 of the x86-64 cores we run on (512 KiB, Zen 2 and 3) */
 
@@ -67,8 +66,7 @@ static inline __attribute__((always_inline)) long weighted_rows_walk(const int K
 }
 
 /* The largest of s[0 .. n - 1] (n >= 1), as one walk `mx = s[j] > mx ? s[j] : mx` from s[0] gives it (a NaN only
- * where s[0] is one), in 8 independent chains: one chain of compares waited out each one's latency, a tenth of a
- * decode step's attention on contexts of a few hundred keys. */
+ * where s[0] is one), in 8 independent chains: one chain of compares waits out each compare's latency. */
 static inline float scores_max(const float *s, long n) {
     float m[8];
     for (int c = 0; c < 8; c++) m[c] = s[0];
