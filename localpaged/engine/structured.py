@@ -46,6 +46,9 @@ COMPILE_WORKERS = 2  # specs compiled at once: one big schema does not hold up a
 # newlines a small model falls into when any amount is allowed.
 MAX_JSON_WHITESPACE = 16
 _CPP_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*[^:\s]+:\d+:\s*")  # "[15:38:00] /project/cpp/x.cc:94: "
+# xgrammar writes a string with minLength or maxLength as characters of this rule, which lets raw control
+# characters (a tab, \x05) through where JSON allows none; they are given JSON's string characters instead.
+_LOOSE_CHARACTERS = re.compile(r'^(\S+ ::= \(\()\[\^\\"\\\\\\r\\n\](\)\))$', re.MULTILINE)
 _WHAT = {
     "json": ("JSON schema", "use the JSON Schema subset xgrammar supports (type, properties, required, enum, ...)"),
     "json_object": ("JSON object grammar", "report this"),
@@ -63,7 +66,9 @@ def check_structured(spec: StructuredOutputs) -> xgr.Grammar:
     try:
         if kind == "json":
             text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            return xgr.Grammar.from_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            grammar = xgr.Grammar.from_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            ebnf, loose = _LOOSE_CHARACTERS.subn(r'\1[^\\0-\\x1f\\"\\\\]\2', str(grammar))
+            return xgr.Grammar.from_ebnf(ebnf) if loose else grammar
         if kind == "json_object":
             return xgr.Grammar.from_json_schema(
                 '{"type": "object"}', strict_mode=False, max_whitespace_cnt=MAX_JSON_WHITESPACE

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from localpaged import LLM, SamplingParams
 from localpaged.engine.async_llm import AsyncLLM
 from localpaged.engine.sequence import SequenceStatus
-from localpaged.engine.structured import StructuredOutputManager
+from localpaged.engine.structured import StructuredOutputManager, check_structured
 from localpaged.errors import RequestError
 from localpaged.sampling import StructuredOutputs
 from tests.conftest import DEVICE
@@ -70,13 +70,33 @@ def idle(llm: LLM) -> None:
 # ---- replies match --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}, {"temperature": 0.8}])
+# Seed 57 at 0.8 once sampled a raw \x05 into the bounded name (see the next test).
+@pytest.mark.parametrize(
+    "params", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}, {"temperature": 0.8, "seed": 57}]
+)
 def test_json_schema_replies_finish_stop_and_validate(llm, params):
     outs = llm.generate(["Describe a person:", "hello", "x"], json_params(**params))
     for out in outs:
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), PERSON)
     idle(llm)
+
+
+@pytest.mark.parametrize("bound", [{"maxLength": 6}, {"minLength": 2}, {"minLength": 1, "maxLength": 3}])
+def test_a_length_bounded_string_allows_no_raw_control_character(bound):
+    """xgrammar's own rule for such a string lets a tab or a \x05 through, which no JSON parser takes."""
+    import xgrammar as xgr
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", **bound}}, "required": ["s"]}
+    info = xgr.TokenizerInfo([b"a"], xgr.VocabType.RAW, vocab_size=1)
+    compiled = xgr.GrammarCompiler(info).compile_grammar(check_structured(StructuredOutputs(json=schema)))
+
+    def accepts(text: str) -> bool:
+        return xgr.GrammarMatcher(compiled).accept_string(text)
+
+    assert accepts('{"s": "ab') and accepts('{"s": "é€😀"}')
+    assert not [c for c in range(32) if accepts('{"s": "a' + chr(c))]
+    assert not accepts('{"s": "a"b')
 
 
 # Bounded leaves, so that every value the grammar allows ends after a few tokens.
