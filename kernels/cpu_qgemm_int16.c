@@ -128,6 +128,29 @@ typedef struct {
     int32_t *high_sum, *odd_low_sum;
 } lp_split_rows;
 
+#define VBMI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni,avx512vbmi,avx512bitalg")))
+
+/* split_rows' bytes and sums for the first whole 32s of the n values in xq, 32 a step: a value's low byte is its l,
+ * its high byte its h, so one vpshufb puts each 8 columns' 16 bytes in order, and vpmaddwd sums a group's h and its
+ * odd columns' l. Returns how many values it did. A plain loop here was most of a small projection's fixed cost. */
+static VBMI long split_rows_avx512(const int16_t *xq, long n, long G, lp_split_rows *s) {
+    const __m512i order = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 5, 9, 13, 3, 7, 11, 15, 0, 4, 8, 12, 2, 6, 10, 14));
+    const __m512i ones = _mm512_set1_epi16(1), odd_low = _mm512_set1_epi32(0x00FF0000);
+    long k = 0;
+    for (; k + 32 <= n; k += 32) {
+        const __m512i v = _mm512_loadu_si512(xq + k);
+        _mm512_storeu_si512((char *)s->fours + 2 * k, _mm512_shuffle_epi8(v, order));
+        const __m512i high = _mm512_madd_epi16(_mm512_srai_epi16(v, 8), ones);
+        const __m512i low = _mm512_madd_epi16(_mm512_and_si512(v, odd_low), ones);
+        for (long g = 0; g < 32 / G; g++) { /* G = 32: one group; G = 16: two, 8 words each */
+            const __mmask16 words = G == 32 ? 0xFFFF : (__mmask16)(0xFF << 8 * g);
+            s->high_sum[k / G + g] = _mm512_reduce_add_epi32(_mm512_maskz_mov_epi32(words, high));
+            s->odd_low_sum[k / G + g] = _mm512_reduce_add_epi32(_mm512_maskz_mov_epi32(words, low));
+        }
+    }
+    return k;
+}
+
 static int split_rows(const lp_rounded_rows *x, long M, long K, long G, lp_split_rows *s) {
     const long groups = M * (K / G);
     char *memory = malloc(M * K * 2 + groups * 2 * sizeof(int32_t));
@@ -135,7 +158,8 @@ static int split_rows(const lp_rounded_rows *x, long M, long K, long G, lp_split
     s->high_sum = (int32_t *)memory;
     s->odd_low_sum = s->high_sum + groups;
     s->fours = s->odd_low_sum + groups;
-    for (long g = 0; g < groups; g++) {
+    /* the rest (M K not a multiple of 32) starts at a group: G is 16 or 32 */
+    for (long g = split_rows_avx512(x->xq16, M * K, G, s) / G; g < groups; g++) {
         int32_t high = 0, odd_low = 0;
         for (long k = g * G; k < (g + 1) * G; k++) {
             const int v = x->xq16[k], h = v >> 8, l = v & 255, odd = k % 2;
@@ -162,7 +186,6 @@ static inline __attribute__((always_inline)) void prefetch_high_bits(const int8_
         __builtin_prefetch(at < K * width ? high + at + line : high + K * 2 * bits + at - K * width + line);
 }
 
-#define VBMI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni,avx512vbmi,avx512bitalg")))
 
 /* R rows (<= BYTES_ROWS) of X against one tile, 8 columns a step, with vpdpbusd (64 byte products a
  * register): each row's dot product is its high bytes' times 256 plus its low bytes', the very integers of

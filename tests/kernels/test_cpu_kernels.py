@@ -63,6 +63,7 @@ SHAPES = [
     (16, 256, Q5_1, 16),
     (40, 512, Q6_K, 16),
     (24, 96, Q6_K, 32),
+    (24, 48, Q6_K, 16),  # M K not a multiple of 32: split_rows' last group in plain C
     (16, 256, U6, 32),
 ]
 
