@@ -321,7 +321,9 @@ static inline __attribute__((always_inline)) VBMI void tile_rows_bytes(
         const lp_rounded_rows *x, const lp_split_rows *xs, long M, long K, const int8_t *q, int offset,                \
         const lp_scales *scales, long N_padded, float *Y) {                                                            \
         const long tile_bytes = K * 2 * BITS;                                                                          \
-        _Pragma("omp parallel for schedule(static)") for (long t = 0; t < N_padded / TILE; t++) {                     \
+        /* guided: each thread streams a few long runs of tiles, and the last ones go to whichever thread is free, so  \
+         * the threads end together where a static half each left one waiting out the other's slower memory */       \
+        _Pragma("omp parallel for schedule(guided)") for (long t = 0; t < N_padded / TILE; t++) {                     \
             const int8_t *qt = q + t * tile_bytes;                                                                     \
             const lp_tile_factors st = tile_factors(scales->unit, scales->mult, scales->unit_groups, t, K / GROUP);    \
             const lp_tile_factors mt = tile_factors(scales->min_unit, scales->min_mult, scales->unit_groups, t, K / GROUP); \
