@@ -48,7 +48,7 @@ from localpaged.kernels.cpu_isa import KernelPath, choose_path
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
-ABI_VERSION = 13  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
+ABI_VERSION = 14  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
@@ -814,6 +814,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise KernelArgumentError(f"gate_up has rows of {two_i}: need gate and up of a multiple of 8 each")
     out = gate_up.new_empty(m, two_i // 2)
     _lp_silu_mul(gate_up.data_ptr(), m, two_i // 2, out.data_ptr())
+    return out
+
+
+_lp_argmax_rows = Kernel("lp_argmax_rows", [POINTER, SIZE, SIZE, POINTER])
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first index of its largest value, or of its first NaN, of float32 ``x`` [M, N], N > 0: what
+    ``x.max(dim=-1).indices`` gives, int64 [M]."""
+    expect("x", x, torch.float32, 2)
+    x = x.contiguous()
+    m, n = x.shape
+    if n == 0:
+        raise KernelArgumentError("x has rows of 0 values: an argmax needs at least one")
+    out = torch.empty(m, dtype=torch.int64)
+    _lp_argmax_rows(x.data_ptr(), m, n, out.data_ptr())
     return out
 
 

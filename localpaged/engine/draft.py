@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from localpaged.engine.runner import ModelRunner
+from localpaged.engine.sampler import greedy_indices
 from localpaged.engine.scheduler import ScheduledBatch
 from localpaged.engine.sequence import Sequence
 from localpaged.engine.speculative import PENDING, SpecState
@@ -122,4 +123,4 @@ class DraftModel:
         ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
         hidden = self.runner.forward(ids_t, torch.tensor(positions, dtype=torch.int64, device=dev), meta)
         logits = self.runner.model.compute_logits(hidden[last_rows])
-        return logits[:, : self.vocab_size].max(dim=-1).indices.tolist()  # as the sampler's greedy rows
+        return greedy_indices(logits[:, : self.vocab_size]).tolist()  # as the sampler's greedy rows

@@ -22,6 +22,7 @@ import torch
 
 from localpaged.engine.output import TokenLogprob
 from localpaged.engine.sequence import Sequence
+from localpaged.kernels import cpu
 from localpaged.sampling import SamplingParams
 
 
@@ -75,8 +76,7 @@ def sample(
         logits = logits.contiguous()  # a copy only where the model's logits are a view: its rows are indexed flat
         apply_penalties(logits, seqs)
     apply_min_p(logits, params)
-    # max's indices, not argmax: the same first index of the largest (a NaN's too), several times faster on the CPU
-    tokens: list[int | Exception] = logits.max(dim=-1).indices.tolist()
+    tokens: list[int | Exception] = greedy_indices(logits).tolist()
     for i, seq in enumerate(seqs):
         p = params[i]
         if not p.greedy:
@@ -90,6 +90,15 @@ def sample(
             if isinstance(out[i], SampledToken):
                 out[i].logprob = logprob
     return out
+
+
+def greedy_indices(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first index of its largest logit (a NaN's, if it has one): the native kernel where the CPU
+    kernels run (torch's indexed reduction over a step's fresh logits took several times longer), else max's
+    indices, not argmax: the same index, several times faster than argmax on the CPU."""
+    if cpu.runs(logits.device, logits.dtype):
+        return cpu.argmax_rows(logits)
+    return logits.max(dim=-1).indices
 
 
 def token_logprobs(

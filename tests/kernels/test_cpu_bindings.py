@@ -83,6 +83,8 @@ def prefill_args(q_lens: list[int], context_lens: list[int]) -> dict:
 @pytest.mark.parametrize(
     "call,match",
     [
+        (lambda: cpu.argmax_rows(torch.zeros(2, 0)), "x has rows of 0 values"),
+        (lambda: cpu.argmax_rows(torch.zeros(8)), r"x has 1 dimensions \(8,\), not 2"),
         (lambda: cpu.silu_mul(torch.zeros(2, 32, dtype=torch.float64)), "gate_up is torch.float64, not torch.float32"),
         (lambda: cpu.silu_mul(torch.zeros(2, 24)), "gate_up has rows of 24"),
         (lambda: cpu.silu_mul(torch.zeros(32)), r"gate_up has 1 dimensions \(32,\), not 2"),

@@ -135,6 +135,29 @@ def test_int16_one_and_two_rows_get_the_bits_of_a_larger_batch(n, k, q_range, gr
     assert torch.equal(cpu.qgemm(x[1:3], packed), batch[1:3])
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100, 151936])
+def test_argmax_rows_gives_the_index_torch_max_gives(n):
+    """The greedy pick: the first index of each row's largest value, or of its first NaN, as torch's
+    max(dim=-1).indices; ties, infinities, signed zeros and NaNs in the vector lanes and in the last columns."""
+    gen = torch.Generator().manual_seed(n)
+    rows = torch.randn(12, n, generator=gen)
+    rows[1] = rows[1].round()  # many ties
+    rows[2] = float("-inf")
+    rows[3, n // 2 :] = float("inf")
+    rows[4, n - 1] = float("nan")
+    rows[5, :: max(n // 3, 1)] = float("nan")
+    rows[6] = 0.0
+    rows[6, n // 2 :] = -0.0
+    rows[7] = -0.0
+    rows[8] = torch.randint(-3, 3, (n,), generator=gen).float()  # ties across lanes and blocks
+    rows[9, -1] = rows[9].max() + 1  # the largest in the last column
+    rows[10, 0] = float("nan")
+    rows[11] = torch.where(rows[11] > 0, float("-inf"), rows[11])
+    assert torch.equal(cpu.argmax_rows(rows), rows.max(dim=-1).indices)
+    assert torch.equal(cpu.argmax_rows(rows[:, ::1][3:5]), rows[3:5].max(dim=-1).indices)
+    assert cpu.argmax_rows(rows[:0]).shape == (0,)
+
+
 def test_qgemm_reads_a_strided_input():
     gen = torch.Generator().manual_seed(1)
     weight = random_blocks(32, 64, Q4_1, gen)
