@@ -58,6 +58,7 @@ static int64_t argmax_row(const float *x, long n) {
 
 int lp_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
     if (M < 0 || N <= 0 || N > INT32_MAX) return LP_BAD_ARGUMENT;
+#pragma omp parallel for if (M > 1) /* a row is a vocabulary long: two already pay for the threads */
     for (long r = 0; r < M; r++) out[r] = argmax_row(x + r * N, N);
     return LP_OK;
 }
