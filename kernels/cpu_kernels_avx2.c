@@ -337,7 +337,7 @@ static inline void silu_mul_row(const float *gate, const float *up, long I, floa
     }
 }
 
-#include "cpu_rows.h" /* lp_add_rms_norm and lp_silu_mul over the rows above */
+#include "cpu_rows.h" /* lp_add_rms_norm and lp_silu_mul over the rows above; lp_argmax_rows */
 
 /* Token n of lp_rope_write_kv: its q and k heads rotated over their first R dimensions, q into q_out, k and v into
  * slot `slot` of the caches (none where slot is -1). KV is a constant after inlining. */

@@ -186,7 +186,6 @@ static inline __attribute__((always_inline)) void prefetch_high_bits(const int8_
         __builtin_prefetch(at < K * width ? high + at + line : high + K * 2 * bits + at - K * width + line);
 }
 
-
 /* R rows (<= BYTES_ROWS) of X against one tile, 8 columns a step, with vpdpbusd (64 byte products a
  * register): each row's dot product is its high bytes' times 256 plus its low bytes', the very integers of
  * tile_rows_vnni16, so the same bits, from half its vector instructions a weight. One vpermb (4 to 6 bits) or two

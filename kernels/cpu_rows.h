@@ -5,6 +5,9 @@
 #ifndef LP_CPU_ROWS_H
 #define LP_CPU_ROWS_H
 
+#include <math.h>
+#include <string.h>
+
 int lp_add_rms_norm(const float *x, const float *residual, const float *weight, int64_t M, int64_t D, float eps,
                     float *sum, float *out) {
     if (M < 0 || D <= 0 || D % 8) return LP_BAD_ARGUMENT;
