@@ -292,6 +292,27 @@ INLINE_AMX void lay_out_values(const int KV, const void *v_cache, const int32_t 
 /* Accumulator tile J (columns 16 (col + J) ..): the weights times the V pairs of the 32 keys kp. */
 #define PV_COLUMN(J) TERM_PRODUCTS(J, vv + (kp * (D / 16) + col + (J)) * 512)
 
+/* The next step's K and V rows of the task's KV head, asked for into L2 a few lines at a time between this step's
+ * products (pace): laid out as they came, a step waited on memory row by row (its KV comes from memory, the layer's
+ * weights pushing it out of every cache), where its products take longer than reading its rows. */
+typedef struct {
+    const char *k, *v;    /* the caches, and the first byte of the KV head's values in a row */
+    const int32_t *table;
+    long key, end;        /* the next key to ask for; the end of the next step's keys */
+    long line, lines;     /* the next line of its row, of the row's lines */
+    long stride, at_pace; /* bytes from one row to the next; lines asked for at each pace point */
+} Ahead;
+
+/* Up to count lines of the next step's K rows and as many of its V rows. */
+INLINE_AMX void ask_ahead(Ahead *a, long count) {
+    for (; count > 0 && a->key < a->end; count--) {
+        const long at = ((long)a->table[a->key / 16] * 16 + a->key % 16) * a->stride + a->line * 64;
+        __asm__ volatile("prefetcht1 %0" : : "m"(*(a->k + at)));
+        __asm__ volatile("prefetcht1 %0" : : "m"(*(a->v + at)));
+        if (++a->line == a->lines) a->line = 0, a->key++;
+    }
+}
+
 /* A row tile's softmax step under way: its rows taken one slice at a time (a row's max, or 32 of its weights), so
  * that the vector work can go between the tile unit's products (see step_tiles). */
 typedef struct {
@@ -305,6 +326,7 @@ typedef struct {
     long paces, paced;  /* the round's pace points (two a TERM_PRODUCTS) and those passed so far */
     float mx;
     __m512 total;
+    Ahead *ahead;
 } Softmax;
 
 /* The next slice of c's softmax: a row's max over its visible scores, or 32 of its weights (2^(score - max), zeros
@@ -362,6 +384,7 @@ INLINE_AMX void softmax_slice(Softmax *c) {
  * products only as earlier ones drain, and runs on into the vector code behind them meanwhile: a slice or two fits
  * behind a few products, a whole row would not. */
 INLINE_AMX void pace(Softmax *c) {
+    ask_ahead(c->ahead, c->ahead->at_pace);
     const long due = c->slices * ++c->paced / c->paces;
     for (; c->done < due; c->done++) softmax_slice(c);
 }
@@ -412,12 +435,14 @@ INLINE_AMX void tile_values(const int KV, const uint16_t *p, const uint16_t *vv,
  * s and p are double buffered: a round's scores and softmax, and its softmax and values, use different halves. */
 INLINE_AMX void step_tiles(const int KV, const uint16_t *qs, const uint32_t *kt, const uint16_t *vv, long k0, long n,
                            const int32_t *tpos, long R, long G, long tiles, long D, float *s, uint16_t *p, float *m,
-                           float *l, float *acc) {
+                           float *l, float *acc, Ahead *ahead) {
     const long blocks = (n + 15) / 16, pairs = (n + 31) / 32, s_half = 16 * SUB_KEYS, p_half = 3 * 16 * SUB_KEYS;
+    const long paces = 2 * tiles * (blocks * (D / 32) + pairs * (D / 16)); /* pace points in all the rounds */
+    ahead->at_pace = ((ahead->end - ahead->key) * ahead->lines + paces - 1) / paces;
     for (long i = 0; i < tiles + 2; i++) {
         const long t = i - 1;
         long seen[16]; /* row tile t's rows' keys of the step: all, or up to their positions */
-        Softmax c = {.row = 16, .key = -1, .n = n, .D = D, .seen = seen};
+        Softmax c = {.row = 16, .key = -1, .n = n, .D = D, .seen = seen, .ahead = ahead};
         c.paces = 2 * ((i < tiles ? blocks * (D / 32) : 0) + (i >= 2 ? pairs * (D / 16) : 0));
         if (t >= 0 && t < tiles) {
             c.s = s + t % 2 * s_half, c.p = p + t % 2 * p_half, c.m = m + t * 16, c.l = l + t * 16;
@@ -432,6 +457,7 @@ INLINE_AMX void step_tiles(const int KV, const uint16_t *qs, const uint32_t *kt,
         if (i >= 2) tile_values(KV, p + i % 2 * p_half, vv, n, D, acc + (i - 2) * 16 * D, &c);
         while (c.row < 16) softmax_slice(&c);
     }
+    ask_ahead(ahead, (ahead->end - ahead->key) * ahead->lines); /* what the pace points left */
 }
 
 static inline __attribute__((always_inline)) AMX int amx_rows(const int KV, const float *q, const int32_t *tok,
@@ -471,11 +497,14 @@ static inline __attribute__((always_inline)) AMX int amx_rows(const int KV, cons
     }
     memset(acc, 0, acc_bytes);
     lp_amx_configure();
+    const long bytes_a_row = D * 2, head = kvh * bytes_a_row;
     for (long k0 = k_begin; k0 < k_end; k0 += SUB_KEYS) {
-        const long n = k_end - k0 < SUB_KEYS ? k_end - k0 : SUB_KEYS;
+        const long n = k_end - k0 < SUB_KEYS ? k_end - k0 : SUB_KEYS, next = k0 + n;
+        Ahead ahead = {(const char *)k_cache + head, (const char *)v_cache + head, table, next,
+                       k_end - next < SUB_KEYS ? k_end : next + SUB_KEYS, 0, bytes_a_row / 64, stride * 2, 0};
         lay_out_keys(KV, k_cache, table, k0, n, kvh, stride, D, kt);
         lay_out_values(KV, v_cache, table, k0, n, kvh, stride, D, vv);
-        step_tiles(KV, qs, kt, vv, k0, n, tpos, R, G, tiles, D, s, p, m, l, acc);
+        step_tiles(KV, qs, kt, vv, k0, n, tpos, R, G, tiles, D, s, p, m, l, acc, &ahead);
     }
     _tile_release();
     store_tile(R, G, kvh, H, D, acc, D, m, l, tok, dst, dst_first, stats);
