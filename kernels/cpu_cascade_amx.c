@@ -385,8 +385,8 @@ INLINE_AMX void softmax_slice(Softmax *c) {
  * behind a few products, a whole row would not. */
 INLINE_AMX void pace(Softmax *c) {
     ask_ahead(c->ahead, c->ahead->at_pace);
-    const long due = c->slices * ++c->paced / c->paces;
-    for (; c->done < due; c->done++) softmax_slice(c);
+    const long due = c->slices * ++c->paced; /* slices due: due / paces, rounded down */
+    for (; (c->done + 1) * c->paces <= due; c->done++) softmax_slice(c);
 }
 
 /* A row tile's scores over the step's n keys (whole blocks) into s [16][SUB_KEYS], three tiles of 16 keys at a
