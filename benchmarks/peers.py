@@ -265,13 +265,9 @@ def read_bandwidth(seconds: float = 3.0) -> float:
 
 
 def settled(llm):
-    """``llm`` once its packed weights are on huge pages (copied by a thread of their own after a start, swapped in
-    at a step): what a timed figure should see, not the first seconds' copy."""
-    from localpaged import SamplingParams
-
-    if (move := llm.runner.huge_pages) is not None:
-        move.thread.join()
-        llm.generate([[1]], SamplingParams(max_tokens=1))
+    """``llm`` once its packed weights are on huge pages (copied by a thread of their own after a start): what a
+    timed figure should see, not the first seconds' copy."""
+    llm.settle()
     return llm
 
 

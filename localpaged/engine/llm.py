@@ -245,6 +245,11 @@ class LLM:
             self.kv.disk = None
             self.kv_disk.close()
 
+    def settle(self) -> None:
+        """Wait for what the engine finishes in the background after it starts (its weights' copy onto huge pages)
+        and put it in use now: what runs next runs as every later step will, e.g. a benchmark's timed part."""
+        self.runner.settle()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -234,13 +234,24 @@ class ModelRunner:
             ),
         )
 
+    def settle(self) -> None:
+        """Waits for the packed weights' copy onto huge pages (this runner's, and its draft model's) and swaps it in
+        now, where a pass would have swapped it in once it was done."""
+        for runner in (self, self.drafter.runner if self.drafter is not None else None):
+            if runner is not None and runner.huge_pages is not None:
+                runner.huge_pages.wait()
+                runner._swap_in_huge_pages()
+
+    def _swap_in_huge_pages(self) -> None:
+        self.huge_pages.swap_in()
+        self.huge_pages = None
+        if self.native_decode is not None:
+            self.native_decode.rebind()  # its pointers, to the copies
+
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's final hidden states over the rows of ``meta``, on the fastest path that takes them."""
         if self.huge_pages is not None and self.huge_pages.ready():  # every pass comes here, a draft model's too
-            self.huge_pages.swap_in()
-            self.huge_pages = None
-            if self.native_decode is not None:
-                self.native_decode.rebind()  # its pointers, to the copies
+            self._swap_in_huge_pages()
         if self.graphs is not None and meta.cascade is None and self.graphs.can_run(meta, len(meta.context_lens)):
             return self.graphs.run(ids, pos, meta)
         if self.native_decode is not None and meta.max_q_len == 1 and meta.prompt_rows is None:

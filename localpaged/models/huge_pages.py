@@ -114,6 +114,10 @@ class HugePageMove:
     def ready(self) -> bool:
         return not self.thread.is_alive()
 
+    def wait(self) -> None:
+        """Until the copy is done (or has failed): ``ready`` after."""
+        self.thread.join()
+
     def swap_in(self) -> None:
         """Each projection's weight from its copy (nothing where the copy failed); only once ``ready``."""
         if self.copies is not None:

@@ -76,7 +76,7 @@ def test_an_engine_swaps_its_weights_in_between_steps_and_decodes_the_same(tiny,
     assert move is not None and llm.resolved.huge_pages
     projections = [m for m in llm.runner.model.modules() if isinstance(m, BlockLinear)]
     before = [m.q.data_ptr() for m in projections]
-    move.thread.join()
+    move.wait()
     tokens = _greedy(llm)  # its first step swaps the copies in
     assert llm.runner.huge_pages is None
     after = [m.q.data_ptr() for m in projections]
@@ -100,11 +100,33 @@ def test_a_draft_model_swaps_its_own_weights_in_at_its_first_pass(tiny, monkeypa
     projections = [m for m in draft.model.modules() if isinstance(m, BlockLinear)]
     before = [m.q.data_ptr() for m in projections]
     for move in (llm.runner.huge_pages, draft.huge_pages):
-        move.thread.join()
+        move.wait()
     _greedy(llm)
     assert llm.runner.huge_pages is None and draft.huge_pages is None
     after = [m.q.data_ptr() for m in projections]
     assert all(a != b for a, b in zip(before, after)) and after[0] % HUGE_PAGE == 0
+
+
+@NEEDS_HUGE_PAGES
+def test_settle_swaps_the_copies_in_before_any_step(tiny, monkeypatch):
+    """What a benchmark calls before its timed part: the model's and the draft's weights on their copies at once."""
+    from localpaged import LLM
+
+    monkeypatch.setattr(setup, "available_memory", lambda: 1 << 40)
+    llm = LLM(str(tiny), kv_cache_memory="16MiB", max_model_len=256, speculative={"draft": str(tiny), "k": 2})
+    draft = llm.runner.drafter.runner
+    runners = (llm.runner, draft)
+    before = [[m.q.data_ptr() for m in r.model.modules() if isinstance(m, BlockLinear)] for r in runners]
+    llm.settle()
+    assert llm.runner.huge_pages is None and draft.huge_pages is None
+    for runner, ptrs in zip(runners, before):
+        after = [m.q.data_ptr() for m in runner.model.modules() if isinstance(m, BlockLinear)]
+        assert all(a != b for a, b in zip(ptrs, after)) and after[0] % HUGE_PAGE == 0
+    llm.settle()  # nothing left to wait for
+    monkeypatch.setattr(HugePageMove, "start", classmethod(lambda cls, model: None))
+    stay = LLM(str(tiny), kv_cache_memory="16MiB", max_model_len=256, speculative={"draft": str(tiny), "k": 2})
+    stay.settle()  # no move under way: nothing to do
+    assert _greedy(llm) == _greedy(stay)
 
 
 def test_nothing_moves_without_huge_pages_or_memory_for_a_copy(tiny, monkeypatch):
