@@ -69,11 +69,11 @@ def run_scenario(llm, name: str, requests: int, tokens: int, round_: int) -> dic
     last = SimpleNamespace(decode=False, rows=0, sample_s=0.0)
     real_sample, real_run = runner_module.sample, llm.runner.run
 
-    def timed_sample(logits, seqs):
+    def timed_sample(logits, seqs, mask=None):
         sync = torch.cuda.synchronize if logits.is_cuda else (lambda: None)
         sync()
         start = time.perf_counter()
-        out = real_sample(logits, seqs)
+        out = real_sample(logits, seqs, mask=mask)
         sync()
         last.sample_s, last.rows = time.perf_counter() - start, len(seqs)
         return out
@@ -168,7 +168,7 @@ def time_counts(rows: int, vocab: int, length: int, repeats: int) -> dict:
     return {"reply_tokens": length, **out}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per request")
@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("--model", help="a model other than the default")
     ap.add_argument("--quick", action="store_true", help="a smoke run: few requests and tokens, one round")
     ap.add_argument("--out", type=Path, default=RESULTS / "sampling_cost.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
@@ -234,6 +234,7 @@ def main() -> None:
         cells = (c["rebuilt_ms"], c["per_request_counts_ms"], c["sampler_ms"], c["clone_ms"])
         print(f"| {c['reply_tokens']} | " + " | ".join(f"{v:.2f}" for v in cells) + " |")
     print(f"\nwrote {args.out}")
+    return data
 
 
 if __name__ == "__main__":
