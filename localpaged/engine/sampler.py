@@ -243,11 +243,26 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         )
     if p.top_p < 1:
         if candidates is None:
-            probs, candidates = probs.sort(descending=True)
+            probs, candidates = likeliest(probs, p.top_p)
         drop = probs.cumsum(0) - probs > p.top_p  # keep the smallest set reaching top_p
         probs = probs.masked_fill(drop, 0.0)
     token = draw(probs, generator)
     return token if candidates is None else int(candidates[token])
+
+
+def likeliest(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``probs``' likeliest values and their indices, in descending order, as many as top-p can keep: a top-k of 64,
+    then 512, 4,096, ... until their running sum passes ``top_p`` (the next token is then dropped, and every one
+    after it), a sort of the whole vocabulary only where that many do not. The running sum is the one top-p then
+    takes, so the tokens kept are the sort's (of equal values, either may come first, as in a sort). A sort of 49k
+    values took ~2.7 ms, a top-64 ~0.08."""
+    k = 64
+    while k < len(probs) // 4:
+        top, ids = torch.topk(probs, k)
+        if float(top.cumsum(0)[-1]) > top_p:
+            return top, ids
+        k *= 8
+    return probs.sort(descending=True)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:

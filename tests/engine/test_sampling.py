@@ -18,6 +18,7 @@ from localpaged.engine.sampler import (
     apply_min_p,
     apply_penalties,
     draw,
+    likeliest,
     make_generator,
     sample,
 )
@@ -202,6 +203,22 @@ def test_a_draw_follows_the_probabilities_and_never_takes_a_token_of_probability
     one = torch.zeros(49_152)
     one[-1] = 1e-30
     assert draw(one, g) == 49_151  # the only token with any probability, at the very end
+
+
+@pytest.mark.parametrize("spread", [0.5, 2.0, 8.0])  # flat (a sort of everything) to peaked (the top 64)
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_top_p_keeps_the_tokens_a_full_sort_keeps(spread, top_p):
+    g = torch.Generator().manual_seed(int(spread * 10) + int(top_p * 1000))
+    for _ in range(5):
+        probs = torch.softmax(torch.randn(20_000, generator=g) * spread, dim=-1)
+        values, ids = likeliest(probs, top_p)
+        keep = values.cumsum(0) - values <= top_p
+        ordered, order = probs.sort(descending=True)
+        want = ordered.cumsum(0) - ordered <= top_p
+        assert torch.equal(values[keep], ordered[want])  # the same values kept, in the same order
+        edge = values[keep][-1]  # of values equal to the last one kept, a sort and a top-k may take others
+        assert set(ids[keep][values[keep] > edge].tolist()) == set(order[want][ordered[want] > edge].tolist())
+        assert int(keep.sum()) < len(ids) or len(ids) == len(probs)  # the first token dropped is among those returned
 
 
 def test_a_greedy_row_takes_the_first_of_tied_largest_as_argmax_does():
