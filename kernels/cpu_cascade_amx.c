@@ -307,8 +307,8 @@ typedef struct {
 INLINE_AMX void ask_ahead(Ahead *a, long count) {
     for (; count > 0 && a->key < a->end; count--) {
         const long at = ((long)a->table[a->key / 16] * 16 + a->key % 16) * a->stride + a->line * 64;
-        __asm__ volatile("prefetcht1 %0" : : "m"(*(a->k + at)));
-        __asm__ volatile("prefetcht1 %0" : : "m"(*(a->v + at)));
+        prefetch_l2(a->k + at);
+        prefetch_l2(a->v + at);
         if (++a->line == a->lines) a->line = 0, a->key++;
     }
 }

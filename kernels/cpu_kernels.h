@@ -34,6 +34,18 @@ static inline __attribute__((always_inline)) void prefetch_group(const void *qt,
     }
 }
 
+/* The cache line at p asked for into L2. An asm statement, not __builtin_prefetch: GCC 12 deleted cpu_kv_dispatch.h's
+ * prefetch_rows loops, which do nothing else, as having no effect (no prefetch was left in the built library). */
+static inline void prefetch_l2(const void *p) {
+#if defined(__x86_64__)
+    __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)p));
+#elif defined(__aarch64__)
+    __asm__ volatile("prfm pldl2keep, %0" : : "Q"(*(const char *)p));
+#else
+    __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 /* The widths of a packed tile's values (cpu_qgemm.h's layout). */
 static inline int packed_bits(int bits) { return (bits >= 4 && bits <= 6) || bits == 8; }
 

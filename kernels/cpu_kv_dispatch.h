@@ -130,18 +130,6 @@ static inline __attribute__((always_inline)) int decode_task(const int KV, long 
     return LP_OK;
 }
 
-/* The cache line at p asked for into L2. An asm statement, not __builtin_prefetch: GCC 12 deleted prefetch_rows'
- * loops, which do nothing else, as having no effect (no prefetch was left in the built library). */
-static inline void prefetch_l2(const void *p) {
-#if defined(__x86_64__)
-    __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)p));
-#elif defined(__aarch64__)
-    __asm__ volatile("prfm pldl2keep, %0" : : "Q"(*(const char *)p));
-#else
-    __builtin_prefetch(p, 0, 2);
-#endif
-}
-
 /* Asks for the K and V rows of keys first .. end - 1 of KV heads kvh0 .. kvh1 - 1 (each D values of size bytes)
  * to be brought into this core's L2, in address order. A decode step's KV comes from memory (the layer's weights,
  * streamed in between, push it out of every cache), its rows 16 at a time from blocks anywhere in the pool: without
