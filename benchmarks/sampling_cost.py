@@ -1,12 +1,13 @@
 """What penalties, logit_bias, min_p and logprobs cost: the sampler's time and the whole step's at 64 running requests.
 
 On the default model, 64 requests with distinct prompts, every one sampled (temperature 0.8, top_p 0.95,
-seeded, EOS ignored), run to the end in four scenarios, in one run:
+seeded, EOS ignored), run to the end in five scenarios, in one run:
 
 - none: no feature (the path every request took before these features);
 - penalties: repetition_penalty 1.1, presence and frequency 0.5, min_p 0.05 and a logit_bias of 8 tokens;
 - logprobs: logprobs=5 (the chosen token's and the 5 likeliest);
-- mixed: half the requests as in none, half with every penalty and logprobs=5.
+- mixed: half the requests as in none, half with every penalty and logprobs=5;
+- defaults: the app's own sampling (temperature 0.7, no top-p): every row drawn over the whole vocabulary.
 
 Per scenario the median over the decode-only steps that run every request: the time ``sample`` takes
 and the time of ``LLM.step``; each scenario's ratio against none. Rounds alternate the scenarios'
@@ -52,6 +53,7 @@ SCENARIOS = {
     "penalties": lambda i: PENALTIES,
     "logprobs": lambda i: {"logprobs": 5},
     "mixed": lambda i: {**PENALTIES, "logprobs": 5} if i % 2 else {},
+    "defaults": lambda i: {"temperature": 0.7, "top_p": 1.0},  # the app's: every token in the draw
 }
 COUNT_LENGTHS = (64, 512, 2048)  # reply tokens a row holds when its counts are built
 QUICK = {"requests": 8, "tokens": 8, "rounds": 1}
@@ -86,7 +88,7 @@ def run_scenario(llm, name: str, requests: int, tokens: int, round_: int) -> dic
     try:
         for i in range(requests):
             question = QUESTIONS[i % len(QUESTIONS)]
-            params = SamplingParams(max_tokens=tokens, seed=i, **BASE, **SCENARIOS[name](i))
+            params = SamplingParams(max_tokens=tokens, seed=i, **{**BASE, **SCENARIOS[name](i)})
             llm.add_request(f"[{name} {round_} #{i}] {question}", params)
         while llm.has_unfinished_requests():
             last.rows = 0

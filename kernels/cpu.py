@@ -48,7 +48,7 @@ from localpaged.kernels.cpu_isa import KernelPath, choose_path
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
-ABI_VERSION = 14  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
+ABI_VERSION = 15  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
@@ -830,6 +830,28 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         raise KernelArgumentError("x has rows of 0 values: an argmax needs at least one")
     out = torch.empty(m, dtype=torch.int64)
     _lp_argmax_rows(x.data_ptr(), m, n, out.data_ptr())
+    return out
+
+
+_lp_race_rows = Kernel("lp_race_rows", [POINTER, SIZE, SIZE, POINTER, POINTER, POINTER])
+
+
+def race_rows(x: torch.Tensor, scale: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Each row's winner of the sampler's exponential race over float32 ``x`` [M, N], N > 0 (``sampler.race``): the
+    index with the largest ``x * scale[row] - ln(E)``, E exponential draws made from ``keys[row]`` (int64) and the
+    index; -1 for a row with a NaN or +inf after scaling, no value above -inf, or a scale not positive and finite.
+    int64 [M]."""
+    expect("x", x, torch.float32, 2)
+    expect("scale", scale, torch.float32, 1)
+    expect("keys", keys, torch.int64, 1)
+    x, scale, keys = x.contiguous(), scale.contiguous(), keys.contiguous()
+    m, n = x.shape
+    if n == 0:
+        raise KernelArgumentError("x has rows of 0 values: a draw needs at least one")
+    if len(scale) != m or len(keys) != m:
+        raise KernelArgumentError(f"scale has {len(scale)} and keys {len(keys)} values for {m} rows of x: one each")
+    out = torch.empty(m, dtype=torch.int64)
+    _lp_race_rows(x.data_ptr(), m, n, scale.data_ptr(), keys.data_ptr(), out.data_ptr())
     return out
 
 

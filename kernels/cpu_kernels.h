@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define TILE 16 /* weight rows per packed tile */
-#define LP_ABI_VERSION 14
+#define LP_ABI_VERSION 15
 
 /* A decode step reads every weight once, from memory, a tile's bytes in order: a qgemm kernel asks for the bytes
  * `near` past the group of a tile it is about to read (the groups that follow, then the next tile's), since the
@@ -118,6 +118,9 @@ int lp_add_rms_norm(const float *x, const float *residual, const float *weight, 
 int lp_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out);
 /* out[r]: the first index of row r's largest value (or first NaN) of x [M, N]: torch's max(dim=-1).indices. */
 int lp_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out);
+/* out[r]: row r's winner of the sampler's exponential race over x [M, N] at scale[r], its uniforms from keys[r]; -1
+ * for a row with a NaN or +inf (after scaling), nothing above -inf, or a scale not positive and finite. */
+int lp_race_rows(const float *x, int64_t M, int64_t N, const float *scale, const int64_t *keys, int64_t *out);
 int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slots, int64_t N, int64_t H,
                      int64_t KVH, int64_t D, int64_t R, int64_t num_slots, void *k_cache, void *v_cache,
                      int kv_dtype, float *q_out);

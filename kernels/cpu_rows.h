@@ -1,6 +1,7 @@
 /* The small per-layer steps' scaffolding every path shares: the argument checks and the row loop, rows going to
  * OpenMP threads only when there are many (a parallel region costs more than a short row). Included by each path's
- * source after its add_rms_norm_row and silu_mul_row; lp_argmax_rows, plain C that each path's flags vectorise. */
+ * source after its add_rms_norm_row and silu_mul_row; lp_argmax_rows and lp_race_rows, plain C that each path's flags
+ * vectorise. */
 
 #ifndef LP_CPU_ROWS_H
 #define LP_CPU_ROWS_H
@@ -63,6 +64,151 @@ int lp_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
     if (M < 0 || N <= 0 || N > INT32_MAX) return LP_BAD_ARGUMENT;
 #pragma omp parallel for if (M > 1) /* a row is a vocabulary long: two already pay for the threads */
     for (long r = 0; r < M; r++) out[r] = argmax_row(x + r * N, N);
+    return LP_OK;
+}
+
+/* The sampler's draw (sampler.race): row r's winner is the index i with the largest x[r][i] scale[r] - ln(E_i), E_i
+ * = -ln(U_i) exponential, the uniforms U_i made from keys[r] and i. That is torch.multinomial's race (the largest
+ * p_i / E_i) in logs, the Gumbel-max form, so a row of logits needs no softmax first; a row's tokens depend on its
+ * own key and values alone, whatever else is in the call. The uniforms: SplitMix64's output (Steele, Lea and Flood;
+ * Java's SplittableRandom) at counter key + c GAMMA, a counter-based stream that gives any index's bits without the
+ * ones before it, its 64 bits two values' 32 (value 2 j the low half of counter j + 1, 2 j + 1 the high). */
+/* The build's own vector width: GCC splits a wider one's compares and conversions lane by lane. */
+#if defined(__AVX512F__)
+#define RACE_LANES 16
+#elif defined(__AVX2__)
+#define RACE_LANES 8
+#else
+#define RACE_LANES 4
+#endif
+typedef float race_floats __attribute__((vector_size(4 * RACE_LANES)));
+typedef int32_t race_ints __attribute__((vector_size(4 * RACE_LANES)));
+typedef uint32_t race_u32 __attribute__((vector_size(4 * RACE_LANES)));
+typedef uint64_t race_u64 __attribute__((vector_size(4 * RACE_LANES))); /* a lane's bits serve two values */
+
+static inline __attribute__((always_inline)) race_floats race_select(race_ints mask, race_floats a, race_floats b) {
+    return (race_floats)((mask & (race_ints)a) | (~mask & (race_ints)b));
+}
+
+/* ln(v) of each lane, a positive normal float: Cephes' logf, a polynomial on the mantissa in [sqrt(1/2), sqrt(2))
+ * less 1. */
+static inline __attribute__((always_inline)) race_floats race_log(race_floats v) {
+    const race_ints bits = (race_ints)v;
+    const race_floats mantissa = (race_floats)((bits & 0x007FFFFF) | 0x3F000000); /* v = mantissa 2^e, in [1/2, 1) */
+    const race_ints low = mantissa < 0.70710678f; /* then ln(v) = ln(2 mantissa) + (e - 1) ln 2 */
+    const race_floats e = __builtin_convertvector((bits >> 23) - 126, race_floats) -
+                            (race_floats)(low & (race_ints)((race_floats){0} + 1.0f));
+    const race_floats m = mantissa - 1.0f + (race_floats)(low & (race_ints)mantissa), z = m * m;
+    race_floats y = 7.0376836292e-2f * m - 1.1514610310e-1f;
+    y = y * m + 1.1676998740e-1f;
+    y = y * m - 1.2420140846e-1f;
+    y = y * m + 1.4249322787e-1f;
+    y = y * m - 1.6668057665e-1f;
+    y = y * m + 2.0000714765e-1f;
+    y = y * m - 2.4999993993e-1f;
+    y = y * m + 3.3333331174e-1f;
+    y = y * m * z - 2.12194440e-4f * e - 0.5f * z;
+    return m + y + 0.693359375f * e;
+}
+
+/* -ln(E) for the exponentials E = -ln(U) of the uniforms U = 1 - w that 32 random bits make. A small w (a small E:
+ * the race's winners) keeps all 32 bits, w = (bits + 1/2) 2^-32, and E = -log1p(-w) is its series (to w^4 / 4: the
+ * rest under 2^-26 of it below 2^-8); a larger one keeps the top 24, w = (bits / 2^8 + 1) 2^-24 (at most 1 - 2^-24,
+ * so U >= 2^-24), which makes U = 1 - w exact and E = -ln(U) as close as ln's rounding. Only int32s under 2^24 are
+ * converted: exact, and a signed conversion, which every instruction set has (AVX2 has no unsigned one). */
+static inline __attribute__((always_inline)) race_floats race_gumbel(race_u32 bits) {
+    const race_ints small = (race_ints)(bits >> 24) == 0; /* w < 2^-8 */
+    const race_floats w = __builtin_convertvector((race_ints)(bits & 0xFFFFFF), race_floats) * 0x1p-32f + 0x1p-33f;
+    race_ints top = (race_ints)(bits >> 8) + 1;
+    top -= top >> 24; /* 2^24 -> 2^24 - 1 */
+    const race_floats u = 1.0f - __builtin_convertvector(top, race_floats) * 0x1p-24f;
+    const race_floats series = w + w * w * (0.5f + w * (1.0f / 3.0f + w * 0.25f));
+    return -race_log(race_select(small, series, -race_log(u)));
+}
+
+#define RACE_GAMMA 0x9E3779B97F4A7C15ull
+/* -ln(E) lies between -RACE_LEAST and RACE_MOST: E >= 2^-33 (a w of 2^-33), and E <= -ln(2^-24) = 16.7 */
+#define RACE_MOST 24.0f
+#define RACE_LEAST 3.0f
+#define RACE_GROUP 4 /* blocks of RACE_LANES values one skip test covers */
+
+/* The RACE_LANES values of x from i on (-inf past n). */
+static inline __attribute__((always_inline)) race_floats race_values(const float *x, long i, long n) {
+    race_floats v;
+    if (i + RACE_LANES <= n) memcpy(&v, x + i, sizeof v);
+    else
+        for (int k = 0; k < RACE_LANES; k++) v[k] = i + k < n ? x[i + k] : -INFINITY;
+    return v;
+}
+
+/* A row's lanes under way: each lane's best score so far and the block it was in (-1: none). */
+typedef struct {
+    race_floats best;
+    race_ints at;
+} RaceLanes;
+
+/* The block of values from i on (i a multiple of RACE_LANES), scored into s's lanes. */
+static inline __attribute__((always_inline)) void race_block(const float *x, long i, long n, float scale, uint64_t key,
+                                                             RaceLanes *s) {
+    race_u64 z;
+    for (int k = 0; k < RACE_LANES / 2; k++) z[k] = (uint64_t)(i / 2 + k + 1);
+    z = key + z * RACE_GAMMA;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const race_floats score = race_values(x, i, n) * scale + race_gumbel((race_u32)z);
+    const race_ints greater = score > s->best;
+    s->best = race_select(greater, score, s->best);
+    s->at = (greater & (int32_t)i) | (~greater & s->at);
+}
+
+/* A row's winner in two passes. The first finds its largest value m: the winner's score is at least m scale -
+ * RACE_LEAST, which no value below m scale - RACE_LEAST - RACE_MOST can reach, so the second scores only the groups
+ * of blocks that hold a value above that (of a peaked row, few); a value's uniform comes from its index alone, so
+ * skipping a block changes no other's, and the winner is the one scoring every value finds. -1 for a NaN, a +inf
+ * after scaling, no value above -inf, or a scale not positive and finite. */
+static int64_t race_row(const float *x, long n, float scale, uint64_t key) {
+    if (!(scale > 0.0f && scale < INFINITY)) return -1; /* a temperature of 0, NaN or inf: no distribution */
+    race_floats top = (race_floats){0} - INFINITY;
+    race_ints nan = (race_ints){0};
+    for (long i = 0; i < n; i += RACE_LANES) {
+        const race_floats v = race_values(x, i, n);
+        nan |= v != v;
+        top = race_select(v > top, v, top);
+    }
+    float largest = -INFINITY;
+    for (int k = 0; k < RACE_LANES; k++) {
+        if (nan[k]) return -1;
+        largest = top[k] > largest ? top[k] : largest;
+    }
+    if (largest == -INFINITY || !(largest * scale < INFINITY)) return -1;
+    const float floor = largest * scale - RACE_LEAST - RACE_MOST;
+    RaceLanes s = {(race_floats){0} - INFINITY, (race_ints){0} - 1};
+    for (long i = 0; i < n; i += RACE_GROUP * RACE_LANES) {
+        race_floats most = race_values(x, i, n);
+        for (int b = 1; b < RACE_GROUP; b++) {
+            const race_floats v = race_values(x, i + b * RACE_LANES, n);
+            most = race_select(v > most, v, most);
+        }
+        const race_ints near = most * scale >= floor;
+        int32_t any = 0;
+        for (int k = 0; k < RACE_LANES; k++) any |= near[k];
+        for (int b = 0; any && b < RACE_GROUP && i + b * RACE_LANES < n; b++)
+            race_block(x, i + b * RACE_LANES, n, scale, key, &s);
+    }
+    float best = -INFINITY;
+    long best_at = -1;
+    for (int k = 0; k < RACE_LANES; k++) {
+        const long at = s.at[k] + k;
+        if (s.at[k] >= 0 && (s.best[k] > best || (s.best[k] == best && at < best_at))) best = s.best[k], best_at = at;
+    }
+    return best_at;
+}
+
+int lp_race_rows(const float *x, int64_t M, int64_t N, const float *scale, const int64_t *keys, int64_t *out) {
+    if (M < 0 || N <= 0 || N > INT32_MAX) return LP_BAD_ARGUMENT;
+#pragma omp parallel for if (M > 1)
+    for (long r = 0; r < M; r++) out[r] = race_row(x + r * N, N, scale[r], (uint64_t)keys[r]);
     return LP_OK;
 }
 

@@ -742,8 +742,9 @@ KNOWN: dict[str, Spec] = {
     "sampling_cost": Spec(
         "What penalties and logprobs cost",
         "The sampler's time and the whole step's with penalties, logit_bias and min_p, with logprobs=5, and with "
-        "half the requests asking for both, against none, at 64 running requests on the default model in one "
-        "run; and three ways to apply presence and frequency penalties over each row's reply.",
+        "half the requests asking for both, and at the app's own sampling (temperature 0.7, no top-p: a draw over "
+        "the whole vocabulary), against none, at 64 running requests on the default model in one run; and three "
+        "ways to apply presence and frequency penalties over each row's reply.",
         "`python benchmarks/sampling_cost.py [--requests 64] [--tokens 64]` (part of `make bench`).",
         render_sampling_cost,
     ),

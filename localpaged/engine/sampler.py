@@ -60,7 +60,8 @@ def sample(
 ) -> list[SampledToken | Exception]:
     """One token per row of ``logits`` ``[S, vocab]``, row i for ``seqs[i]`` (its params, its generator in
     ``seq.extra``), with its logprobs where asked: logprobs, bias, penalties and min_p each in one batched
-    pass over the rows that ask, greedy rows in one argmax, others drawn row by row from their own generator.
+    pass over the rows that ask, greedy rows in one argmax, others drawn from their own generators (those without
+    top-k or top-p in one native race on the CPU, the rest row by row).
 
     ``mask`` (a grammar's bitmask) changes ``logits`` in place once the raw logprobs are taken, before
     anything else: logprobs are the model's own distribution, and a masked token stays out whatever its bias.
@@ -77,13 +78,19 @@ def sample(
         apply_penalties(logits, seqs)
     apply_min_p(logits, params)
     tokens: list[int | Exception] = greedy_indices(logits).tolist()
-    for i, seq in enumerate(seqs):
-        p = params[i]
+    raced, cut = [], []  # sampled rows: over the whole vocabulary natively, or after top-k/top-p row by row
+    for i, p in enumerate(params):
         if not p.greedy:
-            try:
-                tokens[i] = _sample_row(logits[i].float(), p, seq.extra.generator)
-            except Exception as exc:  # noqa: BLE001 -- handed to the row's request, which fails alone
-                tokens[i] = exc
+            (raced if races_logits(logits[i], p) else cut).append(i)
+    if raced:
+        rows = logits if len(raced) == len(logits) else logits[raced]
+        for i, token in zip(raced, race(rows, [params[i] for i in raced], [seqs[i].extra.generator for i in raced])):
+            tokens[i] = token
+    for i in cut:
+        try:
+            tokens[i] = _sample_row(logits[i].float(), params[i], seqs[i].extra.generator)
+        except Exception as exc:  # noqa: BLE001 -- handed to the row's request, which fails alone
+            tokens[i] = exc
     out: list[SampledToken | Exception] = [t if isinstance(t, Exception) else SampledToken(t) for t in tokens]
     if raw_logprobs is not None:
         for i, logprob in zip(logprob_rows, token_logprobs(raw_logprobs, [tokens[i] for i in logprob_rows], params)):
@@ -228,19 +235,56 @@ def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     logits[rows] = sub.masked_fill(drop, float("-inf")).to(logits.dtype)
 
 
+def races_logits(logits: torch.Tensor, p: SamplingParams) -> bool:
+    """Whether a sampled row is drawn straight from its logits by the native race (``race``): on the CPU kernels,
+    without top-k or top-p, which first cut the vocabulary."""
+    whole = not (p.top_k and p.top_k < logits.shape[-1]) and p.top_p == 1
+    return whole and cpu.runs(logits.device, logits.dtype)
+
+
+def not_finite(temperature: float) -> ValueError:
+    """The error of a row whose probabilities are not finite."""
+    return ValueError(
+        f"the next-token probabilities are not finite (NaN or infinite logits at temperature={temperature}); "
+        "greedy decoding (temperature=0) does not sample from them"
+    )
+
+
+def race(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int | Exception]:
+    """Row i of float32 CPU ``logits`` [R, vocab] drawn at ``params[i]``'s temperature with a key from
+    ``generators[i]``, all in one native call (``cpu.race_rows``): the exponential race of ``draw`` taken on
+    ``logits / temperature`` in logs, so no softmax first. A row depends on its own logits and key alone, so a
+    request draws the same tokens alone or batched; a row with a NaN or +inf gets its error instead of a token."""
+    scale = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
+    keys = torch.cat([_key(g) for g in generators])
+    return [
+        t if t >= 0 else not_finite(p.temperature) for t, p in zip(cpu.race_rows(logits, scale, keys).tolist(), params)
+    ]
+
+
+def _key(generator: torch.Generator | None) -> torch.Tensor:
+    """The next 64 random bits of a row's stream, a race's key: int64 [1]."""
+    return torch.randint(-(2**63), 2**63 - 1, (1,), generator=generator)
+
+
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     """One draw from ``logits`` after temperature, top-k and top-p. With top-k the draw is among the k likeliest
-    alone (in descending order, as top-p wants them): no pass over the whole vocabulary after the top-k."""
+    alone (in descending order, as top-p wants them): no pass over the whole vocabulary after the top-k. A row
+    the native race takes (``races_logits``) draws what ``race`` draws for it in any batch."""
+    if races_logits(logits, p):
+        token = race(logits[None], [p], [generator])[0]
+        if isinstance(token, Exception):
+            raise token
+        return token
     candidates = None
     if p.top_k and p.top_k < logits.numel():
         logits, candidates = torch.topk(logits, p.top_k)
     probs = torch.softmax(logits / p.temperature, dim=-1)
     # Checked here, not left to multinomial: on CUDA it asserts inside the kernel, which kills the whole context.
     if not torch.isfinite(probs.sum()):
-        raise ValueError(
-            f"the next-token probabilities are not finite (NaN or infinite logits at temperature={p.temperature}); "
-            "greedy decoding (temperature=0) does not sample from them"
-        )
+        raise not_finite(p.temperature)
     if p.top_p < 1:
         if candidates is None:
             probs, candidates = likeliest(probs, p.top_p)
@@ -268,9 +312,13 @@ def likeliest(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Te
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One index of ``probs`` (1-D, non-negative, finite, not all 0) drawn with its probability: the exponential race
     torch.multinomial runs (the largest p / E over independent exponentials E), whose winner a rounding-size change
-    in ``probs`` moves only where two ratios all but tie, so a request draws the same tokens alone or batched. E is
-    -log of torch.rand's uniforms: multinomial's own exponentials took several times longer, most of a small model's
-    step at a 49k vocabulary. A uniform of 0 makes E infinite and its token's ratio 0: it loses."""
-    race = probs.float() / -torch.log(torch.rand(probs.shape, generator=generator, device=probs.device))
-    token = int(greedy_indices(race[None])[0])
-    return token if probs[token] > 0 else int(probs.argmax())  # every token with any probability drew a 0
+    in ``probs`` moves only where two ratios all but tie, so a request draws the same tokens alone or batched. On the
+    CPU kernels it is ``cpu.race_rows`` on ln(p), as ``race`` draws a whole vocabulary; elsewhere E is -log of
+    torch.rand's uniforms (multinomial's own exponentials took several times longer). A uniform of 0 makes E
+    infinite and its token's ratio 0: it loses."""
+    if cpu.runs(probs.device, torch.float32):
+        token = int(cpu.race_rows(torch.log(probs.float())[None], torch.ones(1), _key(generator))[0])
+    else:
+        race_ratios = probs.float() / -torch.log(torch.rand(probs.shape, generator=generator, device=probs.device))
+        token = int(greedy_indices(race_ratios[None])[0])
+    return token if token >= 0 and probs[token] > 0 else int(probs.argmax())  # every token drew an infinite E

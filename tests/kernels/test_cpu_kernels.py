@@ -10,6 +10,7 @@ every 16-bit value widened, and every kind of float32 rounded, exactly as torch 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -157,6 +158,83 @@ def test_argmax_rows_gives_the_index_torch_max_gives(n):
     strided = rows[3:6, ::2]  # not contiguous: copied first
     assert torch.equal(cpu.argmax_rows(strided), strided.max(dim=-1).indices)
     assert cpu.argmax_rows(rows[:0]).shape == (0,)
+
+
+def race_reference(x: torch.Tensor, scale: float, key: int) -> np.ndarray:
+    """A row's race scores in float64 from the same stream as lp_race_rows (cpu_rows.h): SplitMix64 at counters
+    key + c GAMMA, value 2j the low half of counter j + 1 and 2j + 1 the high; E = -log1p(-w) of the 32-bit w below
+    2^-8, of the top 24 bits above; the score x scale - ln(E)."""
+    n = x.numel()
+    with np.errstate(over="ignore"):
+        z = np.uint64(key % 2**64) + np.arange(1, (n + 1) // 2 + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    bits = np.stack([z & np.uint64(0xFFFFFFFF), z >> np.uint64(32)], axis=1).reshape(-1)[:n]
+    w = bits.astype(np.float64) * 2.0**-32 + 2.0**-33
+    top = np.minimum((bits >> np.uint64(8)) + np.uint64(1), np.uint64(2**24 - 1)).astype(np.float64) * 2.0**-24
+    exponential = np.where(w < 2.0**-8, -np.log1p(-w), -np.log1p(-top))
+    return x.double().numpy() * scale - np.log(exponential)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 33, 100, 49152])
+def test_race_rows_picks_the_winner_of_a_float64_reference_of_its_stream(n):
+    """The sampler's draw: each row's largest x scale - ln(E), E from its key's stream, as float64 computes them
+    (where the two best lie within float32's rounding of each other, either one); a row the same alone, batched and
+    from a strided view."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(24, n, generator=gen) * 4
+    scale = torch.rand(24, generator=gen) * 3 + 0.2
+    keys = torch.randint(-(2**63), 2**63 - 1, (24,), generator=gen)
+    got = cpu.race_rows(x, scale, keys)
+    for r in range(24):
+        scores = race_reference(x[r], float(scale[r]), int(keys[r]))
+        best = np.sort(scores)[-2:]
+        if n == 1 or best[1] - best[0] > 1e-4 * max(1.0, abs(best[1])):
+            assert int(got[r]) == int(scores.argmax()), r
+        else:
+            assert scores[int(got[r])] >= best[0], r
+        assert int(cpu.race_rows(x[r : r + 1], scale[r : r + 1], keys[r : r + 1])[0]) == int(got[r])
+    wide = torch.randn(24, 2 * n, generator=gen)
+    wide[:, ::2] = x
+    assert torch.equal(cpu.race_rows(wide[:, ::2], scale, keys), got)
+
+
+def test_race_rows_draws_each_index_as_often_as_its_probability():
+    """Over 40,000 keys, index i wins as often as softmax(x scale) says (within 5 standard deviations), one of
+    probability 0 (x = -inf) never; at another scale (a temperature) the other softmax's frequencies."""
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.25, 1e-3, 0.249, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    n = 40_000
+    keys = torch.arange(n, dtype=torch.int64) * 7919
+    for logits, scale in ((probs.log(), 1.0), (torch.randn(17, generator=torch.Generator().manual_seed(1)), 1 / 0.7)):
+        want = torch.softmax(logits * scale, dim=-1)
+        counts = torch.bincount(cpu.race_rows(logits.expand(n, -1), torch.full((n,), scale), keys), minlength=17)
+        for i, p in enumerate(want.tolist()):
+            assert abs(int(counts[i]) - n * p) <= 5 * (n * p * (1 - p)) ** 0.5 + 1, (i, int(counts[i]), n * p)
+        assert int(counts[want == 0].sum()) == 0
+
+
+def test_race_rows_refuses_a_row_it_cannot_draw_from_and_leaves_the_others():
+    """-1 for a row with a NaN, a +inf, a value that overflows at its scale, nothing above -inf, or a scale of NaN, 0
+    or inf; a row with one finite value among -inf takes it, wherever it lies; the other rows of the call draw as
+    they would alone."""
+    n = 40
+    x = torch.randn(8, n)
+    x[0, 5] = float("nan")
+    x[1, n - 1] = float("inf")
+    x[2] = float("-inf")
+    x[3] = float("-inf")
+    x[3, n - 1] = 2.0
+    x[4] = float("-inf")
+    x[4, 0] = -1e30
+    x[5, 7] = 3e38  # times 2: inf
+    scale = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 1.0, 1.0, float("nan"), 0.0, float("inf")])
+    x = torch.cat([x, torch.randn(3, n)])
+    keys = torch.arange(11, dtype=torch.int64)
+    got = cpu.race_rows(x, scale, keys).tolist()
+    assert got[:6] == [-1, -1, -1, n - 1, 0, -1] and got[8:] == [-1, -1, -1]
+    assert got[6:8] == cpu.race_rows(x[6:8], scale[6:8], keys[6:8]).tolist()
+    assert cpu.race_rows(x[:0], scale[:0], keys[:0]).shape == (0,)
 
 
 def test_qgemm_reads_a_strided_input():
