@@ -60,8 +60,8 @@ def sample(
 ) -> list[SampledToken | Exception]:
     """One token per row of ``logits`` ``[S, vocab]``, row i for ``seqs[i]`` (its params, its generator in
     ``seq.extra``), with its logprobs where asked: logprobs, bias, penalties and min_p each in one batched
-    pass over the rows that ask, greedy rows in one argmax, others drawn from their own generators (those without
-    top-k or top-p in one native race on the CPU, the rest row by row).
+    pass over the rows that ask, greedy rows in one argmax, others drawn from their own generators (on the CPU,
+    those without top-k in one batched call each: ``draw_rows``; the rest row by row).
 
     ``mask`` (a grammar's bitmask) changes ``logits`` in place once the raw logprobs are taken, before
     anything else: logprobs are the model's own distribution, and a masked token stays out whatever its bias.
@@ -78,17 +78,11 @@ def sample(
         apply_penalties(logits, seqs)
     apply_min_p(logits, params)
     tokens: list[int | Exception] = greedy_indices(logits).tolist()
-    raced, cut = [], []  # sampled rows: over the whole vocabulary natively, or after top-k/top-p row by row
-    for i, p in enumerate(params):
-        if not p.greedy:
-            (raced if races_logits(logits[i], p) else cut).append(i)
-    if raced:
-        rows = logits if len(raced) == len(logits) else logits[raced]
-        for i, token in zip(raced, race(rows, [params[i] for i in raced], [seqs[i].extra.generator for i in raced])):
-            tokens[i] = token
-    for i in cut:
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    fast = draw_rows(logits, drawn, [params[i] for i in drawn], [seqs[i].extra.generator for i in drawn])
+    for i, token in zip(drawn, fast):
         try:
-            tokens[i] = _sample_row(logits[i].float(), params[i], seqs[i].extra.generator)
+            tokens[i] = token if token is not None else _cut_row(logits[i].float(), params[i], seqs[i].extra.generator)
         except Exception as exc:  # noqa: BLE001 -- handed to the row's request, which fails alone
             tokens[i] = exc
     out: list[SampledToken | Exception] = [t if isinstance(t, Exception) else SampledToken(t) for t in tokens]
@@ -235,11 +229,41 @@ def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     logits[rows] = sub.masked_fill(drop, float("-inf")).to(logits.dtype)
 
 
-def races_logits(logits: torch.Tensor, p: SamplingParams) -> bool:
-    """Whether a sampled row is drawn straight from its logits by the native race (``race``): on the CPU kernels,
-    without top-k or top-p, which first cut the vocabulary."""
-    whole = not (p.top_k and p.top_k < logits.shape[-1]) and p.top_p == 1
-    return whole and cpu.runs(logits.device, logits.dtype)
+NUCLEUS_FIRST = 64  # the likeliest tokens a batched top-p looks at: where they reach top_p, the row needs no more
+
+
+def draw_rows(
+    logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int | Exception | None]:
+    """Sampled rows ``rows`` of ``logits`` [S, vocab], at ``params[j]`` from ``generators[j]``, drawn together
+    where they can be, on the CPU kernels: those without top-k or top-p in one native race over the whole vocabulary
+    (``race``), those with top-p alone in one batched nucleus (``nucleus``). None for a row neither takes (top-k,
+    another device, or a nucleus wider than its likeliest NUCLEUS_FIRST): it goes row by row (``_cut_row``). Each row
+    depends on its own logits and generator alone, so a request draws the same alone or batched; one row alone
+    (``_sample_row``) runs this same code."""
+    out: list[int | Exception | None] = [None] * len(rows)
+    if not cpu.runs(logits.device, logits.dtype):
+        return out
+    vocab = logits.shape[-1]
+    for batch in (race, nucleus):
+        picked = [j for j, p in enumerate(params) if _batch(p, vocab) is batch]
+        if picked:
+            at = [rows[j] for j in picked]
+            sub = logits if at == list(range(len(logits))) else logits[at]
+            for j, token in zip(picked, batch(sub, [params[j] for j in picked], [generators[j] for j in picked])):
+                out[j] = token
+    return out
+
+
+def _batch(p: SamplingParams, vocab: int) -> Callable[..., list[int | Exception | None]] | None:
+    """The batch a sampled row is drawn in on the CPU kernels: ``race`` over the whole vocabulary, ``nucleus`` for
+    top-p alone (a vocabulary wide enough for likeliest's first top-k), or None (row by row)."""
+    top_k = bool(p.top_k and p.top_k < vocab)
+    if not top_k and p.top_p == 1:
+        return race
+    if not top_k and NUCLEUS_FIRST < vocab // 4:
+        return nucleus
+    return None
 
 
 def not_finite(temperature: float) -> ValueError:
@@ -264,20 +288,49 @@ def race(
     ]
 
 
+def nucleus(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int | Exception | None]:
+    """Rows of float32 CPU ``logits`` [R, vocab] with top-p alone, batched: what ``_cut_row`` computes for each (the
+    softmax at its temperature, likeliest's first top-k, the tokens top-p keeps, the race among them), each step one
+    call over all the rows. None for a row whose NUCLEUS_FIRST likeliest do not pass its top_p (likeliest then looks
+    further, row by row); its generator is left as it was."""
+    temperature = torch.tensor([[p.temperature] for p in params], dtype=logits.dtype)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    finite = torch.isfinite(probs.sum(dim=-1)).tolist()
+    top, ids = torch.topk(probs, NUCLEUS_FIRST, dim=-1)
+    sums = top.cumsum(dim=-1)
+    reach = [float(total) > p.top_p for total, p in zip(sums[:, -1].tolist(), params)]
+    out: list[int | Exception | None] = [not_finite(p.temperature) if not ok else None for ok, p in zip(finite, params)]
+    kept = [j for j in range(len(params)) if finite[j] and reach[j]]
+    if kept:
+        top_p = torch.tensor([[params[j].top_p] for j in kept], dtype=top.dtype)
+        probs = top[kept].masked_fill(sums[kept] - top[kept] > top_p, 0.0)  # keep the smallest set reaching top_p
+        keys = torch.cat([_key(generators[j]) for j in kept])
+        winners = cpu.race_rows(torch.log(probs), torch.ones(len(kept)), keys).tolist()
+        for row, (j, w) in enumerate(zip(kept, winners)):
+            w = w if w >= 0 and probs[row, w] > 0 else int(probs[row].argmax())  # every token drew an infinite E
+            out[j] = int(ids[j, w])
+    return out
+
+
 def _key(generator: torch.Generator | None) -> torch.Tensor:
     """The next 64 random bits of a row's stream, a race's key: int64 [1]."""
     return torch.randint(-(2**63), 2**63 - 1, (1,), generator=generator)
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    """One draw from ``logits`` after temperature, top-k and top-p. With top-k the draw is among the k likeliest
-    alone (in descending order, as top-p wants them): no pass over the whole vocabulary after the top-k. A row
-    the native race takes (``races_logits``) draws what ``race`` draws for it in any batch."""
-    if races_logits(logits, p):
-        token = race(logits[None], [p], [generator])[0]
-        if isinstance(token, Exception):
-            raise token
-        return token
+    """One draw from ``logits`` after temperature, top-k and top-p: what ``sample`` draws for the row in any batch
+    (``draw_rows``, else ``_cut_row``)."""
+    token = draw_rows(logits[None], [0], [p], [generator])[0]
+    if isinstance(token, Exception):
+        raise token
+    return token if token is not None else _cut_row(logits, p, generator)
+
+
+def _cut_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """One draw from ``logits`` after temperature, top-k and top-p, row by row. With top-k the draw is among the k
+    likeliest alone (in descending order, as top-p wants them): no pass over the whole vocabulary after the top-k."""
     candidates = None
     if p.top_k and p.top_k < logits.numel():
         logits, candidates = torch.topk(logits, p.top_k)
@@ -313,7 +366,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One index of ``probs`` (1-D, non-negative, finite, not all 0) drawn with its probability: the exponential race
     torch.multinomial runs (the largest p / E over independent exponentials E), whose winner a rounding-size change
     in ``probs`` moves only where two ratios all but tie, so a request draws the same tokens alone or batched. On the
-    CPU kernels it is ``cpu.race_rows`` on ln(p), as ``race`` draws a whole vocabulary; elsewhere E is -log of
+    CPU kernels it is ``cpu.race_rows`` on ln(p), as ``race`` and ``nucleus`` draw; elsewhere E is -log of
     torch.rand's uniforms (multinomial's own exponentials took several times longer). A uniform of 0 makes E
     infinite and its token's ratio 0: it loses."""
     if cpu.runs(probs.device, torch.float32):

@@ -221,6 +221,34 @@ def test_top_p_keeps_the_tokens_a_full_sort_keeps(spread, top_p):
         assert int(keep.sum()) < len(ids) or len(ids) == len(probs)  # the first token dropped is among those returned
 
 
+def test_top_p_rows_draw_in_one_batch_what_they_draw_alone_and_only_from_the_nucleus():
+    """Top-p rows are drawn together (their nucleus among the 64 likeliest) or, where it is wider, row by row; either
+    way each row's token is the one it draws alone, and over many steps a peaked row's tokens come from its nucleus
+    alone, each as often as its renormalised probability says (within 5 standard deviations)."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 2000, generator=g)
+    logits[:3] *= 8  # peaked: a nucleus of a few tokens; the flat rows' reaches past the first 64
+    params = [
+        SamplingParams(temperature=t, top_p=q, seed=s)
+        for t, q, s in [(0.7, 0.9, 1), (1.0, 0.5, 2), (1.3, 0.95, 3), (0.8, 0.9, 4), (1.0, 0.99, 5), (0.7, 0.3, 6)]
+    ]
+    seqs = [_seq(p, [1, 2]) for p in params]
+    got = sample(logits.clone(), seqs)
+    for i, p in enumerate(params):
+        assert got[i] == SampledToken(_sample_row(logits[i], p, make_generator(p, CPU))), i
+    row, p = logits[1], params[1]
+    probs = torch.softmax(row / p.temperature, dim=-1)
+    ordered, order = probs.sort(descending=True)
+    keep = order[ordered.cumsum(0) - ordered <= p.top_p]
+    want = probs[keep] / probs[keep].sum()
+    seq = _seq(p, [1, 2])
+    n = 4000
+    counts = Counter(sample(row[None].clone(), [seq])[0].token_id for _ in range(n))
+    assert set(counts) <= set(keep.tolist())
+    for token, share in zip(keep.tolist(), want.tolist()):
+        assert abs(counts[token] - n * share) <= 5 * (n * share * (1 - share)) ** 0.5 + 1, (token, counts[token])
+
+
 def test_a_greedy_row_takes_the_first_of_tied_largest_as_argmax_does():
     """Greedy rows take max's indices (faster than argmax on the CPU): the first of tied largest logits, and a
     NaN's index where a row has one, as argmax gives, in float32 and in the half types a GPU hands over."""
