@@ -1,12 +1,13 @@
 /* The small per-layer steps' scaffolding every path shares: the argument checks and the row loop, rows going to
  * OpenMP threads only when there are many (a parallel region costs more than a short row). Included by each path's
- * source after its add_rms_norm_row and silu_mul_row; lp_argmax_rows and lp_race_rows, plain C that each path's flags
- * vectorise. */
+ * source after its add_rms_norm_row and silu_mul_row; lp_argmax_rows, lp_race_rows and lp_nucleus_rows, plain C that
+ * each path's flags vectorise. */
 
 #ifndef LP_CPU_ROWS_H
 #define LP_CPU_ROWS_H
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 int lp_add_rms_norm(const float *x, const float *residual, const float *weight, int64_t M, int64_t D, float eps,
@@ -162,13 +163,8 @@ static inline __attribute__((always_inline)) void race_block(const float *x, lon
     s->at = (greater & (int32_t)i) | (~greater & s->at);
 }
 
-/* A row's winner in two passes. The first finds its largest value m: the winner's score is at least m scale -
- * RACE_LEAST, which no value below m scale - RACE_LEAST - RACE_MOST can reach, so the second scores only the groups
- * of blocks that hold a value above that (of a peaked row, few); a value's uniform comes from its index alone, so
- * skipping a block changes no other's, and the winner is the one scoring every value finds. -1 for a NaN, a +inf
- * after scaling, no value above -inf, or a scale not positive and finite. */
-static int64_t race_row(const float *x, long n, float scale, uint64_t key) {
-    if (!(scale > 0.0f && scale < INFINITY)) return -1; /* a temperature of 0, NaN or inf: no distribution */
+/* The largest of a row's values, or NAN where it has a NaN. */
+static float race_largest(const float *x, long n) {
     race_floats top = (race_floats){0} - INFINITY;
     race_ints nan = (race_ints){0};
     for (long i = 0; i < n; i += RACE_LANES) {
@@ -178,10 +174,22 @@ static int64_t race_row(const float *x, long n, float scale, uint64_t key) {
     }
     float largest = -INFINITY;
     for (int k = 0; k < RACE_LANES; k++) {
-        if (nan[k]) return -1;
+        if (nan[k]) return NAN;
         largest = top[k] > largest ? top[k] : largest;
     }
-    if (largest == -INFINITY || !(largest * scale < INFINITY)) return -1;
+    return largest;
+}
+
+
+/* A row's winner in two passes. The first finds its largest value m: the winner's score is at least m scale -
+ * RACE_LEAST, which no value below m scale - RACE_LEAST - RACE_MOST can reach, so the second scores only the groups
+ * of blocks that hold a value above that (of a peaked row, few); a value's uniform comes from its index alone, so
+ * skipping a block changes no other's, and the winner is the one scoring every value finds. -1 for a NaN, a +inf
+ * after scaling, no value above -inf, or a scale not positive and finite. */
+static int64_t race_row(const float *x, long n, float scale, uint64_t key) {
+    if (!(scale > 0.0f && scale < INFINITY)) return -1; /* a temperature of 0, NaN or inf: no distribution */
+    const float largest = race_largest(x, n);
+    if (largest != largest || largest == -INFINITY || !(largest * scale < INFINITY)) return -1;
     const float floor = largest * scale - RACE_LEAST - RACE_MOST;
     RaceLanes s = {(race_floats){0} - INFINITY, (race_ints){0} - 1};
     for (long i = 0; i < n; i += RACE_GROUP * RACE_LANES) {
@@ -210,6 +218,138 @@ int lp_race_rows(const float *x, int64_t M, int64_t N, const float *scale, const
 #pragma omp parallel for if (M > 1)
     for (long r = 0; r < M; r++) out[r] = race_row(x + r * N, N, scale[r], (uint64_t)keys[r]);
     return LP_OK;
+}
+
+/* exp(x) of each lane, x <= 0: 2^(x log2 e) as exp2's polynomial (Cephes' exp2f) on the exponent less its nearest
+ * integer, times 2^n through the exponent bits; x is clamped at -87 (e^-87 ~ 1.6e-38 stands for 0). */
+static inline __attribute__((always_inline)) race_floats race_exp(race_floats x) {
+    x = x * 1.44269504088896341f;
+    x = race_select(x < -126.0f, (race_floats){0} - 126.0f, x);
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding and taking it off rounds to the nearest integer */
+    const race_floats n = (x + shifter) - shifter, f = x - n;
+    race_floats y = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
+    y = y * f + 9.618437357674640e-3f;
+    y = y * f + 5.550332471162809e-2f;
+    y = y * f + 2.402264791363012e-1f;
+    y = y * f + 6.931472028550421e-1f;
+    y = y * f + 1.0f;
+    return y * (race_floats)((__builtin_convertvector(n, race_ints) + 127) << 23);
+}
+
+
+/* The sampler's top-p draw (sampler.nucleus): of row r's values x scale[r], the likeliest that top_p keeps (in
+ * descending order, while the weight before a value is at most top_p of the row's: the smallest set reaching it),
+ * and among them the race's winner (the largest x scale - ln(E), the uniforms from keys[r] and the token's index as
+ * lp_race_rows makes them, one value at a time). The weights, exp(x scale less the largest's), sum over the whole
+ * row; the order is taken among candidates near the largest (nucleus_row), at most NUCLEUS_MOST of them. */
+#define NUCLEUS_RANGE 24.0f
+#define NUCLEUS_MOST 2048
+
+typedef struct {
+    float value, weight; /* x scale less the largest's, and its exp */
+    int32_t at;
+} NucleusCandidate;
+
+static int nucleus_order(const void *a, const void *b) { /* descending value, then ascending index */
+    const NucleusCandidate *p = a, *q = b;
+    return p->value > q->value ? -1 : p->value < q->value ? 1 : (p->at > q->at) - (p->at < q->at);
+}
+
+/* -ln(E) of value `at`'s uniform in key's stream: race_gumbel's, one value (scalar, libm's logs). */
+static float nucleus_gumbel(uint64_t key, int32_t at) {
+    uint64_t z = key + ((uint64_t)at / 2 + 1) * RACE_GAMMA;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const uint32_t bits = at % 2 ? (uint32_t)(z >> 32) : (uint32_t)z;
+    if (bits >> 24 == 0) {
+        const float w = (float)(bits & 0xFFFFFF) * 0x1p-32f + 0x1p-33f;
+        return -logf(w + w * w * (0.5f + w * (1.0f / 3.0f + w * 0.25f)));
+    }
+    uint32_t top = (bits >> 8) + 1;
+    top -= top >> 24;
+    return -logf(-logf(1.0f - (float)top * 0x1p-24f));
+}
+
+/* The sum of a row's weights, exp(x scale - shift). */
+static float nucleus_total(const float *x, long n, float scale, float shift) {
+    race_floats total = (race_floats){0};
+    for (long i = 0; i < n; i += RACE_LANES) total += race_exp(race_values(x, i, n) * scale - shift);
+    float sum = 0.0f;
+    for (int k = 0; k < RACE_LANES; k++) sum += total[k];
+    return sum;
+}
+
+/* The values of x scale - shift at least -range into c, with their weights; -1 past NUCLEUS_MOST. */
+static long nucleus_collect(const float *x, long n, float scale, float shift, float range, NucleusCandidate *c) {
+    long count = 0;
+    for (long i = 0; i < n; i += RACE_GROUP * RACE_LANES) { /* a group's values tested at once, as race_row's */
+        race_floats value[RACE_GROUP], most = (race_floats){0} - INFINITY;
+        for (int b = 0; b < RACE_GROUP; b++) {
+            value[b] = race_values(x, i + b * RACE_LANES, n) * scale - shift;
+            most = race_select(value[b] > most, value[b], most);
+        }
+        const race_ints near = most >= -range;
+        int32_t any = 0;
+        for (int k = 0; k < RACE_LANES; k++) any |= near[k];
+        for (int b = 0; any && b < RACE_GROUP; b++) {
+            const race_floats weight = race_exp(value[b]);
+            for (int k = 0; k < RACE_LANES; k++)
+                if (value[b][k] >= -range) {
+                    if (count == NUCLEUS_MOST) return -1;
+                    c[count++] = (NucleusCandidate){value[b][k], weight[k], (int32_t)(i + b * RACE_LANES + k)};
+                }
+        }
+    }
+    return count;
+}
+
+/* Row r's token: -1 where it has no distribution (as lp_race_rows), -2 where its nucleus reaches past the
+ * candidates (the caller then looks further). The candidates: the values within NUCLEUS_RANGE of the largest, or
+ * within half that, a quarter, ... where more than NUCLEUS_MOST are; a nucleus that the fewer reach is decided. c
+ * holds NUCLEUS_MOST candidates. */
+static int64_t nucleus_row(const float *x, long n, float scale, float top_p, uint64_t key, NucleusCandidate *c) {
+    if (!(top_p > 0.0f && top_p <= 1.0f)) return -1;
+    if (top_p == 1.0f) return race_row(x, n, scale, key); /* every value kept */
+    if (!(scale > 0.0f && scale < INFINITY)) return -1;
+    const float largest = race_largest(x, n);
+    if (largest != largest || largest == -INFINITY || !(largest * scale < INFINITY)) return -1;
+    const float shift = largest * scale, reach = top_p * nucleus_total(x, n, scale, shift);
+    long count = -1;
+    for (float range = NUCLEUS_RANGE; count < 0 && range >= 1.0f; range /= 2)
+        count = nucleus_collect(x, n, scale, shift, range, c);
+    if (count < 0) return -2;
+    qsort(c, count, sizeof *c, nucleus_order);
+    float before = 0.0f;
+    long kept = 0;
+    while (kept < count && before <= reach) before += c[kept++].weight;
+    if (before <= reach && count < n) return -2; /* every candidate kept, still short of top_p, and others left */
+    long best = 0;
+    float best_score = -INFINITY;
+    for (long j = 0; j < kept; j++) {
+        const float score = c[j].value + nucleus_gumbel(key, c[j].at);
+        if (score > best_score || (score == best_score && c[j].at < c[best].at)) best_score = score, best = j;
+    }
+    return c[best].at;
+}
+
+int lp_nucleus_rows(const float *x, int64_t M, int64_t N, const float *scale, const float *top_p, const int64_t *keys,
+                    int64_t *out) {
+    if (M < 0 || N <= 0 || N > INT32_MAX) return LP_BAD_ARGUMENT;
+    int status = LP_OK;
+#pragma omp parallel if (M > 1)
+    {
+        NucleusCandidate *c = malloc(NUCLEUS_MOST * sizeof *c);
+        if (!c) {
+#pragma omp atomic write
+            status = LP_OUT_OF_MEMORY;
+        }
+#pragma omp for
+        for (long r = 0; r < M; r++)
+            if (c) out[r] = nucleus_row(x + r * N, N, scale[r], top_p[r], (uint64_t)keys[r], c);
+        free(c);
+    }
+    return status;
 }
 
 #endif

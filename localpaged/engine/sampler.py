@@ -229,16 +229,13 @@ def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     logits[rows] = sub.masked_fill(drop, float("-inf")).to(logits.dtype)
 
 
-NUCLEUS_FIRST = 64  # the likeliest tokens a batched top-p looks at: where they reach top_p, the row needs no more
-
-
 def draw_rows(
     logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int | Exception | None]:
     """Sampled rows ``rows`` of ``logits`` [S, vocab], at ``params[j]`` from ``generators[j]``, drawn together
     where they can be, on the CPU kernels: those without top-k or top-p in one native race over the whole vocabulary
-    (``race``), those with top-p alone in one batched nucleus (``nucleus``). None for a row neither takes (top-k,
-    another device, or a nucleus wider than its likeliest NUCLEUS_FIRST): it goes row by row (``_cut_row``). Each row
+    (``race``), those with top-p alone in one native nucleus (``nucleus``). None for a row neither takes (top-k,
+    another device, or a nucleus wider than the kernel looks): it goes row by row (``_cut_row``). Each row
     depends on its own logits and generator alone, so a request draws the same alone or batched; one row alone
     (``_sample_row``) runs this same code."""
     out: list[int | Exception | None] = [None] * len(rows)
@@ -257,13 +254,10 @@ def draw_rows(
 
 def _batch(p: SamplingParams, vocab: int) -> Callable[..., list[int | Exception | None]] | None:
     """The batch a sampled row is drawn in on the CPU kernels: ``race`` over the whole vocabulary, ``nucleus`` for
-    top-p alone (a vocabulary wide enough for likeliest's first top-k), or None (row by row)."""
-    top_k = bool(p.top_k and p.top_k < vocab)
-    if not top_k and p.top_p == 1:
-        return race
-    if not top_k and NUCLEUS_FIRST < vocab // 4:
-        return nucleus
-    return None
+    top-p alone, or None (top-k: row by row)."""
+    if p.top_k and p.top_k < vocab:
+        return None
+    return race if p.top_p == 1 else nucleus
 
 
 def not_finite(temperature: float) -> ValueError:
@@ -291,27 +285,16 @@ def race(
 def nucleus(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int | Exception | None]:
-    """Rows of float32 CPU ``logits`` [R, vocab] with top-p alone, batched: what ``_cut_row`` computes for each (the
-    softmax at its temperature, likeliest's first top-k, the tokens top-p keeps, the race among them), each step one
-    call over all the rows. None for a row whose NUCLEUS_FIRST likeliest do not pass its top_p (likeliest then looks
-    further, row by row); its generator is left as it was."""
-    temperature = torch.tensor([[p.temperature] for p in params], dtype=logits.dtype)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    finite = torch.isfinite(probs.sum(dim=-1)).tolist()
-    top, ids = torch.topk(probs, NUCLEUS_FIRST, dim=-1)
-    sums = top.cumsum(dim=-1)
-    reach = [float(total) > p.top_p for total, p in zip(sums[:, -1].tolist(), params)]
-    out: list[int | Exception | None] = [not_finite(p.temperature) if not ok else None for ok, p in zip(finite, params)]
-    kept = [j for j in range(len(params)) if finite[j] and reach[j]]
-    if kept:
-        top_p = torch.tensor([[params[j].top_p] for j in kept], dtype=top.dtype)
-        probs = top[kept].masked_fill(sums[kept] - top[kept] > top_p, 0.0)  # keep the smallest set reaching top_p
-        keys = torch.cat([_key(generators[j]) for j in kept])
-        winners = cpu.race_rows(torch.log(probs), torch.ones(len(kept)), keys).tolist()
-        for row, (j, w) in enumerate(zip(kept, winners)):
-            w = w if w >= 0 and probs[row, w] > 0 else int(probs[row].argmax())  # every token drew an infinite E
-            out[j] = int(ids[j, w])
-    return out
+    """Rows of float32 CPU ``logits`` [R, vocab] with top-p alone, in one native call (``cpu.nucleus_rows``): of
+    each row's ``logits / temperature``, the likeliest that its top_p keeps (the smallest set, in descending order,
+    whose probability reaches it), then the race among them with a key from its generator, as ``race`` draws. None
+    for a row whose nucleus reaches past the values the kernel looks at (a flat row, at a high top_p): it goes row by
+    row (``_cut_row``), its generator one key on."""
+    scale = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    keys = torch.cat([_key(g) for g in generators])
+    tokens = cpu.nucleus_rows(logits, scale, top_p, keys).tolist()
+    return [None if t == cpu.UNDECIDED else t if t >= 0 else not_finite(p.temperature) for t, p in zip(tokens, params)]
 
 
 def _key(generator: torch.Generator | None) -> torch.Tensor:

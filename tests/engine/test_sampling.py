@@ -20,6 +20,7 @@ from localpaged.engine.sampler import (
     draw,
     likeliest,
     make_generator,
+    nucleus,
     sample,
 )
 from localpaged.engine.sequence import Sequence
@@ -222,12 +223,12 @@ def test_top_p_keeps_the_tokens_a_full_sort_keeps(spread, top_p):
 
 
 def test_top_p_rows_draw_in_one_batch_what_they_draw_alone_and_only_from_the_nucleus():
-    """Top-p rows are drawn together (their nucleus among the 64 likeliest) or, where it is wider, row by row; either
-    way each row's token is the one it draws alone, and over many steps a peaked row's tokens come from its nucleus
+    """Top-p rows are drawn together natively or, where their nucleus is wider than the kernel looks, row by row;
+    either way each row's token is the one it draws alone, and over many steps a peaked row's tokens come from its nucleus
     alone, each as often as its renormalised probability says (within 5 standard deviations)."""
     g = torch.Generator().manual_seed(11)
-    logits = torch.randn(6, 2000, generator=g)
-    logits[:3] *= 8  # peaked: a nucleus of a few tokens; the flat rows' reaches past the first 64
+    logits = torch.randn(6, 3000, generator=g)
+    logits[:3] *= 8  # peaked: a nucleus of a few tokens; the flat rows' reaches past what the kernel looks at
     params = [
         SamplingParams(temperature=t, top_p=q, seed=s)
         for t, q, s in [(0.7, 0.9, 1), (1.0, 0.5, 2), (1.3, 0.95, 3), (0.8, 0.9, 4), (1.0, 0.99, 5), (0.7, 0.3, 6)]
@@ -236,6 +237,8 @@ def test_top_p_rows_draw_in_one_batch_what_they_draw_alone_and_only_from_the_nuc
     got = sample(logits.clone(), seqs)
     for i, p in enumerate(params):
         assert got[i] == SampledToken(_sample_row(logits[i], p, make_generator(p, CPU))), i
+    undecided = [t is None for t in nucleus(logits, params, [make_generator(p, CPU) for p in params])]
+    assert undecided == [False, False, False, True, True, False]  # each way taken
     row, p = logits[1], params[1]
     probs = torch.softmax(row / p.temperature, dim=-1)
     ordered, order = probs.sort(descending=True)

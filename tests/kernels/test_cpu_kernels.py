@@ -214,6 +214,56 @@ def test_race_rows_draws_each_index_as_often_as_its_probability():
         assert int(counts[want == 0].sum()) == 0
 
 
+@pytest.mark.parametrize("n", [1, 17, 300, 49152])
+def test_nucleus_rows_races_among_what_top_p_keeps_of_a_float64_sort(n):
+    """Top-p's draw: the tokens a float64 sort keeps (descending, while the probability before one is at most top_p;
+    where a kept sum lies within float32's rounding of top_p, either way), the winner among them by race_reference's
+    scores; UNDECIDED only where the nucleus reaches past the 2,048 values nearest the largest."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(16, n, generator=gen) * torch.tensor([[12.0]] * 8 + [[2.0]] * 8)
+    scale = torch.rand(16, generator=gen) + 0.5
+    top_p = torch.tensor([0.5, 0.9, 0.95, 0.3, 1.0, 0.999, 0.8, 0.6] * 2)
+    keys = torch.randint(-(2**63), 2**63 - 1, (16,), generator=gen)
+    got = cpu.nucleus_rows(x, scale, top_p, keys)
+    for r in range(16):
+        values = x[r].double() * float(scale[r])
+        probs = torch.softmax(values, dim=0)
+        ordered, order = probs.sort(descending=True)
+        before = ordered.cumsum(0) - ordered
+        keep = order[before <= float(top_p[r])]
+        if int(got[r]) == cpu.UNDECIDED:  # more than the 2,048 nearest the largest are kept
+            assert len(keep) > 2048 or (values[keep] < values.max() - 1).any(), r
+            continue
+        if ((before - float(top_p[r])).abs() < 1e-5).any():
+            continue  # the cut within float32's rounding of top_p: either side is right
+        scores = race_reference(x[r], float(scale[r]), int(keys[r]))[keep.numpy()]
+        best = np.sort(scores)[-2:]
+        if len(best) == 1 or best[1] - best[0] > 1e-4 * max(1.0, abs(best[1])):
+            assert int(got[r]) == int(keep[scores.argmax()]), r
+        else:
+            assert int(got[r]) in keep.tolist(), r
+    assert (got[:8] >= 0).all()  # peaked rows are decided
+    alone = [
+        int(cpu.nucleus_rows(x[r : r + 1], scale[r : r + 1], top_p[r : r + 1], keys[r : r + 1])[0]) for r in range(16)
+    ]
+    assert alone == got.tolist()
+
+
+def test_nucleus_rows_refuses_a_row_it_cannot_draw_from():
+    """-1 for a NaN, a +inf, nothing above -inf, a scale or a top_p it cannot take; one finite value among -inf
+    is drawn whatever top_p."""
+    x = torch.randn(7, 40)
+    x[0, 3] = float("nan")
+    x[1, 5] = float("inf")
+    x[2] = float("-inf")
+    x[6] = float("-inf")
+    x[6, 39] = 1.0
+    scale = torch.tensor([1.0, 1.0, 1.0, float("nan"), 1.0, 1.0, 1.0])
+    top_p = torch.tensor([0.9, 0.9, 0.9, 0.9, 0.0, 1.5, 0.1])
+    got = cpu.nucleus_rows(x, scale, top_p, torch.arange(7))
+    assert got.tolist() == [-1, -1, -1, -1, -1, -1, 39]
+
+
 def test_race_rows_refuses_a_row_it_cannot_draw_from_and_leaves_the_others():
     """-1 for a row with a NaN, a +inf, a value that overflows at its scale, nothing above -inf, or a scale of NaN, 0
     or inf; a row with one finite value among -inf takes it, wherever it lies; the other rows of the call draw as
