@@ -48,7 +48,7 @@ from localpaged.kernels.cpu_isa import KernelPath, choose_path
 from localpaged.locations import kernels_cache_dir
 
 LIBRARY, HASH = "cpu_kernels.so", "cpu_kernels.so.sha256"  # in a folder named after the sources and flags
-ABI_VERSION = 16  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
+ABI_VERSION = 17  # what lp_abi_version() must report: cpu_kernels.h's LP_ABI_VERSION, bumped with it
 TILE = 16  # weight rows per packed tile
 PAGE = 16  # tokens per KV cache block, as the kernels index it
 GROUPS = (32, 16)  # weights per scale/min run along a row: 32 for most GGUF types, 16 for Q6_K
@@ -855,30 +855,36 @@ def race_rows(x: torch.Tensor, scale: torch.Tensor, keys: torch.Tensor) -> torch
     return out
 
 
-_lp_nucleus_rows = Kernel("lp_nucleus_rows", [POINTER, SIZE, SIZE, POINTER, POINTER, POINTER, POINTER])
+_lp_nucleus_rows = Kernel("lp_nucleus_rows", [POINTER, SIZE, SIZE, POINTER, POINTER, POINTER, POINTER, POINTER])
 UNDECIDED = -2  # nucleus_rows: the row's nucleus reaches past the values it looked at
 
 
-def nucleus_rows(x: torch.Tensor, scale: torch.Tensor, top_p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Each row's draw under top-p (``sampler.nucleus``) over float32 ``x`` [M, N], N > 0: of its values
-    ``x * scale[row]``, the likeliest that ``top_p[row]`` keeps (the smallest set, in descending order, whose weight
-    reaches it), and among them the winner of ``race_rows``' race with ``keys[row]``. -1 as ``race_rows`` (or a
-    top_p outside (0, 1]); UNDECIDED where the nucleus reaches past the 2,048 values nearest the row's largest (within
-    24 of it, or 12, 6, ... where more are). int64 [M]."""
+def nucleus_rows(
+    x: torch.Tensor, scale: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
+    """Each row's draw under top-k and top-p (``sampler.nucleus``) over float32 ``x`` [M, N], N > 0: of its values
+    ``x * scale[row]``, the ``top_k[row]`` largest (0: all), of those the likeliest that ``top_p[row]`` keeps (the
+    smallest set, in descending order, whose share of their weight reaches it), and among them the winner of
+    ``race_rows``' race with ``keys[row]``. -1 as ``race_rows`` (or a top_p outside (0, 1], a negative top_k);
+    UNDECIDED where those reach past the 2,048 values nearest the row's largest. int64 [M]."""
     expect("x", x, torch.float32, 2)
     expect("scale", scale, torch.float32, 1)
     expect("top_p", top_p, torch.float32, 1)
+    expect("top_k", top_k, torch.int64, 1)
     expect("keys", keys, torch.int64, 1)
-    x, scale, top_p, keys = x.contiguous(), scale.contiguous(), top_p.contiguous(), keys.contiguous()
+    x, scale, top_p, top_k, keys = (t.contiguous() for t in (x, scale, top_p, top_k, keys))
     m, n = x.shape
     if n == 0:
         raise KernelArgumentError("x has rows of 0 values: a draw needs at least one")
-    if not len(scale) == len(top_p) == len(keys) == m:
+    if not len(scale) == len(top_p) == len(top_k) == len(keys) == m:
         raise KernelArgumentError(
-            f"scale has {len(scale)}, top_p {len(top_p)} and keys {len(keys)} values for {m} rows of x: one each"
+            f"scale has {len(scale)}, top_p {len(top_p)}, top_k {len(top_k)} and keys {len(keys)} values for {m} "
+            "rows of x: one each"
         )
     out = torch.empty(m, dtype=torch.int64)
-    _lp_nucleus_rows(x.data_ptr(), m, n, scale.data_ptr(), top_p.data_ptr(), keys.data_ptr(), out.data_ptr())
+    _lp_nucleus_rows(
+        x.data_ptr(), m, n, scale.data_ptr(), top_p.data_ptr(), top_k.data_ptr(), keys.data_ptr(), out.data_ptr()
+    )
     return out
 
 

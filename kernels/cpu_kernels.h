@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define TILE 16 /* weight rows per packed tile */
-#define LP_ABI_VERSION 16
+#define LP_ABI_VERSION 17
 
 /* A decode step reads every weight once, from memory, a tile's bytes in order: a qgemm kernel asks for the bytes
  * `near` past the group of a tile it is about to read (the groups that follow, then the next tile's), since the
@@ -121,10 +121,10 @@ int lp_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out);
 /* out[r]: row r's winner of the sampler's exponential race over x [M, N] at scale[r], its uniforms from keys[r]; -1
  * for a row with a NaN or +inf (after scaling), nothing above -inf, or a scale not positive and finite. */
 int lp_race_rows(const float *x, int64_t M, int64_t N, const float *scale, const int64_t *keys, int64_t *out);
-/* out[r]: row r's winner of the race among the values top_p[r] keeps (sampler.nucleus); -1 as lp_race_rows, -2 where
- * its nucleus reaches past the 2,048 values nearest its largest x scale[r] (cpu_rows.h's nucleus_row says which). */
-int lp_nucleus_rows(const float *x, int64_t M, int64_t N, const float *scale, const float *top_p, const int64_t *keys,
-                    int64_t *out);
+/* out[r]: row r's winner of the race among the values top_k[r] (0: all) and then top_p[r] keep (sampler.nucleus);
+ * -1 as lp_race_rows, -2 where those reach past the values it looks at (cpu_rows.h's nucleus_row says which). */
+int lp_nucleus_rows(const float *x, int64_t M, int64_t N, const float *scale, const float *top_p,
+                    const int64_t *top_k, const int64_t *keys, int64_t *out);
 int lp_rope_write_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slots, int64_t N, int64_t H,
                      int64_t KVH, int64_t D, int64_t R, int64_t num_slots, void *k_cache, void *v_cache,
                      int kv_dtype, float *q_out);

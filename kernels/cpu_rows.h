@@ -237,13 +237,14 @@ static inline __attribute__((always_inline)) race_floats race_exp(race_floats x)
 }
 
 
-/* The sampler's top-p draw (sampler.nucleus): of row r's values x scale[r], the likeliest that top_p keeps (in
- * descending order, while the weight before a value is at most top_p of the row's: the smallest set reaching it),
- * and among them the race's winner (the largest x scale - ln(E), the uniforms from keys[r] and the token's index as
- * lp_race_rows makes them, one value at a time). The weights, exp(x scale less the largest's), sum over the whole
- * row; the order is taken among candidates near the largest (nucleus_row), at most NUCLEUS_MOST of them. */
+/* The sampler's top-k and top-p draw (sampler.nucleus): of row r's values x scale[r], the top_k[r] largest (0: all),
+ * of those the likeliest that top_p keeps (in descending order, while the weight before a value is at most top_p of
+ * theirs: the smallest set reaching it), and among them the race's winner (the largest x scale - ln(E), the uniforms
+ * from keys[r] and the token's index as lp_race_rows makes them, one value at a time). The weights are exp(x scale
+ * less the largest's); the order is taken among candidates near the largest (nucleus_row), at most NUCLEUS_MOST. */
 #define NUCLEUS_RANGE 24.0f
 #define NUCLEUS_MOST 2048
+#define NUCLEUS_ZERO 128.0f /* exp(-104) is 0 in float32 */
 
 typedef struct {
     float value, weight; /* x scale less the largest's, and its exp */
@@ -253,6 +254,26 @@ typedef struct {
 static int nucleus_order(const void *a, const void *b) { /* descending value, then ascending index */
     const NucleusCandidate *p = a, *q = b;
     return p->value > q->value ? -1 : p->value < q->value ? 1 : (p->at > q->at) - (p->at < q->at);
+}
+
+/* c's first k in nucleus_order moved to its front (in any order): Hoare's selection, the order being total. */
+static void nucleus_select(NucleusCandidate *c, long count, long k) {
+    long lo = 0, hi = count - 1;
+    while (lo < hi) {
+        const NucleusCandidate pivot = c[lo + (hi - lo) / 2];
+        long i = lo, j = hi;
+        while (i <= j) {
+            while (nucleus_order(&c[i], &pivot) < 0) i++;
+            while (nucleus_order(&c[j], &pivot) > 0) j--;
+            if (i <= j) {
+                const NucleusCandidate t = c[i];
+                c[i++] = c[j], c[j--] = t;
+            }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else break;
+    }
 }
 
 /* -ln(E) of value `at`'s uniform in key's stream: race_gumbel's, one value (scalar, libm's logs). */
@@ -304,26 +325,57 @@ static long nucleus_collect(const float *x, long n, float scale, float shift, fl
     return count;
 }
 
+/* Candidates for a row's k largest (k > 0): the values within some range of the largest, at least k of them and at
+ * most NUCLEUS_MOST, the range doubled from NUCLEUS_RANGE while too few and bisected where doubling overshoots; or
+ * fewer than k where the range reaches NUCLEUS_ZERO (the rest weigh 0, as in a float32 softmax: never drawn).
+ * Their number, or -1 where no range gives one in that window. */
+static long nucleus_top_k(const float *x, long n, float scale, float shift, long k, NucleusCandidate *c) {
+    float low = 0.0f, high = INFINITY, range = NUCLEUS_RANGE;
+    for (int tries = 0; tries < 40; tries++) {
+        const long count = nucleus_collect(x, n, scale, shift, range, c);
+        if (count >= k || count == n || (count >= 0 && range >= NUCLEUS_ZERO)) return count;
+        if (count >= 0) low = range; /* too few */
+        else high = range;           /* too many */
+        range = high == INFINITY ? 2 * range : (low + high) / 2;
+    }
+    return -1;
+}
+
 /* Row r's token: -1 where it has no distribution (as lp_race_rows), -2 where its nucleus reaches past the
- * candidates (the caller then looks further). The candidates: the values within NUCLEUS_RANGE of the largest, or
- * within half that, a quarter, ... where more than NUCLEUS_MOST are; a nucleus that the fewer reach is decided. c
- * holds NUCLEUS_MOST candidates. */
-static int64_t nucleus_row(const float *x, long n, float scale, float top_p, uint64_t key, NucleusCandidate *c) {
-    if (!(top_p > 0.0f && top_p <= 1.0f)) return -1;
-    if (top_p == 1.0f) return race_row(x, n, scale, key); /* every value kept */
+ * candidates (the caller then looks further). The candidates: with top-k, at least its k largest (nucleus_top_k);
+ * else the values within NUCLEUS_RANGE of the largest, or within half that, a quarter, ... where more than
+ * NUCLEUS_MOST are, and a nucleus that the fewer reach is decided. c holds NUCLEUS_MOST candidates. */
+static int64_t nucleus_row(const float *x, long n, float scale, float top_p, long top_k, uint64_t key,
+                           NucleusCandidate *c) {
+    if (!(top_p > 0.0f && top_p <= 1.0f) || top_k < 0) return -1;
+    if (top_k >= n) top_k = 0;
+    if (top_p == 1.0f && !top_k) return race_row(x, n, scale, key); /* every value kept */
     if (!(scale > 0.0f && scale < INFINITY)) return -1;
     const float largest = race_largest(x, n);
     if (largest != largest || largest == -INFINITY || !(largest * scale < INFINITY)) return -1;
-    const float shift = largest * scale, reach = top_p * nucleus_total(x, n, scale, shift);
+    const float shift = largest * scale;
     long count = -1;
-    for (float range = NUCLEUS_RANGE; count < 0 && range >= 1.0f; range /= 2)
-        count = nucleus_collect(x, n, scale, shift, range, c);
+    if (top_k) count = top_k <= NUCLEUS_MOST ? nucleus_top_k(x, n, scale, shift, top_k, c) : -1;
+    else
+        for (float range = NUCLEUS_RANGE; count < 0 && range >= 1.0f; range /= 2)
+            count = nucleus_collect(x, n, scale, shift, range, c);
     if (count < 0) return -2;
+    if (top_k && count > top_k) nucleus_select(c, count, top_k), count = top_k; /* only the k sorted */
     qsort(c, count, sizeof *c, nucleus_order);
-    float before = 0.0f;
-    long kept = 0;
-    while (kept < count && before <= reach) before += c[kept++].weight;
-    if (before <= reach && count < n) return -2; /* every candidate kept, still short of top_p, and others left */
+    long kept = count;
+    float total = 0.0f;
+    if (top_k)
+        for (long j = 0; j < kept; j++) total += c[j].weight; /* top-p's share is of the k's weight */
+    else
+        total = nucleus_total(x, n, scale, shift);
+    if (top_p < 1.0f) {
+        const float reach = top_p * total;
+        float before = 0.0f;
+        long j = 0;
+        while (j < kept && before <= reach) before += c[j++].weight;
+        if (before <= reach && !top_k && count < n) return -2; /* every candidate kept, short of top_p, others left */
+        kept = j;
+    }
     long best = 0;
     float best_score = -INFINITY;
     for (long j = 0; j < kept; j++) {
@@ -333,8 +385,8 @@ static int64_t nucleus_row(const float *x, long n, float scale, float top_p, uin
     return c[best].at;
 }
 
-int lp_nucleus_rows(const float *x, int64_t M, int64_t N, const float *scale, const float *top_p, const int64_t *keys,
-                    int64_t *out) {
+int lp_nucleus_rows(const float *x, int64_t M, int64_t N, const float *scale, const float *top_p,
+                    const int64_t *top_k, const int64_t *keys, int64_t *out) {
     if (M < 0 || N <= 0 || N > INT32_MAX) return LP_BAD_ARGUMENT;
     int status = LP_OK;
 #pragma omp parallel if (M > 1)
@@ -346,7 +398,7 @@ int lp_nucleus_rows(const float *x, int64_t M, int64_t N, const float *scale, co
         }
 #pragma omp for
         for (long r = 0; r < M; r++)
-            if (c) out[r] = nucleus_row(x + r * N, N, scale[r], top_p[r], (uint64_t)keys[r], c);
+            if (c) out[r] = nucleus_row(x + r * N, N, scale[r], top_p[r], top_k[r], (uint64_t)keys[r], c);
         free(c);
     }
     return status;

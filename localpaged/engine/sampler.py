@@ -60,8 +60,8 @@ def sample(
 ) -> list[SampledToken | Exception]:
     """One token per row of ``logits`` ``[S, vocab]``, row i for ``seqs[i]`` (its params, its generator in
     ``seq.extra``), with its logprobs where asked: logprobs, bias, penalties and min_p each in one batched
-    pass over the rows that ask, greedy rows in one argmax, others drawn from their own generators (on the CPU,
-    those without top-k in one batched call each: ``draw_rows``; the rest row by row).
+    pass over the rows that ask, greedy rows in one argmax, others drawn from their own generators (on the CPU in
+    native calls over all of them: ``draw_rows``; the rest row by row).
 
     ``mask`` (a grammar's bitmask) changes ``logits`` in place once the raw logprobs are taken, before
     anything else: logprobs are the model's own distribution, and a masked token stays out whatever its bias.
@@ -234,8 +234,8 @@ def draw_rows(
 ) -> list[int | Exception | None]:
     """Sampled rows ``rows`` of ``logits`` [S, vocab], at ``params[j]`` from ``generators[j]``, drawn together
     where they can be, on the CPU kernels: those without top-k or top-p in one native race over the whole vocabulary
-    (``race``), those with top-p alone in one native nucleus (``nucleus``). None for a row neither takes (top-k,
-    another device, or a nucleus wider than the kernel looks): it goes row by row (``_cut_row``). Each row
+    (``race``), those with top-k or top-p in one native nucleus (``nucleus``). None for a row neither takes (another
+    device, or a set wider than the kernel looks): it goes row by row (``_cut_row``). Each row
     depends on its own logits and generator alone, so a request draws the same alone or batched; one row alone
     (``_sample_row``) runs this same code."""
     out: list[int | Exception | None] = [None] * len(rows)
@@ -253,11 +253,9 @@ def draw_rows(
 
 
 def _batch(p: SamplingParams, vocab: int) -> Callable[..., list[int | Exception | None]] | None:
-    """The batch a sampled row is drawn in on the CPU kernels: ``race`` over the whole vocabulary, ``nucleus`` for
-    top-p alone, or None (top-k: row by row)."""
-    if p.top_k and p.top_k < vocab:
-        return None
-    return race if p.top_p == 1 else nucleus
+    """The batch a sampled row is drawn in on the CPU kernels: ``race`` over the whole vocabulary, else
+    ``nucleus`` (top-k, top-p or both)."""
+    return race if p.top_p == 1 and not (p.top_k and p.top_k < vocab) else nucleus
 
 
 def not_finite(temperature: float) -> ValueError:
@@ -285,15 +283,17 @@ def race(
 def nucleus(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int | Exception | None]:
-    """Rows of float32 CPU ``logits`` [R, vocab] with top-p alone, in one native call (``cpu.nucleus_rows``): of
-    each row's ``logits / temperature``, the likeliest that its top_p keeps (the smallest set, in descending order,
-    whose probability reaches it), then the race among them with a key from its generator, as ``race`` draws. None
-    for a row whose nucleus reaches past the values the kernel looks at (a flat row, at a high top_p): it goes row by
-    row (``_cut_row``), its generator one key on."""
+    """Rows of float32 CPU ``logits`` [R, vocab] with top-k, top-p or both, in one native call
+    (``cpu.nucleus_rows``): of each row's ``logits / temperature``, its top_k largest, of those the likeliest that
+    its top_p keeps (the smallest set, in descending order, whose share of their probability reaches it), then the
+    race among them with a key from its generator, as ``race`` draws. None for a row whose set reaches past the values
+    the kernel looks at (a flat row at a high top_p, a top_k over 2,048): it goes row by row (``_cut_row``), its
+    generator one key on."""
     scale = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
     keys = torch.cat([_key(g) for g in generators])
-    tokens = cpu.nucleus_rows(logits, scale, top_p, keys).tolist()
+    tokens = cpu.nucleus_rows(logits, scale, top_p, top_k, keys).tolist()
     return [None if t == cpu.UNDECIDED else t if t >= 0 else not_finite(p.temperature) for t, p in zip(tokens, params)]
 
 

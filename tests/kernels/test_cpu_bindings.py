@@ -96,9 +96,13 @@ def prefill_args(q_lens: list[int], context_lens: list[int]) -> dict:
         ),
         (
             lambda: cpu.nucleus_rows(
-                torch.zeros(2, 8), torch.ones(2), torch.ones(1), torch.zeros(2, dtype=torch.int64)
+                torch.zeros(2, 8),
+                torch.ones(2),
+                torch.ones(1),
+                torch.zeros(2, dtype=torch.int64),
+                torch.zeros(2, dtype=torch.int64),
             ),
-            "scale has 2, top_p 1 and keys 2 values for 2 rows of x: one each",
+            "scale has 2, top_p 1, top_k 2 and keys 2 values for 2 rows of x: one each",
         ),
         (lambda: cpu.silu_mul(torch.zeros(2, 32, dtype=torch.float64)), "gate_up is torch.float64, not torch.float32"),
         (lambda: cpu.silu_mul(torch.zeros(2, 24)), "gate_up has rows of 24"),

@@ -214,6 +214,16 @@ def test_race_rows_draws_each_index_as_often_as_its_probability():
         assert int(counts[want == 0].sum()) == 0
 
 
+def assert_race_among(got: int, keep: torch.Tensor, scores: np.ndarray) -> None:
+    """got is the reference race's winner among the indices keep (either of two within float32's rounding)."""
+    kept = scores[keep.numpy()]
+    best = np.sort(kept)[-2:]
+    if len(best) == 1 or best[1] - best[0] > 1e-4 * max(1.0, abs(best[1])):
+        assert got == int(keep[kept.argmax()])
+    else:
+        assert got in keep.tolist()
+
+
 @pytest.mark.parametrize("n", [1, 17, 300, 49152])
 def test_nucleus_rows_races_among_what_top_p_keeps_of_a_float64_sort(n):
     """Top-p's draw: the tokens a float64 sort keeps (descending, while the probability before one is at most top_p;
@@ -224,7 +234,8 @@ def test_nucleus_rows_races_among_what_top_p_keeps_of_a_float64_sort(n):
     scale = torch.rand(16, generator=gen) + 0.5
     top_p = torch.tensor([0.5, 0.9, 0.95, 0.3, 1.0, 0.999, 0.8, 0.6] * 2)
     keys = torch.randint(-(2**63), 2**63 - 1, (16,), generator=gen)
-    got = cpu.nucleus_rows(x, scale, top_p, keys)
+    no_k = torch.zeros(16, dtype=torch.int64)
+    got = cpu.nucleus_rows(x, scale, top_p, no_k, keys)
     for r in range(16):
         values = x[r].double() * float(scale[r])
         probs = torch.softmax(values, dim=0)
@@ -236,17 +247,40 @@ def test_nucleus_rows_races_among_what_top_p_keeps_of_a_float64_sort(n):
             continue
         if ((before - float(top_p[r])).abs() < 1e-5).any():
             continue  # the cut within float32's rounding of top_p: either side is right
-        scores = race_reference(x[r], float(scale[r]), int(keys[r]))[keep.numpy()]
-        best = np.sort(scores)[-2:]
-        if len(best) == 1 or best[1] - best[0] > 1e-4 * max(1.0, abs(best[1])):
-            assert int(got[r]) == int(keep[scores.argmax()]), r
-        else:
-            assert int(got[r]) in keep.tolist(), r
+        assert_race_among(int(got[r]), keep, race_reference(x[r], float(scale[r]), int(keys[r]))), r
     assert (got[:8] >= 0).all()  # peaked rows are decided
     alone = [
-        int(cpu.nucleus_rows(x[r : r + 1], scale[r : r + 1], top_p[r : r + 1], keys[r : r + 1])[0]) for r in range(16)
+        int(cpu.nucleus_rows(x[r : r + 1], scale[r : r + 1], top_p[r : r + 1], no_k[:1], keys[r : r + 1])[0])
+        for r in range(16)
     ]
     assert alone == got.tolist()
+
+
+@pytest.mark.parametrize("n", [5, 300, 49152])
+def test_nucleus_rows_takes_the_top_k_then_top_p_of_their_share(n):
+    """Top-k then top-p: the k largest (as a float64 sort orders them), of those the smallest set whose share of
+    their probability reaches top_p, the reference race's winner among them; every row decided (k <= 2,048), a k as
+    wide as the row no top-k."""
+    gen = torch.Generator().manual_seed(n + 1)
+    x = torch.randn(12, n, generator=gen) * torch.tensor([[10.0]] * 6 + [[1.5]] * 6)
+    scale = torch.full((12,), 1 / 0.8)
+    top_p = torch.tensor([1.0, 0.9, 0.5, 1.0, 0.95, 0.3] * 2)
+    top_k = torch.tensor([1, 3, 40, 200, 7, n] * 2)
+    keys = torch.randint(-(2**63), 2**63 - 1, (12,), generator=gen)
+    got = cpu.nucleus_rows(x, scale, top_p, top_k, keys)
+    assert (got >= 0).all()
+    for r in range(12):
+        k = min(int(top_k[r]), n)
+        values = x[r].double() * float(scale[r])
+        top, ids = values.sort(descending=True)
+        probs = torch.softmax(top[:k], dim=0)
+        before = probs.cumsum(0) - probs
+        if ((before - float(top_p[r])).abs() < 1e-5).any():
+            continue
+        keep = ids[:k][before <= float(top_p[r])]
+        assert_race_among(int(got[r]), keep, race_reference(x[r], float(scale[r]), int(keys[r]))), r
+    whole = torch.zeros(1, dtype=torch.int64)  # no top-k: a k as wide as the row is the same
+    assert int(got[5]) == int(cpu.nucleus_rows(x[5:6], scale[5:6], top_p[5:6], whole, keys[5:6])[0])
 
 
 def test_nucleus_rows_refuses_a_row_it_cannot_draw_from():
@@ -260,8 +294,10 @@ def test_nucleus_rows_refuses_a_row_it_cannot_draw_from():
     x[6, 39] = 1.0
     scale = torch.tensor([1.0, 1.0, 1.0, float("nan"), 1.0, 1.0, 1.0])
     top_p = torch.tensor([0.9, 0.9, 0.9, 0.9, 0.0, 1.5, 0.1])
-    got = cpu.nucleus_rows(x, scale, top_p, torch.arange(7))
+    top_k = torch.tensor([0, 0, 0, 0, 0, 0, 3])
+    got = cpu.nucleus_rows(x, scale, top_p, top_k, torch.arange(7))
     assert got.tolist() == [-1, -1, -1, -1, -1, -1, 39]
+    assert int(cpu.nucleus_rows(x[:1].nan_to_num(), scale[:1], top_p[:1], torch.tensor([-1]), torch.arange(1))[0]) == -1
 
 
 def test_race_rows_refuses_a_row_it_cannot_draw_from_and_leaves_the_others():
