@@ -837,7 +837,7 @@ _lp_race_rows = Kernel("lp_race_rows", [POINTER, SIZE, SIZE, POINTER, POINTER, P
 
 
 def race_rows(x: torch.Tensor, scale: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Each row's winner of the sampler's exponential race over float32 ``x`` [M, N], N > 0 (``sampler.race``): the
+    """Each row's winner of the sampler's exponential race over float32 ``x`` [M, N], N > 0 (``sampler.draw``): the
     index with the largest ``x * scale[row] - ln(E)``, E exponential draws made from ``keys[row]`` (int64) and the
     index; -1 for a row with a NaN or +inf after scaling, no value above -inf, or a scale not positive and finite.
     int64 [M]."""
@@ -862,7 +862,7 @@ UNDECIDED = -2  # nucleus_rows: the row's nucleus reaches past the values it loo
 def nucleus_rows(
     x: torch.Tensor, scale: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, keys: torch.Tensor
 ) -> torch.Tensor:
-    """Each row's draw under top-k and top-p (``sampler.nucleus``) over float32 ``x`` [M, N], N > 0: of its values
+    """Each row's draw under top-k and top-p (``sampler.draw_rows``) over float32 ``x`` [M, N], N > 0: of its values
     ``x * scale[row]``, the ``top_k[row]`` largest (0: all), of those the likeliest that ``top_p[row]`` keeps (the
     smallest set, in descending order, whose share of their weight reaches it), and among them the winner of
     ``race_rows``' race with ``keys[row]``. -1 as ``race_rows`` (or a top_p outside (0, 1], a negative top_k);

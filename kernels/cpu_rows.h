@@ -68,7 +68,7 @@ int lp_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
     return LP_OK;
 }
 
-/* The sampler's draw (sampler.race): row r's winner is the index i with the largest x[r][i] scale[r] - ln(E_i), E_i
+/* The sampler's draw (sampler.draw_rows, through lp_nucleus_rows): row r's winner is the index i with the largest x[r][i] scale[r] - ln(E_i), E_i
  * = -ln(U_i) exponential, the uniforms U_i made from keys[r] and i. That is torch.multinomial's race (the largest
  * p_i / E_i) in logs, the Gumbel-max form, so a row of logits needs no softmax first; a row's tokens depend on its
  * own key and values alone, whatever else is in the call. The uniforms: SplitMix64's output (Steele, Lea and Flood;
@@ -180,6 +180,13 @@ static float race_largest(const float *x, long n) {
     return largest;
 }
 
+/* A row's largest value times scale: NAN where the row has no distribution (a NaN, a +inf after scaling, no value
+ * above -inf, or a scale not positive and finite: a temperature of 0, NaN or inf). */
+static float race_top(const float *x, long n, float scale) {
+    if (!(scale > 0.0f && scale < INFINITY)) return NAN;
+    const float largest = race_largest(x, n);
+    return largest != largest || largest == -INFINITY || !(largest * scale < INFINITY) ? NAN : largest * scale;
+}
 
 /* A row's winner in two passes. The first finds its largest value m: the winner's score is at least m scale -
  * RACE_LEAST, which no value below m scale - RACE_LEAST - RACE_MOST can reach, so the second scores only the groups
@@ -187,10 +194,9 @@ static float race_largest(const float *x, long n) {
  * skipping a block changes no other's, and the winner is the one scoring every value finds. -1 for a NaN, a +inf
  * after scaling, no value above -inf, or a scale not positive and finite. */
 static int64_t race_row(const float *x, long n, float scale, uint64_t key) {
-    if (!(scale > 0.0f && scale < INFINITY)) return -1; /* a temperature of 0, NaN or inf: no distribution */
-    const float largest = race_largest(x, n);
-    if (largest != largest || largest == -INFINITY || !(largest * scale < INFINITY)) return -1;
-    const float floor = largest * scale - RACE_LEAST - RACE_MOST;
+    const float top = race_top(x, n, scale);
+    if (top != top) return -1;
+    const float floor = top - RACE_LEAST - RACE_MOST;
     RaceLanes s = {(race_floats){0} - INFINITY, (race_ints){0} - 1};
     for (long i = 0; i < n; i += RACE_GROUP * RACE_LANES) {
         race_floats most = race_values(x, i, n);
@@ -237,7 +243,7 @@ static inline __attribute__((always_inline)) race_floats race_exp(race_floats x)
 }
 
 
-/* The sampler's top-k and top-p draw (sampler.nucleus): of row r's values x scale[r], the top_k[r] largest (0: all),
+/* The sampler's top-k and top-p draw (sampler.draw_rows): of row r's values x scale[r], the top_k[r] largest (0: all),
  * of those the likeliest that top_p keeps (in descending order, while the weight before a value is at most top_p of
  * theirs: the smallest set reaching it), and among them the race's winner (the largest x scale - ln(E), the uniforms
  * from keys[r] and the token's index as lp_race_rows makes them, one value at a time). The weights are exp(x scale
@@ -350,10 +356,8 @@ static int64_t nucleus_row(const float *x, long n, float scale, float top_p, lon
     if (!(top_p > 0.0f && top_p <= 1.0f) || top_k < 0) return -1;
     if (top_k >= n) top_k = 0;
     if (top_p == 1.0f && !top_k) return race_row(x, n, scale, key); /* every value kept */
-    if (!(scale > 0.0f && scale < INFINITY)) return -1;
-    const float largest = race_largest(x, n);
-    if (largest != largest || largest == -INFINITY || !(largest * scale < INFINITY)) return -1;
-    const float shift = largest * scale;
+    const float shift = race_top(x, n, scale);
+    if (shift != shift) return -1;
     long count = -1;
     if (top_k) count = top_k <= NUCLEUS_MOST ? nucleus_top_k(x, n, scale, shift, top_k, c) : -1;
     else

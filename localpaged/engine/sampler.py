@@ -232,30 +232,23 @@ def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
 def draw_rows(
     logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int | Exception | None]:
-    """Sampled rows ``rows`` of ``logits`` [S, vocab], at ``params[j]`` from ``generators[j]``, drawn together
-    where they can be, on the CPU kernels: those without top-k or top-p in one native race over the whole vocabulary
-    (``race``), those with top-k or top-p in one native nucleus (``nucleus``). None for a row neither takes (another
-    device, or a set wider than the kernel looks): it goes row by row (``_cut_row``). Each row
-    depends on its own logits and generator alone, so a request draws the same alone or batched; one row alone
-    (``_sample_row``) runs this same code."""
-    out: list[int | Exception | None] = [None] * len(rows)
-    if not cpu.runs(logits.device, logits.dtype):
-        return out
-    vocab = logits.shape[-1]
-    for batch in (race, nucleus):
-        picked = [j for j, p in enumerate(params) if _batch(p, vocab) is batch]
-        if picked:
-            at = [rows[j] for j in picked]
-            sub = logits if at == list(range(len(logits))) else logits[at]
-            for j, token in zip(picked, batch(sub, [params[j] for j in picked], [generators[j] for j in picked])):
-                out[j] = token
-    return out
-
-
-def _batch(p: SamplingParams, vocab: int) -> Callable[..., list[int | Exception | None]] | None:
-    """The batch a sampled row is drawn in on the CPU kernels: ``race`` over the whole vocabulary, else
-    ``nucleus`` (top-k, top-p or both)."""
-    return race if p.top_p == 1 and not (p.top_k and p.top_k < vocab) else nucleus
+    """Sampled rows ``rows`` of float32 ``logits`` [S, vocab], at ``params[j]`` with a key from ``generators[j]``, all
+    in one native call on the CPU kernels (``cpu.nucleus_rows``): of each row's ``logits / temperature``, its top_k
+    largest, of those the likeliest that its top_p keeps (the smallest set, in descending order, whose share of their
+    probability reaches it), then the exponential race of ``draw`` among them, taken in logs (a row with neither is
+    the race over the whole vocabulary, with no softmax first). A row with a NaN or +inf gets its error; None for a
+    row the call leaves (another device, or a set wider than the kernel looks: a flat row at a high top_p, a top_k
+    over 2,048), which goes row by row (``_cut_row``), its generator one key on. A row depends on its own logits and
+    key alone, so a request draws the same alone or batched; one row alone (``_sample_row``) runs this same code."""
+    if not rows or not cpu.runs(logits.device, logits.dtype):
+        return [None] * len(rows)
+    sub = logits if rows == list(range(len(logits))) else logits[rows]
+    scale = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+    keys = torch.cat([_key(g) for g in generators])
+    tokens = cpu.nucleus_rows(sub, scale, top_p, top_k, keys).tolist()
+    return [None if t == cpu.UNDECIDED else t if t >= 0 else not_finite(p.temperature) for t, p in zip(tokens, params)]
 
 
 def not_finite(temperature: float) -> ValueError:
@@ -264,37 +257,6 @@ def not_finite(temperature: float) -> ValueError:
         f"the next-token probabilities are not finite (NaN or infinite logits at temperature={temperature}); "
         "greedy decoding (temperature=0) does not sample from them"
     )
-
-
-def race(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int | Exception]:
-    """Row i of float32 CPU ``logits`` [R, vocab] drawn at ``params[i]``'s temperature with a key from
-    ``generators[i]``, all in one native call (``cpu.race_rows``): the exponential race of ``draw`` taken on
-    ``logits / temperature`` in logs, so no softmax first. A row depends on its own logits and key alone, so a
-    request draws the same tokens alone or batched; a row with a NaN or +inf gets its error instead of a token."""
-    scale = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
-    keys = torch.cat([_key(g) for g in generators])
-    return [
-        t if t >= 0 else not_finite(p.temperature) for t, p in zip(cpu.race_rows(logits, scale, keys).tolist(), params)
-    ]
-
-
-def nucleus(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int | Exception | None]:
-    """Rows of float32 CPU ``logits`` [R, vocab] with top-k, top-p or both, in one native call
-    (``cpu.nucleus_rows``): of each row's ``logits / temperature``, its top_k largest, of those the likeliest that
-    its top_p keeps (the smallest set, in descending order, whose share of their probability reaches it), then the
-    race among them with a key from its generator, as ``race`` draws. None for a row whose set reaches past the values
-    the kernel looks at (a flat row at a high top_p, a top_k over 2,048): it goes row by row (``_cut_row``), its
-    generator one key on."""
-    scale = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
-    keys = torch.cat([_key(g) for g in generators])
-    tokens = cpu.nucleus_rows(logits, scale, top_p, top_k, keys).tolist()
-    return [None if t == cpu.UNDECIDED else t if t >= 0 else not_finite(p.temperature) for t, p in zip(tokens, params)]
 
 
 def _key(generator: torch.Generator | None) -> torch.Tensor:
@@ -349,7 +311,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One index of ``probs`` (1-D, non-negative, finite, not all 0) drawn with its probability: the exponential race
     torch.multinomial runs (the largest p / E over independent exponentials E), whose winner a rounding-size change
     in ``probs`` moves only where two ratios all but tie, so a request draws the same tokens alone or batched. On the
-    CPU kernels it is ``cpu.race_rows`` on ln(p), as ``race`` and ``nucleus`` draw; elsewhere E is -log of
+    CPU kernels it is ``cpu.race_rows`` on ln(p), as ``draw_rows`` draws; elsewhere E is -log of
     torch.rand's uniforms (multinomial's own exponentials took several times longer). A uniform of 0 makes E
     infinite and its token's ratio 0: it loses."""
     if cpu.runs(probs.device, torch.float32):

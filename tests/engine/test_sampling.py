@@ -18,9 +18,9 @@ from localpaged.engine.sampler import (
     apply_min_p,
     apply_penalties,
     draw,
+    draw_rows,
     likeliest,
     make_generator,
-    nucleus,
     sample,
 )
 from localpaged.engine.sequence import Sequence
@@ -237,7 +237,8 @@ def test_top_p_rows_draw_in_one_batch_what_they_draw_alone_and_only_from_the_nuc
     got = sample(logits.clone(), seqs)
     for i, p in enumerate(params):
         assert got[i] == SampledToken(_sample_row(logits[i], p, make_generator(p, CPU))), i
-    undecided = [t is None for t in nucleus(logits, params, [make_generator(p, CPU) for p in params])]
+    generators = [make_generator(p, CPU) for p in params]
+    undecided = [t is None for t in draw_rows(logits, list(range(6)), params, generators)]
     assert undecided == [False, False, False, True, True, False]  # each way taken
     row, p = logits[1], params[1]
     probs = torch.softmax(row / p.temperature, dim=-1)
